@@ -1,0 +1,96 @@
+"""A pool of buffers registered with Mooncake, so the hot path never registers per call.
+
+Transfers land in (or leave from) registered memory without an extra copy. Registering costs a
+round of pinning and bookkeeping, so buffers are registered once and leased out. A request larger
+than one slab gets a one-off buffer, registered for that lease alone and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from cachesvc.errors import CacheError
+from cachesvc.mooncake_store import MooncakeStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredBuffer:
+    """Registered memory viewed as a flat uint8 tensor."""
+
+    raw: torch.Tensor
+
+    @property
+    def ptr(self) -> int:
+        return int(self.raw.data_ptr())
+
+    @property
+    def capacity(self) -> int:
+        return int(self.raw.numel())
+
+    def memoryview(self, size: int | None = None) -> memoryview:
+        view = self.raw.numpy().data.cast("B")
+        return view if size is None else view[:size]
+
+
+class BufferPool:
+    """Up to ``max_slabs`` registered slabs of ``slab_bytes``, created on first use."""
+
+    def __init__(self, store: MooncakeStore, slab_bytes: int, max_slabs: int) -> None:
+        self._store = store
+        self.slab_bytes = slab_bytes
+        self._max_slabs = max_slabs
+        self._free: list[RegisteredBuffer] = []
+        self._all: list[RegisteredBuffer] = []
+        self._cond = threading.Condition()
+        self.oversize_leases = 0
+
+    def _register(self, size: int) -> RegisteredBuffer:
+        buf = RegisteredBuffer(torch.empty(size, dtype=torch.uint8))
+        self._store.register(buf.ptr, buf.capacity)
+        return buf
+
+    @contextmanager
+    def lease(self, size: int) -> Iterator[RegisteredBuffer]:
+        """A registered buffer of at least ``size`` bytes for the duration of the block."""
+        if size > self.slab_bytes:
+            with self._cond:
+                self.oversize_leases += 1
+            buf = self._register(size)
+            try:
+                yield buf
+            finally:
+                self._store.unregister(buf.ptr)
+            return
+        with self._cond:
+            while not self._free and len(self._all) >= self._max_slabs:
+                self._cond.wait()
+            if self._free:
+                buf = self._free.pop()
+            else:
+                buf = self._register(self.slab_bytes)
+                self._all.append(buf)
+        try:
+            yield buf
+        finally:
+            with self._cond:
+                self._free.append(buf)
+                self._cond.notify()
+
+    def close(self) -> None:
+        """Unregister every slab; a store that is already gone only gets a warning."""
+        with self._cond:
+            for buf in self._all:
+                try:
+                    self._store.unregister(buf.ptr)
+                except CacheError as exc:
+                    log.warning("could not unregister a buffer at close: %s", exc)
+            self._all.clear()
+            self._free.clear()

@@ -1,0 +1,114 @@
+"""Cache counters per kind and tenant, exported to Prometheus and to per-minute Redis buckets.
+
+Prometheus serves each process's scrape; the Redis buckets let one dashboard sum every process
+without scraping them all. Increments are aggregated in memory and flushed by a background
+thread, so the cache's hot path never waits on Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from enum import StrEnum
+
+import redis
+from prometheus_client import Counter
+
+from keys import KeyKind
+from keys.names import stats_bucket, tenants_registry
+
+log = logging.getLogger(__name__)
+
+BUCKET_RETENTION_S = 7 * 24 * 3600
+
+
+class Event(StrEnum):
+    LOOKUPS = "lookups"
+    HITS = "hits"
+    MISSES = "misses"
+    BYTES_READ = "bytes_read"
+    BYTES_WRITTEN = "bytes_written"
+    COMPUTE_SECONDS_SAVED = "compute_seconds_saved"
+    CORRUPT = "corrupt"
+    EXPIRED = "expired"
+    STORE_UNAVAILABLE = "store_unavailable"
+    SINGLE_FLIGHT_WAITS = "single_flight_waits"
+
+
+_PROM = {
+    event: Counter(f"diffcache_cache_{event.value}", f"Cache {event.value.replace('_', ' ')}",
+                   ["kind", "tenant"])
+    for event in Event
+}
+
+
+class CacheCounters:
+    """Thread-safe counters; ``flush`` moves pending increments into Redis."""
+
+    def __init__(self, redis_client: redis.Redis | None, flush_interval_s: float) -> None:
+        self._redis = redis_client
+        self._lock = threading.Lock()
+        # (tenant, minute) -> field -> amount, waiting for the next flush
+        self._pending: dict[tuple[str, int], dict[str, float]] = defaultdict(
+            lambda: defaultdict(float))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if redis_client is not None:
+            self._thread = threading.Thread(target=self._run, args=(flush_interval_s,),
+                                            name="cache-counters", daemon=True)
+            self._thread.start()
+
+    def add(self, tenant: str, kind: KeyKind, event: Event, amount: float = 1.0) -> None:
+        _PROM[event].labels(kind=kind.value, tenant=tenant).inc(amount)
+        minute = int(time.time() // 60)
+        with self._lock:
+            self._pending[(tenant, minute)][f"{kind.value}.{event.value}"] += amount
+
+    def flush(self) -> None:
+        """Write pending increments to Redis; on failure they stay pending for the next try."""
+        if self._redis is None:
+            return
+        with self._lock:
+            pending, self._pending = self._pending, defaultdict(lambda: defaultdict(float))
+        if not pending:
+            return
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for (tenant, minute), fields in pending.items():
+                bucket = stats_bucket(tenant, minute)
+                for field, amount in fields.items():
+                    pipe.hincrbyfloat(bucket, field, amount)
+                pipe.expire(bucket, BUCKET_RETENTION_S)
+                pipe.sadd(tenants_registry(), tenant)
+            pipe.execute()
+        except redis.RedisError:
+            log.warning("could not flush cache counters to Redis; keeping them for the next try",
+                        exc_info=True)
+            with self._lock:
+                for slot, fields in pending.items():
+                    for field, amount in fields.items():
+                        self._pending[slot][field] += amount
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.flush()
+
+
+def read_buckets(client: redis.Redis, tenant: str, minutes: range) -> dict[int, dict[str, float]]:
+    """Counters of ``tenant`` for each minute in ``minutes`` that has any."""
+    pipe = client.pipeline(transaction=False)
+    for minute in minutes:
+        pipe.hgetall(stats_bucket(tenant, minute))
+    out: dict[int, dict[str, float]] = {}
+    for minute, raw in zip(minutes, pipe.execute(), strict=True):
+        if raw:
+            out[minute] = {k.decode(): float(v) for k, v in raw.items()}
+    return out

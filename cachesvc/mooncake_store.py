@@ -1,0 +1,168 @@
+"""The thin, typed layer over Mooncake's Python client: connect, status codes, raw byte ops.
+
+Mooncake reports outcomes as integer codes. This module maps them once: ``OBJECT_NOT_FOUND`` is a
+miss, RPC failures raise ``StoreUnavailableError``, anything else raises ``StoreOperationError``.
+Every call here blocks; async callers go through ``cachesvc.async_cache``.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from cachesvc.errors import (
+    EntryTooLargeError,
+    StoreFullError,
+    StoreOperationError,
+    StoreUnavailableError,
+)
+from cachesvc.settings import StoreSettings
+
+OK = 0
+NO_AVAILABLE_HANDLE = -200  # no segment has room for the entry
+INVALID_PARAMS = -600  # among others: the buffer given to get_into is too small
+OBJECT_NOT_FOUND = -704
+OBJECT_HAS_LEASE = -706
+# Mooncake groups transport and RPC failures in the -900 range (RPC_FAIL is -900).
+_RPC_RANGE = range(-999, -899)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreEndpoints:
+    """Where the master and its HTTP metadata server listen."""
+
+    master_address: str
+    metadata_server: str
+
+
+def check_code(code: int, *, op: str, key: str | None = None) -> int:
+    """Return a non-negative ``code``; raise the typed error for a negative one."""
+    if code >= 0:
+        return code
+    if code in _RPC_RANGE:
+        raise StoreUnavailableError(f"store did not answer (code {code})", key=key, op=op)
+    if code == NO_AVAILABLE_HANDLE:
+        raise StoreFullError("no segment has room for the entry", key=key, op=op)
+    raise StoreOperationError("store refused the operation", code=code, key=key, op=op)
+
+
+def _reachable(address: str, timeout_s: float) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+class MooncakeStore:
+    """One process's connection to the store, as a client that contributes no memory."""
+
+    def __init__(self, client: Any, endpoints: StoreEndpoints) -> None:
+        self._client = client
+        self.endpoints = endpoints
+
+    @classmethod
+    def connect(cls, endpoints: StoreEndpoints, settings: StoreSettings) -> MooncakeStore:
+        """Connect with ``global_segment_size=0``: data lives on storage nodes and outlives us.
+
+        The master is probed first because Mooncake's own setup waits about 90 s on a dead one.
+        """
+        meta = urlsplit(endpoints.metadata_server)
+        for address in (endpoints.master_address, f"{meta.hostname}:{meta.port}"):
+            if not _reachable(address, settings.connect_timeout_s):
+                raise StoreUnavailableError(f"nothing answers at {address}", op="connect")
+        from mooncake.store import MooncakeDistributedStore
+
+        client = MooncakeDistributedStore()
+        code = client.setup(
+            settings.local_hostname,
+            endpoints.metadata_server,
+            0,  # global_segment_size: this process contributes no memory
+            0,  # local_buffer_size: every transfer uses registered buffers
+            settings.protocol,
+            settings.rdma_devices,
+            endpoints.master_address,
+        )
+        if code != OK:
+            raise StoreUnavailableError(f"setup against {endpoints.master_address} failed "
+                                        f"with code {code}", op="connect")
+        return cls(client, endpoints)
+
+    def close(self) -> None:
+        self._client.close()
+
+    # Registered memory ------------------------------------------------------------------------
+
+    def register(self, ptr: int, size: int) -> None:
+        check_code(self._client.register_buffer(ptr, size), op="register_buffer")
+
+    def unregister(self, ptr: int) -> None:
+        check_code(self._client.unregister_buffer(ptr), op="unregister_buffer")
+
+    # Single-key operations --------------------------------------------------------------------
+
+    def put_from(self, key: str, ptr: int, size: int, config: Any) -> None:
+        check_code(self._client.put_from(key, ptr, size, config), op="put", key=key)
+
+    def get_into(self, key: str, ptr: int, capacity: int) -> int | None:
+        """Bytes read into the buffer, or None on a miss."""
+        code = self._client.get_into(key, ptr, capacity)
+        if code == OBJECT_NOT_FOUND:
+            return None
+        if code == INVALID_PARAMS:
+            raise EntryTooLargeError(f"entry does not fit {capacity} bytes", key=key, op="get")
+        return check_code(code, op="get", key=key)
+
+    def size_of(self, key: str) -> int | None:
+        code = self._client.get_size(key)
+        if code == OBJECT_NOT_FOUND:
+            return None
+        return check_code(code, op="get_size", key=key)
+
+    def exists(self, key: str) -> bool:
+        return check_code(self._client.is_exist(key), op="exists", key=key) == 1
+
+    def remove(self, key: str) -> bool:
+        """Remove ``key`` even while a reader's lease is held; False if it was not there."""
+        code = self._client.remove(key, True)
+        if code == OBJECT_NOT_FOUND:
+            return False
+        check_code(code, op="remove", key=key)
+        return True
+
+    def remove_all(self) -> None:
+        """Remove every entry: for tests and for operators resetting a stack."""
+        check_code(self._client.remove_all(), op="remove_all")
+
+    # Batched operations -----------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str]) -> list[bool]:
+        codes = self._client.batch_is_exist(keys)
+        return [check_code(c, op="batch_exists", key=k) == 1 for k, c in zip(keys, codes,
+                                                                            strict=True)]
+
+    def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int],
+                       config: Any) -> None:
+        codes = self._client.batch_put_from(keys, ptrs, sizes, config)
+        for k, c in zip(keys, codes, strict=True):
+            check_code(c, op="batch_put", key=k)
+
+    def batch_get_into(self, keys: list[str], ptrs: list[int],
+                       capacities: list[int]) -> list[int | None]:
+        codes = self._client.batch_get_into(keys, ptrs, capacities)
+        return [None if c == OBJECT_NOT_FOUND else check_code(c, op="batch_get", key=k)
+                for k, c in zip(keys, codes, strict=True)]
+
+
+def replicate_config(*, soft_pin: bool) -> Any:
+    """Mooncake's per-put options: soft-pinned entries are evicted only after unpinned ones."""
+    from mooncake.store import ReplicateConfig, SoftPinAction
+
+    config = ReplicateConfig()
+    config.replica_num = 1
+    if soft_pin:
+        config.soft_pin_action = SoftPinAction.ENABLE
+    return config

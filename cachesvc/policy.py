@@ -1,0 +1,36 @@
+"""How long each kind of entry lives and how it competes for memory.
+
+Embeddings are soft-pinned: the hot ones (the negative prompt above all) survive eviction, and
+Mooncake's LRU evicts unpinned entries first. Checkpoints, CFG features and outputs expire after
+a TTL. Final latents have a single consumer and are deleted when it reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cachesvc.settings import CacheSettings
+from keys import KeyKind
+
+
+@dataclass(frozen=True, slots=True)
+class KindPolicy:
+    soft_pin: bool
+    ttl_s: float | None
+    delete_on_consume: bool
+
+
+def policies(settings: CacheSettings) -> Mapping[KeyKind, KindPolicy]:
+    return {
+        KeyKind.EMBEDDING: KindPolicy(soft_pin=True, ttl_s=None, delete_on_consume=False),
+        KeyKind.CFG: KindPolicy(soft_pin=False, ttl_s=settings.cfg_ttl_s,
+                                delete_on_consume=False),
+        KeyKind.CHECKPOINT: KindPolicy(soft_pin=False, ttl_s=settings.checkpoint_ttl_s,
+                                       delete_on_consume=False),
+        KeyKind.LATENTS: KindPolicy(soft_pin=False, ttl_s=settings.latents_ttl_s,
+                                    delete_on_consume=True),
+        KeyKind.OUTPUT: KindPolicy(soft_pin=False, ttl_s=settings.output_ttl_s,
+                                   delete_on_consume=False),
+        KeyKind.SCRATCH: KindPolicy(soft_pin=False, ttl_s=None, delete_on_consume=False),
+    }

@@ -1,0 +1,125 @@
+"""Child processes that die with their parent: start, health-wait and stop.
+
+Each child runs in its own session (so a terminal's Ctrl-C reaches only the supervisor, which
+stops children in order) and asks the kernel to SIGTERM it if the supervisor dies, so even a
+``kill -9`` of the supervisor leaves no orphan.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+class StartupError(RuntimeError):
+    """A component could not start; the message says what is wrong and what to do."""
+
+    def __init__(self, component: str, problem: str, remedy: str) -> None:
+        super().__init__(f"{component}: {problem}. {remedy}")
+        self.component = component
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def require_free(component: str, host: str, port: int, setting: str) -> int:
+    """``port`` if it can be bound (a fresh free one for 0), else a StartupError."""
+    if port == 0:
+        return free_port(host)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise StartupError(component, f"port {port} on {host} is in use",
+                               f"Stop what holds it, or set {setting}=0 to pick a free port"
+                               ) from None
+    return port
+
+
+def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+class ChildProcess:
+    """One supervised child whose output goes to ``log_path``."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self._env = dict(env) if env is not None else None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                # preexec_fn runs only a prctl between fork and exec, which takes no lock.
+                # PDEATHSIG follows the forking *thread*: children are started from the
+                # supervisor's main thread, which lives as long as the supervisor.
+                start_new_session=True, preexec_fn=_die_with_parent,  # noqa: PLW1509
+                env=self._env)
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, lines: int = 5) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except FileNotFoundError:
+            return ""
+        return " | ".join(text[-lines:])
+
+    def wait_healthy(self, check: Callable[[], bool], timeout_s: float,
+                     remedy: str) -> None:
+        """Poll ``check`` until it passes; StartupError if the child exits or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise StartupError(self.name, f"exited at start-up ({self.log_tail()})", remedy)
+            if check():
+                return
+            time.sleep(0.05)
+        raise StartupError(self.name, f"not healthy after {timeout_s:.0f} s "
+                           f"({self.log_tail()})", remedy)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()

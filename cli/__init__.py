@@ -1,0 +1,1 @@
+"""The ``diffcache`` command line: the composition root that starts and wires every role."""

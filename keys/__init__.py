@@ -1,0 +1,54 @@
+"""Canonical, versioned, tenant-namespaced keys for every store entry and Redis structure.
+
+This package imports nothing else of diffcache: every other package builds on it.
+"""
+
+from keys.builders import (
+    FIELD_POLICIES,
+    ChainLink,
+    FieldPolicy,
+    Fingerprint,
+    StepInputs,
+    cfg_key,
+    chain,
+    chain_next,
+    chain_root,
+    embedding_key,
+    file_digest,
+    latents_key,
+    model_fingerprint,
+    output_key,
+    tensor_digest,
+)
+from keys.canonical import canonical_bytes, digest
+from keys.names import KEY_VERSION, InvalidTenantError, KeyKind, StoreKey, check_tenant
+from keys.spec import GenerationSpec, OutputFormat, Priority, PromptSegment
+
+__all__ = [
+    "FIELD_POLICIES",
+    "KEY_VERSION",
+    "ChainLink",
+    "FieldPolicy",
+    "Fingerprint",
+    "GenerationSpec",
+    "InvalidTenantError",
+    "KeyKind",
+    "OutputFormat",
+    "Priority",
+    "PromptSegment",
+    "StepInputs",
+    "StoreKey",
+    "canonical_bytes",
+    "cfg_key",
+    "chain",
+    "chain_next",
+    "chain_root",
+    "check_tenant",
+    "digest",
+    "embedding_key",
+    "file_digest",
+    "latents_key",
+    "model_fingerprint",
+    "output_key",
+    "tensor_digest",
+]

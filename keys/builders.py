@@ -1,0 +1,241 @@
+"""Key builders, one per key kind, each stating which request fields it covers.
+
+A builder hashes exactly the inputs that determine the bytes of its entry, so two requests share
+an entry only when they must produce bit-identical tensors. ``FieldPolicy`` lists, per builder,
+the ``GenerationSpec`` fields it includes and those it deliberately ignores; a test keeps both
+lists complete as the spec grows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from keys.canonical import Canonical, digest
+from keys.names import KeyKind, StoreKey, check_tenant
+from keys.spec import SPEC_FIELDS, GenerationSpec
+
+
+@dataclass(frozen=True, slots=True)
+class FieldPolicy:
+    """The spec fields a key includes, and the ones it ignores on purpose (with the reason)."""
+
+    includes: frozenset[str]
+    ignores: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        overlap = self.includes & self.ignores.keys()
+        if overlap:
+            raise ValueError(f"fields both included and ignored: {sorted(overlap)}")
+
+    @property
+    def uncovered(self) -> frozenset[str]:
+        return SPEC_FIELDS - self.includes - self.ignores.keys()
+
+
+_ROUTING = {
+    "request_id": "names one request, not its content",
+    "priority": "changes when work runs, never its result",
+}
+
+EMBEDDING_FIELDS = FieldPolicy(
+    includes=frozenset({"tenant", "schedule"}),
+    ignores={
+        **_ROUTING,
+        "width": "the text encoder never sees the output size",
+        "height": "the text encoder never sees the output size",
+        "num_frames": "the text encoder never sees the output size",
+        "num_inference_steps": "the text encoder runs once per text",
+        "guidance_scale": "applied after the encoder",
+        "seed": "the text encoder is deterministic",
+        "output_format": "applied after decode",
+    },
+)
+CHAIN_FIELDS = FieldPolicy(
+    includes=frozenset(
+        {"tenant", "schedule", "width", "height", "num_frames", "num_inference_steps",
+         "guidance_scale", "seed"}
+    ),
+    ignores={**_ROUTING, "output_format": "applied after decode"},
+)
+# The latent digest in a CFG key carries the whole trajectory so far, hence the same fields.
+CFG_FIELDS = CHAIN_FIELDS
+LATENTS_FIELDS = FieldPolicy(
+    includes=frozenset({"tenant", "request_id"}),
+    ignores={f: "final latents are keyed by request, read once and deleted"
+             for f in SPEC_FIELDS - {"tenant", "request_id"}},
+)
+OUTPUT_FIELDS = FieldPolicy(
+    includes=CHAIN_FIELDS.includes | {"output_format"},
+    ignores=_ROUTING,
+)
+FIELD_POLICIES: Mapping[KeyKind, FieldPolicy] = {
+    KeyKind.EMBEDDING: EMBEDDING_FIELDS,
+    KeyKind.CHECKPOINT: CHAIN_FIELDS,
+    KeyKind.CFG: CFG_FIELDS,
+    KeyKind.LATENTS: LATENTS_FIELDS,
+    KeyKind.OUTPUT: OUTPUT_FIELDS,
+}
+
+
+# --- model fingerprints -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """Identity of one model component: config, weights, dtype and device class."""
+
+    role: str
+    hex: str
+
+    def __str__(self) -> str:
+        return f"{self.role}:{self.hex}"
+
+
+def file_digest(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    """xxh3-128 of a weight file's bytes, read in chunks so large checkpoints fit in memory."""
+    h = xxhash.xxh3_128()
+    with path.open("rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_fingerprint(
+    role: str,
+    config: Mapping[str, Canonical],
+    weight_digests: Mapping[str, str],
+    dtype: str,
+    device_class: str,
+) -> Fingerprint:
+    """Fingerprint of a component from its config, its weight files' digests, dtype and device.
+
+    ``device_class`` (``cpu``, ``cuda``) is included because kernels differ across devices, so
+    tensors computed on one are not bit-identical to tensors computed on the other.
+    """
+    payload: dict[str, Canonical] = {
+        "config": config,
+        "weights": dict(weight_digests),
+        "dtype": dtype,
+        "device_class": device_class,
+    }
+    return Fingerprint(role=role, hex=digest("model", payload))
+
+
+# --- store keys -------------------------------------------------------------------------------
+
+
+def embedding_key(
+    tenant: str,
+    encoder: Fingerprint,
+    token_ids: Sequence[int],
+    attention_mask: Sequence[int],
+    max_length: int,
+) -> StoreKey:
+    """Condition embedding of one tokenized text; the raw string is deliberately not used."""
+    payload: dict[str, Canonical] = {
+        "encoder": encoder.hex,
+        "ids": list(token_ids),
+        "mask": list(attention_mask),
+        "max_length": max_length,
+    }
+    return StoreKey(check_tenant(tenant), KeyKind.EMBEDDING, digest("embed", payload))
+
+
+def cfg_key(
+    tenant: str,
+    model: Fingerprint,
+    uncond_embedding: StoreKey,
+    timestep: float,
+    latent_digest: str,
+) -> StoreKey:
+    """Unconditional prediction for one exact (model, negative prompt, timestep, latent) input."""
+    payload: dict[str, Canonical] = {
+        "model": model.hex,
+        "uncond": str(uncond_embedding),
+        "timestep": float(timestep),
+        "latent": latent_digest,
+    }
+    return StoreKey(check_tenant(tenant), KeyKind.CFG, digest("cfg", payload))
+
+
+def tensor_digest(data: bytes | memoryview, dtype: str, shape: Sequence[int]) -> str:
+    """Digest of a tensor's exact bytes, dtype and shape, as used for latents in CFG keys."""
+    h = xxhash.xxh3_128(data)
+    return digest("tensor", {"bytes": h.hexdigest(), "dtype": dtype, "shape": list(shape)})
+
+
+@dataclass(frozen=True, slots=True)
+class ChainLink:
+    """Link ``h(index)`` of a request's trajectory hash chain; ``h(k)`` names the state after
+    ``k`` denoising steps."""
+
+    tenant: str
+    index: int
+    hex: str
+
+    def checkpoint_key(self) -> StoreKey:
+        return StoreKey(self.tenant, KeyKind.CHECKPOINT, f"{self.index}-{self.hex}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """Everything that step ``k`` adds to the trajectory besides the state before it."""
+
+    timestep: float
+    cond: StoreKey
+    uncond: StoreKey | None
+    guidance_scale: float
+
+
+def chain_root(
+    spec: GenerationSpec,
+    model: Fingerprint,
+    scheduler_config: Mapping[str, Canonical],
+    dtype: str,
+) -> ChainLink:
+    """``h0 = H(model fp, scheduler config, shape, seed, steps, dtype)``."""
+    payload: dict[str, Canonical] = {
+        "model": model.hex,
+        "scheduler": scheduler_config,
+        "shape": [spec.num_frames, spec.height, spec.width],
+        "seed": spec.seed,
+        "steps": spec.num_inference_steps,
+        "dtype": dtype,
+    }
+    return ChainLink(spec.tenant, 0, digest("chain-root", payload))
+
+
+def chain_next(link: ChainLink, step: StepInputs) -> ChainLink:
+    """``h(k+1) = H(h(k), inputs of step k)``."""
+    payload: dict[str, Canonical] = {
+        "prev": link.hex,
+        "timestep": float(step.timestep),
+        "cond": str(step.cond),
+        "uncond": None if step.uncond is None else str(step.uncond),
+        "guidance": float(step.guidance_scale),
+    }
+    return ChainLink(link.tenant, link.index + 1, digest("chain-link", payload))
+
+
+def chain(root: ChainLink, steps: Sequence[StepInputs]) -> list[ChainLink]:
+    """All links ``h0..hN`` for the given per-step inputs."""
+    links = [root]
+    for step in steps:
+        links.append(chain_next(links[-1], step))
+    return links
+
+
+def latents_key(tenant: str, request_id: str) -> StoreKey:
+    """Final latents of one request: single consumer, deleted once decoded."""
+    return StoreKey(check_tenant(tenant), KeyKind.LATENTS, request_id)
+
+
+def output_key(head: ChainLink, decoder: Fingerprint, output_format: str) -> StoreKey:
+    """Encoded output of a finished trajectory, so an identical request is answered at once."""
+    payload: dict[str, Canonical] = {"head": head.hex, "steps": head.index, "decoder": decoder.hex,
+               "format": output_format}
+    return StoreKey(head.tenant, KeyKind.OUTPUT, digest("output", payload))

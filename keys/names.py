@@ -1,0 +1,96 @@
+"""The one home of every key string: store keys, Redis keys and their versioned format.
+
+Every key starts with the format version and the tenant, ``v1:<tenant>:<kind>:<id>``, so one
+tenant never sees another's entries and a format change never mixes with old entries.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+KEY_VERSION = "v1"
+
+# Tenants are user-facing names; the pattern keeps ':' (the separator) out and leaves names
+# that start with '_' to the system namespace below.
+_TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+SYSTEM_NAMESPACE = "_system"
+
+
+class InvalidTenantError(ValueError):
+    """A tenant name that cannot be used as a key namespace."""
+
+    def __init__(self, tenant: str) -> None:
+        super().__init__(
+            f"tenant {tenant!r} is not a valid namespace: use 1-63 characters of [a-z0-9_-], "
+            "starting with a letter or digit"
+        )
+        self.tenant = tenant
+
+
+def check_tenant(tenant: str) -> str:
+    """Return ``tenant`` unchanged if it is a valid namespace, else raise InvalidTenantError."""
+    if not _TENANT_RE.match(tenant):
+        raise InvalidTenantError(tenant)
+    return tenant
+
+
+class KeyKind(StrEnum):
+    """What a store entry holds; each kind has its own cache policy and counters."""
+
+    EMBEDDING = "embed"
+    CFG = "cfg"
+    CHECKPOINT = "ckpt"
+    LATENTS = "latents"
+    OUTPUT = "output"
+    # Entries written by tests and benchmarks that do not belong to the pipeline.
+    SCRATCH = "scratch"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreKey:
+    """A tenant-namespaced key of one store entry; ``str(key)`` is the Mooncake key."""
+
+    tenant: str
+    kind: KeyKind
+    ident: str
+
+    def __post_init__(self) -> None:
+        check_tenant(self.tenant)
+        if not self.ident or ":" in self.ident:
+            raise ValueError(f"key id {self.ident!r} must be non-empty and contain no ':'")
+
+    def __str__(self) -> str:
+        return f"{KEY_VERSION}:{self.tenant}:{self.kind.value}:{self.ident}"
+
+    @classmethod
+    def parse(cls, text: str) -> StoreKey:
+        """Inverse of ``str``; raises ValueError on anything not written by this module."""
+        parts = text.split(":")
+        if len(parts) != 4 or parts[0] != KEY_VERSION:
+            raise ValueError(f"{text!r} is not a {KEY_VERSION} store key")
+        return cls(tenant=parts[1], kind=KeyKind(parts[2]), ident=parts[3])
+
+
+# Redis keys. Each function documents the Redis type it names.
+
+
+def flight_lock(key: StoreKey) -> str:
+    """String: the owner of the single-flight computation of ``key`` (SET NX PX)."""
+    return f"{key}:flight"
+
+
+def ttl_index(tenant: str) -> str:
+    """Sorted set: store keys of ``tenant`` scored by their expiry time in unix ms."""
+    return f"{KEY_VERSION}:{check_tenant(tenant)}:ttl-index"
+
+
+def stats_bucket(tenant: str, minute: int) -> str:
+    """Hash: counters of ``tenant`` for one unix minute, field ``<kind>.<counter>``."""
+    return f"{KEY_VERSION}:{check_tenant(tenant)}:stats:{minute}"
+
+
+def tenants_registry() -> str:
+    """Set: every tenant that has written counters, so a dashboard can list them."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:tenants"

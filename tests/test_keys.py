@@ -1,0 +1,231 @@
+"""Keys are canonical, versioned and namespaced: golden vectors pin them across releases and
+processes, and property tests show which inputs change them and which do not."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import keys
+from keys import (
+    FIELD_POLICIES,
+    GenerationSpec,
+    KeyKind,
+    PromptSegment,
+    StepInputs,
+    StoreKey,
+    canonical_bytes,
+    cfg_key,
+    chain,
+    chain_root,
+    embedding_key,
+    latents_key,
+    model_fingerprint,
+    output_key,
+)
+from keys.spec import SPEC_FIELDS
+
+ENCODER = model_fingerprint("text_encoder", {"d_model": 32}, {"model.safetensors": "ab"},
+                            "float32", "cpu")
+MODEL = model_fingerprint("transformer", {"layers": 2}, {"w.safetensors": "cd"}, "float32", "cpu")
+DECODER = model_fingerprint("vae", {"base_dim": 16}, {"vae.safetensors": "ef"}, "float32", "cpu")
+SCHEDULER = {"_class_name": "UniPCMultistepScheduler", "flow_shift": 3.0}
+
+
+def base_spec(**changes: object) -> GenerationSpec:
+    fields = dict(request_id="r1", tenant="acme", prompt="a red fox", negative_prompt="blurry",
+                  width=64, height=64, num_frames=9, num_inference_steps=4, guidance_scale=5.0,
+                  seed=7, output_format="mp4", priority="interactive")
+    fields.update(changes)
+    return GenerationSpec.create(**fields)  # type: ignore[arg-type]
+
+
+def fake_tokens(text: str) -> list[int]:
+    """A stand-in tokenizer for key tests: distinct texts give distinct ids."""
+    return list(text.encode("utf-8"))
+
+
+def text_key(spec: GenerationSpec, text: str) -> StoreKey:
+    ids = fake_tokens(text)
+    return embedding_key(spec.tenant, ENCODER, ids, [1] * len(ids), 512)
+
+
+def all_keys(spec: GenerationSpec) -> dict[KeyKind, str]:
+    """Every key a request derives, from the spec alone, as the workers will derive them."""
+    timesteps = [1000.0 - 250.0 * i for i in range(spec.num_inference_steps)]
+    steps = []
+    for i, t in enumerate(timesteps):
+        segment = spec.segment_at(i)
+        uncond = text_key(spec, segment.negative_prompt) if spec.uses_cfg else None
+        steps.append(StepInputs(t, text_key(spec, segment.prompt), uncond, spec.guidance_scale))
+    links = chain(chain_root(spec, MODEL, SCHEDULER, "float32"), steps)
+    first = spec.schedule[0]
+    # The digest of the latent a step sees carries the trajectory so far: the chain head stands in.
+    latent_digest = links[-1].hex
+    return {
+        KeyKind.EMBEDDING: "|".join(str(text_key(spec, t))
+                                    for t in (first.prompt, first.negative_prompt)),
+        KeyKind.CHECKPOINT: str(links[-1].checkpoint_key()),
+        KeyKind.CFG: str(cfg_key(spec.tenant, MODEL, text_key(spec, first.negative_prompt),
+                                 timesteps[0], latent_digest)),
+        KeyKind.LATENTS: str(latents_key(spec.tenant, spec.request_id)),
+        KeyKind.OUTPUT: str(output_key(links[-1], DECODER, spec.output_format)),
+    }
+
+
+# --- golden vectors ---------------------------------------------------------------------------
+
+# Worked by hand from the layout in keys/canonical.py: L(2) s(1)"a" L(2) i(1)01 f(0.0).
+GOLDEN_CANONICAL = ("4c0000000000000002" "730000000000000001" "61" "4c0000000000000002"
+                    "690000000000000001" "01" "66" "0000000000000000")
+
+# Pinned when the v1 format was written. A change here means every stored entry is orphaned:
+# bump keys.KEY_VERSION rather than edit these.
+GOLDEN_KEYS = {
+    "embed": "v1:acme:embed:eba2fb8f96b5820396af37d57b0ddbad"
+             "|v1:acme:embed:5e13209eeebf430066027b1b7ce1f897",
+    "ckpt": "v1:acme:ckpt:4-f4da553a6aa46ce60c8e36be4009aaa5",
+    "cfg": "v1:acme:cfg:697d9d46eee3bebb395adcfe9dfd8b91",
+    "latents": "v1:acme:latents:r1",
+    "output": "v1:acme:output:41c44d80d6252d6d7e1ad1c93b7eb52a",
+}
+
+
+def test_canonical_encoding_is_pinned() -> None:
+    assert canonical_bytes(["a", [1, 0.0]]).hex() == GOLDEN_CANONICAL
+
+
+def golden_keys() -> dict[str, str]:
+    return {kind.value: value for kind, value in all_keys(base_spec()).items()}
+
+
+def test_keys_match_golden_vectors() -> None:
+    assert golden_keys() == GOLDEN_KEYS
+
+
+def test_keys_are_identical_in_another_process() -> None:
+    code = ("import json, tests.test_keys as t; "
+            "print(json.dumps(t.golden_keys(), sort_keys=True))")
+    # A different hash seed: nothing in a key may depend on Python's hash().
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout
+    assert json.loads(out) == golden_keys()
+
+
+def test_key_strings_are_versioned_and_namespaced() -> None:
+    for kind, value in all_keys(base_spec()).items():
+        for part in value.split("|"):
+            version, tenant, kind_name, ident = part.split(":")
+            assert (version, tenant, kind_name) == ("v1", "acme", kind.value)
+            assert ident
+
+
+# --- field coverage ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", list(FIELD_POLICIES))
+def test_every_spec_field_is_included_or_ignored(kind: KeyKind) -> None:
+    policy = FIELD_POLICIES[kind]
+    assert policy.uncovered == frozenset(), f"{kind}: add to includes or ignores"
+    assert set(policy.ignores) <= SPEC_FIELDS and policy.includes <= SPEC_FIELDS
+
+
+# --- properties -------------------------------------------------------------------------------
+
+texts = st.text(alphabet="abcdefghij ", min_size=1, max_size=12)
+CHANGES = {
+    "request_id": st.from_regex(r"[a-z0-9]{1,8}", fullmatch=True),
+    "tenant": st.from_regex(r"[a-z][a-z0-9]{0,8}", fullmatch=True),
+    "schedule": texts.map(lambda p: (PromptSegment(p, "blurry", 4),)),
+    "width": st.sampled_from([16, 32, 128]),
+    "height": st.sampled_from([16, 32, 128]),
+    "num_frames": st.sampled_from([1, 5, 13]),
+    "num_inference_steps": st.sampled_from([1, 2, 3, 8]),
+    "guidance_scale": st.floats(1.5, 20.0),
+    "seed": st.integers(0, 2**63 - 1),
+    "output_format": st.sampled_from(["png", "npy"]),
+    "priority": st.sampled_from(["batch"]),
+}
+
+
+def test_strategies_cover_the_spec() -> None:
+    assert set(CHANGES) == SPEC_FIELDS
+
+
+def changed(field: str, value: object) -> GenerationSpec:
+    spec = base_spec()
+    if field == "num_inference_steps":
+        segment = spec.schedule[0]
+        return dataclasses.replace(spec, num_inference_steps=value,
+                                   schedule=(dataclasses.replace(segment, until_step=value),))
+    return dataclasses.replace(spec, **{field: value})
+
+
+@pytest.mark.parametrize("field", sorted(SPEC_FIELDS))
+@given(data=st.data())
+def test_included_fields_change_keys_and_ignored_ones_do_not(field: str,
+                                                             data: st.DataObject) -> None:
+    value = data.draw(CHANGES[field])
+    before, after = all_keys(base_spec()), all_keys(changed(field, value))
+    if getattr(base_spec(), field) == getattr(changed(field, value), field):
+        return
+    for kind, policy in FIELD_POLICIES.items():
+        if field in policy.includes:
+            assert before[kind] != after[kind], f"{kind} ignores included {field}={value!r}"
+        else:
+            assert before[kind] == after[kind], f"{kind} depends on ignored {field}={value!r}"
+
+
+@given(st.dictionaries(st.text(max_size=5), st.integers(), min_size=2))
+def test_dict_order_does_not_change_encoding(d: dict[str, int]) -> None:
+    assert canonical_bytes(d) == canonical_bytes(dict(reversed(list(d.items()))))
+
+
+@given(st.lists(st.one_of(st.none(), st.booleans(), st.integers(), st.text(), st.binary(),
+                          st.floats(allow_nan=False)), max_size=4),
+       st.lists(st.one_of(st.none(), st.booleans(), st.integers(), st.text(), st.binary(),
+                          st.floats(allow_nan=False)), max_size=4))
+def test_encoding_is_injective(a: list[object], b: list[object]) -> None:
+    def tagged(xs: list[object]) -> list[tuple[str, object]]:
+        # Python equates True with 1 and 0.0 with -0.0; the encoding must not.
+        return [(type(x).__name__, repr(x)) for x in xs]
+
+    assert (canonical_bytes(a) == canonical_bytes(b)) == (tagged(a) == tagged(b))
+
+
+@given(st.from_regex(r"[a-z0-9][a-z0-9_-]{0,10}", fullmatch=True),
+       st.from_regex(r"[a-z0-9][a-z0-9_-]{0,10}", fullmatch=True))
+def test_tenant_namespaces_never_collide(a: str, b: str) -> None:
+    ka, kb = text_key(base_spec(tenant=a), "x"), text_key(base_spec(tenant=b), "x")
+    assert (str(ka) == str(kb)) == (a == b)
+    assert StoreKey.parse(str(ka)) == ka
+
+
+def test_bad_tenant_and_nan_are_rejected() -> None:
+    with pytest.raises(keys.InvalidTenantError):
+        StoreKey("Acme:1", KeyKind.OUTPUT, "x")
+    with pytest.raises(keys.InvalidTenantError):
+        StoreKey("_system", KeyKind.OUTPUT, "x")
+    with pytest.raises(ValueError, match="NaN"):
+        canonical_bytes(float("nan"))
+
+
+def test_prompt_schedule_shares_the_chain_prefix() -> None:
+    a = base_spec(schedule=(PromptSegment("fox", "blurry", 2), PromptSegment("cat", "blurry", 4)))
+    b = base_spec(schedule=(PromptSegment("fox", "blurry", 2), PromptSegment("dog", "blurry", 4)))
+
+    def links(spec: GenerationSpec) -> list[str]:
+        steps = [StepInputs(1000.0 - 250 * i, text_key(spec, spec.segment_at(i).prompt),
+                            text_key(spec, spec.segment_at(i).negative_prompt), 5.0)
+                 for i in range(4)]
+        return [link.hex for link in chain(chain_root(spec, MODEL, SCHEDULER, "float32"), steps)]
+
+    la, lb = links(a), links(b)
+    assert la[:3] == lb[:3]  # h0, h1, h2: the shared two steps
+    assert la[3] != lb[3]

@@ -1,0 +1,122 @@
+"""``diffcache up`` as a user runs it: starts, prints addresses, stops cleanly, leaves no orphan
+even when killed, and reports start failures in one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from cachesvc.settings import Settings
+
+DIFFCACHE = [sys.executable, "-c", "from cli.main import app; app()"]
+
+
+def children_of(pid: int) -> set[int]:
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.add(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_gone(pids: set[int], timeout_s: float = 10) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return {p for p in pids if alive(p)}
+
+
+@contextmanager
+def diffcache_up(tmp_path: Path, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
+    environ.update(env, DIFFCACHE_DATA_DIR=str(tmp_path), DIFFCACHE_STORE__SEGMENT_MIB="32")
+    proc = subprocess.Popen([*DIFFCACHE, "up"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=environ)
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if "is up" in line or "error" in line:
+            break
+    try:
+        yield proc, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_up_then_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    with diffcache_up(tmp_path) as (proc, out):
+        assert "is up" in out and "redis://127.0.0.1:" in out and "mooncake master" in out
+        kids = children_of(proc.pid)
+        assert len(kids) == 3  # master, storage node, valkey
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert wait_gone(kids) == set()
+    assert (tmp_path / "valkey" / "appendonlydir").is_dir()  # AOF is on
+
+
+def test_kill_9_of_the_supervisor_leaves_no_orphan(tmp_path: Path) -> None:
+    with diffcache_up(tmp_path) as (proc, out):
+        assert "is up" in out
+        kids = children_of(proc.pid)
+        proc.kill()
+        proc.wait()
+        assert wait_gone(kids) == set()
+
+
+def test_a_busy_port_is_one_clear_line(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with diffcache_up(tmp_path, DIFFCACHE_REDIS__PORT=str(port)) as (proc, out):
+            assert proc.wait(30) == 1
+            assert f"port {port} on 127.0.0.1 is in use" in out
+            assert "DIFFCACHE_REDIS__PORT=0" in out
+
+
+def test_an_external_redis_is_used_instead_of_our_own(tmp_path: Path,
+                                                      stack_settings: Settings) -> None:
+    assert stack_settings.redis.url
+    with diffcache_up(tmp_path, DIFFCACHE_REDIS__URL=stack_settings.redis.url) as (proc, out):
+        assert f"redis           {stack_settings.redis.url}" in out
+        assert len(children_of(proc.pid)) == 2  # no Valkey of its own
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("DIFFCACHE_STORE__SEGMEN_MIB", "64", "unknown setting DIFFCACHE_STORE__SEGMEN_MIB"),
+    ("DIFFCACHE_STORE__SEGMENT_MIB", "1", "setting store.segment_mib"),
+])
+def test_bad_settings_are_named(tmp_path: Path, name: str, value: str, expected: str) -> None:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
+    environ[name] = value
+    done = subprocess.run([*DIFFCACHE, "up"], capture_output=True, text=True, env=environ,
+                          timeout=60, check=False)
+    assert done.returncode == 2
+    assert expected in done.stderr

@@ -1,0 +1,63 @@
+"""An unreachable store is a typed, retryable error, never a silent miss; callers that can
+recompute do so and count it. Uses a stack of its own, since it kills that stack's master."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from cachesvc.connect import open_cache, store_endpoints
+from cachesvc.counters import read_buckets
+from cachesvc.errors import StoreUnavailableError
+from cachesvc.mooncake_store import MooncakeStore
+from cachesvc.settings import Settings, load_settings
+from cachesvc.stack import EmbeddedStack
+from cachesvc.tensor_cache import TensorCache
+from keys import KeyKind, StoreKey
+
+
+@pytest.fixture
+def doomed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedStack, Settings]]:
+    settings = load_settings(data_dir=str(tmp_path_factory.mktemp("doomed")),
+                             store={"segment_mib": 32})
+    stack = EmbeddedStack(settings)
+    with stack as addresses:
+        yield stack, stack.resolved(addresses)
+
+
+def test_store_down_raises_typed_error_and_degrades(
+        doomed: tuple[EmbeddedStack, Settings]) -> None:
+    stack, settings = doomed
+    cache: TensorCache = open_cache(settings)
+    key = StoreKey("acme", KeyKind.EMBEDDING, "e")
+    cache.put(key, torch.ones(4))
+    master = next(c for c in stack.children if c.name == "mooncake_master")
+    master.kill()
+    time.sleep(0.3)
+    with pytest.raises(StoreUnavailableError) as info:
+        cache.get(key)
+    assert info.value.retryable and info.value.key == str(key)
+    # A caller that can recompute does, and the outage is counted rather than hidden.
+    cached = cache.get_or_compute(key, lambda: torch.zeros(4))
+    assert cached.outcome is None and torch.equal(cached.tensor, torch.zeros(4))
+    cache.counters.flush()
+    minute = int(time.time() // 60)
+    client = cache.ttl_index._redis
+    buckets = read_buckets(client, "acme", range(minute - 1, minute + 1))
+    assert sum(b.get("embed.store_unavailable", 0) for b in buckets.values()) >= 2
+    cache.close()
+
+
+def test_connecting_to_no_store_fails_fast(doomed: tuple[EmbeddedStack, Settings]) -> None:
+    _, settings = doomed
+    dead = settings.store.model_copy(update={"connect_timeout_s": 0.5})
+    endpoints = store_endpoints(settings)
+    stack, _ = doomed
+    stack.stop()
+    start = time.monotonic()
+    with pytest.raises(StoreUnavailableError, match="nothing answers"):
+        MooncakeStore.connect(endpoints, dead)
+    assert time.monotonic() - start < 10

@@ -1,0 +1,192 @@
+"""The tensor cache against a real Mooncake master, storage node and Valkey."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import redis
+import torch
+
+from cachesvc import codec
+from cachesvc.codec import TensorSpec
+from cachesvc.connect import store_endpoints
+from cachesvc.counters import read_buckets
+from cachesvc.mooncake_store import MooncakeStore, replicate_config
+from cachesvc.settings import Settings
+from cachesvc.tensor_cache import TensorCache
+from keys import KeyKind, StoreKey
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+SHAPES = [(), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 4), (1, 2, 3, 2, 5)]
+_ids = itertools.count()
+
+
+def key(kind: KeyKind = KeyKind.SCRATCH, tenant: str = "acme") -> StoreKey:
+    return StoreKey(tenant, kind, f"k{next(_ids)}")
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.randn(shape).to(dtype)
+    return torch.randint(-(2**40), 2**40, shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{len(s)}d")
+def test_round_trip(cache: TensorCache, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    k, t = key(), sample(dtype, shape)
+    cache.put(k, t)
+    back = cache.get(k)
+    assert back is not None and back.dtype == dtype and back.shape == t.shape
+    assert torch.equal(back, t)
+
+
+def test_non_contiguous_input_is_stored_as_its_values(cache: TensorCache) -> None:
+    k, t = key(), torch.randn(4, 6).t()
+    cache.put(k, t)
+    assert torch.equal(cache.get(k), t)  # type: ignore[arg-type]
+
+
+def test_miss_is_none_and_counted(cache: TensorCache, redis_client: redis.Redis) -> None:
+    k = key(KeyKind.OUTPUT)
+    assert cache.get(k) is None
+    cache.counters.flush()
+    buckets = read_buckets(redis_client, "acme", range(int(time.time() // 60) - 1,
+                                                         int(time.time() // 60) + 1))
+    totals = {f: sum(b.get(f, 0) for b in buckets.values()) for f in ("output.misses",
+                                                                         "output.lookups")}
+    assert totals == {"output.misses": 1, "output.lookups": 1}
+
+
+def test_hit_counts_bytes_and_recorded_compute_seconds(cache: TensorCache,
+                                                       redis_client: redis.Redis) -> None:
+    k, t = key(KeyKind.EMBEDDING), torch.ones(256)
+    cache.put(k, t, cost_s=0.25)
+    cache.get(k)
+    cache.get(k, saved_s=1.0)
+    cache.counters.flush()
+    minute = int(time.time() // 60)
+    fields: dict[str, float] = {}
+    for bucket in read_buckets(redis_client, "acme", range(minute - 1, minute + 1)).values():
+        for f, v in bucket.items():
+            fields[f] = fields.get(f, 0) + v
+    assert fields["embed.hits"] == 2
+    assert fields["embed.bytes_read"] == 2 * 256 * 4
+    assert fields["embed.bytes_written"] == 256 * 4
+    assert fields["embed.compute_seconds_saved"] == pytest.approx(1.25)
+
+
+def test_corrupt_entry_is_counted_removed_and_missed(cache: TensorCache,
+                                                     redis_client: redis.Redis) -> None:
+    k, t = key(), torch.arange(100, dtype=torch.float32)
+    spec = TensorSpec.of(t)
+    # Write a well-formed header over a payload that does not match its checksum.
+    with cache.slot(spec) as slot:
+        slot.tensor.copy_(t)
+        view = slot.buffer.memoryview(spec.entry_bytes)
+        codec.write_header(view, spec, checksum=codec.checksum(view[spec.header_bytes:]) ^ 1,
+                           cost_us=0, expires_at_ms=0)
+        cache.store.put_from(str(k), slot.buffer.ptr, spec.entry_bytes,
+                             replicate_config(soft_pin=False))
+    assert cache.exists(k)
+    assert cache.get(k) is None
+    assert not cache.exists(k)
+    cache.counters.flush()
+    minute = int(time.time() // 60)
+    buckets = read_buckets(redis_client, "acme", range(minute - 1, minute + 1))
+    assert sum(b.get("scratch.corrupt", 0) for b in buckets.values()) == 1
+
+
+def test_ttl_expiry_on_read_and_by_sweep(stack_settings: Settings, cache: TensorCache,
+                                        redis_client: redis.Redis) -> None:
+    short = stack_settings.cache.model_copy(update={"output_ttl_s": 0.3})
+    ttl_cache = TensorCache(MooncakeStore.connect(store_endpoints(stack_settings),
+                                                  stack_settings.store),
+                            redis_client, short, stack_settings.store)
+    try:
+        read_me, never_read, pinned = key(KeyKind.OUTPUT), key(KeyKind.OUTPUT), key(
+            KeyKind.EMBEDDING)
+        for k in (read_me, never_read, pinned):
+            ttl_cache.put(k, torch.ones(4))
+        assert ttl_cache.get(read_me) is not None
+        time.sleep(0.5)
+        assert ttl_cache.get(read_me) is None and not ttl_cache.exists(read_me)
+        assert ttl_cache.exists(never_read)
+        assert ttl_cache.ttl_index.sweep(cache.store) == 1
+        assert not ttl_cache.exists(never_read)
+        assert ttl_cache.get(pinned) is not None  # embeddings have no TTL
+    finally:
+        ttl_cache.close()
+
+
+def test_tenants_never_see_each_others_entries(cache: TensorCache) -> None:
+    mine = StoreKey("acme", KeyKind.EMBEDDING, "same-content")
+    theirs = StoreKey("globex", KeyKind.EMBEDDING, "same-content")
+    cache.put(mine, torch.ones(3))
+    assert cache.get(theirs) is None and not cache.exists(theirs)
+    cache.put(theirs, torch.zeros(3))
+    assert torch.equal(cache.get(mine), torch.ones(3))  # type: ignore[arg-type]
+
+
+def test_content_keyed_writes_are_idempotent(cache: TensorCache) -> None:
+    k = key(KeyKind.EMBEDDING)
+    cache.put(k, torch.ones(3))
+    cache.put(k, torch.ones(3))
+    assert torch.equal(cache.get(k), torch.ones(3))  # type: ignore[arg-type]
+
+
+def test_batch_operations(cache: TensorCache) -> None:
+    ks = [key(KeyKind.EMBEDDING) for _ in range(3)]
+    ts = [torch.randn(5), torch.randn(2, 3).to(torch.bfloat16), torch.arange(7)]
+    cache.batch_put(list(zip(ks, ts, strict=True)))
+    missing = key(KeyKind.EMBEDDING)
+    assert cache.batch_exists([*ks, missing]) == [True, True, True, False]
+    got = cache.batch_get([ks[2], missing, ks[0], ks[1]])
+    assert got[1] is None
+    for back, want in zip([got[2], got[3], got[0]], ts, strict=True):
+        assert back is not None and torch.equal(back, want)
+
+
+def test_zero_copy_put_from_and_get_into(cache: TensorCache) -> None:
+    k, t = key(KeyKind.CHECKPOINT), torch.randn(64, 64)
+    spec = TensorSpec.of(t)
+    with cache.slot(spec) as slot:
+        slot.tensor.copy_(t)
+        cache.put_from(k, slot)
+    with cache.slot(spec) as target:
+        view = cache.get_into(k, target.buffer)
+        assert view is not None and torch.equal(view, t)
+        # A view into the caller's registered memory, not a copy.
+        assert view.data_ptr() == target.buffer.ptr + spec.header_bytes
+
+
+def test_entries_larger_than_a_slab(cache: TensorCache) -> None:
+    k = key(KeyKind.OUTPUT)
+    big = torch.randn((cache._pool.slab_bytes // 4) + 1000)
+    cache.put(k, big)
+    assert torch.equal(cache.get(k), big)  # type: ignore[arg-type]
+
+
+def test_consume_deletes_single_consumer_entries(cache: TensorCache) -> None:
+    k = key(KeyKind.LATENTS)
+    cache.put(k, torch.ones(2))
+    assert cache.consume(k) is not None
+    assert not cache.exists(k) and cache.consume(k) is None
+    with pytest.raises(ValueError, match="shared"):
+        cache.consume(key(KeyKind.EMBEDDING))
+
+
+def test_unpinned_entries_are_evicted_before_pinned(cache: TensorCache) -> None:
+    """Fill the 128 MiB storage node to twice its size; soft-pinned embeddings survive."""
+    block = torch.ones(1 << 20)  # 4 MiB
+    pinned = [key(KeyKind.EMBEDDING) for _ in range(4)]
+    for k in pinned:
+        cache.put(k, block)
+    unpinned = [key(KeyKind.SCRATCH) for _ in range(64)]
+    for k in unpinned:
+        cache.put(k, block)
+    time.sleep(0.5)
+    assert all(cache.exists(k) for k in pinned)
+    assert sum(cache.exists(k) for k in unpinned) < len(unpinned) // 2
