@@ -11,7 +11,6 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
@@ -21,23 +20,19 @@ from cachesvc.mooncake_store import MooncakeStore
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
 class RegisteredBuffer:
-    """Registered memory viewed as a flat uint8 tensor."""
+    """Registered memory viewed as a flat uint8 tensor and as a memoryview of the same bytes."""
 
-    raw: torch.Tensor
+    __slots__ = ("_view", "capacity", "ptr", "raw")
 
-    @property
-    def ptr(self) -> int:
-        return int(self.raw.data_ptr())
-
-    @property
-    def capacity(self) -> int:
-        return int(self.raw.numel())
+    def __init__(self, raw: torch.Tensor) -> None:
+        self.raw = raw
+        self.ptr = int(raw.data_ptr())
+        self.capacity = int(raw.numel())
+        self._view = raw.numpy().data.cast("B")
 
     def memoryview(self, size: int | None = None) -> memoryview:
-        view = self.raw.numpy().data.cast("B")
-        return view if size is None else view[:size]
+        return self._view if size is None else self._view[:size]
 
 
 class BufferPool:

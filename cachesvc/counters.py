@@ -11,7 +11,9 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from enum import StrEnum
+from typing import Any
 
 import redis
 from prometheus_client import Counter
@@ -22,6 +24,7 @@ from keys.names import stats_bucket, tenants_registry
 log = logging.getLogger(__name__)
 
 BUCKET_RETENTION_S = 7 * 24 * 3600
+_Child = Any  # a labelled prometheus Counter; the library exports no name for its type
 
 
 class Event(StrEnum):
@@ -53,6 +56,7 @@ class CacheCounters:
         # (tenant, minute) -> field -> amount, waiting for the next flush
         self._pending: dict[tuple[str, int], dict[str, float]] = defaultdict(
             lambda: defaultdict(float))
+        self._children: dict[tuple[str, KeyKind, Event], _Child] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if redis_client is not None:
@@ -61,10 +65,23 @@ class CacheCounters:
             self._thread.start()
 
     def add(self, tenant: str, kind: KeyKind, event: Event, amount: float = 1.0) -> None:
-        _PROM[event].labels(kind=kind.value, tenant=tenant).inc(amount)
+        self.add_many(tenant, kind, {event: amount})
+
+    def add_many(self, tenant: str, kind: KeyKind, events: Mapping[Event, float]) -> None:
+        """Count several events of one lookup under one lock: this runs on every cache call."""
         minute = int(time.time() // 60)
         with self._lock:
-            self._pending[(tenant, minute)][f"{kind.value}.{event.value}"] += amount
+            pending = self._pending[(tenant, minute)]
+            for event, amount in events.items():
+                self._prometheus(tenant, kind, event).inc(amount)
+                pending[f"{kind.value}.{event.value}"] += amount
+
+    def _prometheus(self, tenant: str, kind: KeyKind, event: Event) -> _Child:
+        child = self._children.get((tenant, kind, event))
+        if child is None:
+            child = _PROM[event].labels(kind=kind.value, tenant=tenant)
+            self._children[(tenant, kind, event)] = child
+        return child
 
     def flush(self) -> None:
         """Write pending increments to Redis; on failure they stay pending for the next try."""

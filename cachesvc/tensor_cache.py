@@ -278,16 +278,16 @@ class TensorCache:
 
     def _count_lookup(self, key: StoreKey, entry: _Entry | None,
                       saved_s: float | None) -> None:
-        add = self.counters.add
-        add(key.tenant, key.kind, Event.LOOKUPS)
         if entry is None:
-            add(key.tenant, key.kind, Event.MISSES)
-            return
-        add(key.tenant, key.kind, Event.HITS)
-        add(key.tenant, key.kind, Event.BYTES_READ,
-            entry.tensor.numel() * entry.tensor.element_size())
-        saved = entry.cost_s if saved_s is None else saved_s
-        add(key.tenant, key.kind, Event.COMPUTE_SECONDS_SAVED, saved)
+            events = {Event.LOOKUPS: 1.0, Event.MISSES: 1.0}
+        else:
+            events = {
+                Event.LOOKUPS: 1.0,
+                Event.HITS: 1.0,
+                Event.BYTES_READ: float(entry.tensor.numel() * entry.tensor.element_size()),
+                Event.COMPUTE_SECONDS_SAVED: entry.cost_s if saved_s is None else saved_s,
+            }
+        self.counters.add_many(key.tenant, key.kind, events)
 
     def _write(self, key: StoreKey, op: Callable[[], None]) -> None:
         """Run one store write, waiting out a full store while background eviction frees room."""

@@ -18,7 +18,8 @@ from keys import KeyKind, StoreKey
 KEY = StoreKey("acme", KeyKind.EMBEDDING, "shared-prompt")
 
 
-def _caller(settings: Settings, callers: int, results: mp.Queue) -> None:
+def _caller(settings: Settings, callers: int,
+            results: mp.Queue[tuple[str | None, list[float]]]) -> None:
     """One process missing on KEY; the compute counts itself in Redis."""
     cache = open_cache(settings)
     client = redis.Redis.from_url(settings.redis.url or "")
@@ -41,7 +42,7 @@ def _caller(settings: Settings, callers: int, results: mp.Queue) -> None:
 def test_concurrent_misses_in_separate_processes_compute_once(
         stack_settings: Settings, cache: TensorCache, redis_client: redis.Redis) -> None:
     ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
+    results: mp.Queue[tuple[str | None, list[float]]] = ctx.Queue()
     callers = 4
     procs = [ctx.Process(target=_caller, args=(stack_settings, callers, results))
              for _ in range(callers)]
