@@ -67,6 +67,34 @@ class CacheSettings(_Section):
     sweep_interval_s: float = Field(30.0, gt=0)
 
 
+class ModelSettings(_Section):
+    """The model every worker loads: a local folder, built on first start if it is missing."""
+
+    family: Literal["wan"] = "wan"
+    dir: Path | None = Field(None, description="default: <data_dir>/model")
+    preset: Literal["default", "test"] = Field("default", description="size of the built-in model")
+    build_seed: int = 0
+    # Request defaults sized so that one request takes seconds on 2 CPU cores.
+    width: int = Field(96, ge=16)
+    height: int = Field(96, ge=16)
+    num_frames: int = Field(9, ge=1)
+    num_inference_steps: int = Field(20, ge=1)
+    guidance_scale: float = Field(5.0, ge=0)
+
+
+class WorkerSettings(_Section):
+    """Stage workers: delivery, leases, retries and how many of each ``diffcache up`` starts."""
+
+    encode_workers: int = Field(1, ge=0)
+    denoise_workers: int = Field(1, ge=0)
+    decode_workers: int = Field(1, ge=0)
+    idle_timeout_s: float = Field(30.0, gt=0, description="a silent job is reclaimed after this")
+    max_deliveries: int = Field(3, ge=1, description="then the job goes to the dead letters")
+    block_ms: int = Field(500, ge=1)
+    torch_threads: int = Field(1, ge=1)
+    fps: int = Field(16, ge=1, description="frame rate of MP4 outputs")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_nested_delimiter=_NESTED, extra="forbid", frozen=True
@@ -78,6 +106,12 @@ class Settings(BaseSettings):
     store: StoreSettings = StoreSettings()
     redis: RedisSettings = RedisSettings()
     cache: CacheSettings = CacheSettings()
+    model: ModelSettings = ModelSettings()
+    workers: WorkerSettings = WorkerSettings()
+
+    @property
+    def model_dir(self) -> Path:
+        return self.model.dir or self.data_dir / "model"
 
 
 def _known_variables() -> set[str]:
@@ -120,3 +154,9 @@ def to_environ(settings: Settings) -> dict[str, str]:
         else:
             out[f"{ENV_PREFIX}{name}".upper()] = str(value)
     return out
+
+
+def child_environ(settings: Settings) -> dict[str, str]:
+    """The environment of a child process: ours, with DIFFCACHE_* replaced by ``settings``."""
+    base = {k: v for k, v in os.environ.items() if not k.upper().startswith(ENV_PREFIX)}
+    return {**base, **to_environ(settings)}

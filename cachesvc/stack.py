@@ -133,8 +133,10 @@ class EmbeddedStack:
             child.stop()
         self.children.clear()
 
-    def _spawn(self, name: str, argv: list[str]) -> ChildProcess:
-        child = ChildProcess(name, argv, self._logs / f"{name}.log")
+    def spawn(self, name: str, argv: list[str],
+              env: dict[str, str] | None = None) -> ChildProcess:
+        """Start a child that ``stop`` will end; its output goes to ``<data_dir>/logs``."""
+        child = ChildProcess(name, argv, self._logs / f"{name}.log", env)
         child.start()
         self.children.append(child)
         return child
@@ -144,7 +146,7 @@ class EmbeddedStack:
         port = require_free("valkey", host, self.settings.redis.port, "DIFFCACHE_REDIS__PORT")
         data = (self.settings.data_dir / "valkey").resolve()
         data.mkdir(parents=True, exist_ok=True)
-        child = self._spawn("valkey", [
+        child = self.spawn("valkey", [
             str(_valkey_binary()), "--bind", host, "--port", str(port), "--dir", str(data),
             # Acceptance is durable: every write is fsynced before the reply.
             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
@@ -164,7 +166,7 @@ class EmbeddedStack:
         storage = require_free("mooncake_client", host, cfg.storage_port,
                                "DIFFCACHE_STORE__STORAGE_PORT")
         endpoints = StoreEndpoints(f"{host}:{rpc}", f"http://{host}:{meta}/metadata")
-        master = self._spawn("mooncake_master", [
+        master = self.spawn("mooncake_master", [
             str(_mooncake_binary("mooncake_master")),
             f"--rpc_port={rpc}", f"--rpc_address={host}",
             "--enable_http_metadata_server=true",
@@ -173,7 +175,7 @@ class EmbeddedStack:
             f"--default_kv_lease_ttl={cfg.lease_ttl_ms}", "--logtostderr=true"])
         master.wait_healthy(lambda: port_open(host, rpc) and port_open(host, meta), 20,
                             "See the mooncake_master log")
-        node = self._spawn("mooncake_client", [
+        node = self.spawn("mooncake_client", [
             str(_mooncake_binary("mooncake_client")),
             f"--master_server_address={endpoints.master_address}",
             f"--metadata_server={endpoints.metadata_server}",

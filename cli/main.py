@@ -13,7 +13,7 @@ from rich.console import Console
 from cachesvc.errors import CacheError
 from cachesvc.mooncake_store import MooncakeStore
 from cachesvc.processes import StartupError
-from cachesvc.settings import Settings, SettingsError, load_settings
+from cachesvc.settings import Settings, SettingsError, child_environ, load_settings
 from cachesvc.stack import EmbeddedStack, StackAddresses
 from cachesvc.ttl_index import TtlIndex
 
@@ -29,6 +29,34 @@ def _settings(**overrides: object) -> Settings:
     except SettingsError as exc:
         errors.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
+
+
+ENDPOINTS_FILE = "endpoints.json"
+
+
+def _client_settings() -> Settings:
+    """Settings for a command that joins a running stack: what ``diffcache up`` wrote down in
+    the data dir fills in the addresses the environment leaves unset."""
+    import json
+
+    settings = _settings()
+    path = settings.data_dir / ENDPOINTS_FILE
+    if settings.redis.url or settings.store.master_address or not path.exists():
+        return settings
+    found = json.loads(path.read_text())
+    return settings.model_copy(update={
+        "redis": settings.redis.model_copy(update={"url": found["redis_url"]}),
+        "store": settings.store.model_copy(update={
+            "master_address": found["master_address"],
+            "metadata_server": found["metadata_server"]})})
+
+
+def _write_endpoints(settings: Settings, addresses: StackAddresses) -> None:
+    import json
+
+    (settings.data_dir / ENDPOINTS_FILE).write_text(json.dumps({
+        "redis_url": addresses.redis_url, "master_address": addresses.store.master_address,
+        "metadata_server": addresses.store.metadata_server}))
 
 
 def _print_addresses(addresses: StackAddresses) -> None:
@@ -67,6 +95,36 @@ def main() -> None:
     """Cache-centric disaggregated diffusion serving."""
 
 
+def _start_workers(stack: EmbeddedStack, settings: Settings) -> None:
+    """One child per configured worker; waits until each has joined its consumer group."""
+    import sys
+
+    from cachesvc.connect import open_redis
+    from workers.main import ensure_model
+    from workers.messages import Stage
+    from workers.runtime import consumer_name
+    from workers.streams import live_consumers
+
+    counts = {Stage.ENCODE: settings.workers.encode_workers,
+              Stage.DENOISE: settings.workers.denoise_workers,
+              Stage.DECODE: settings.workers.decode_workers}
+    if any(counts.values()):
+        ensure_model(settings)
+    env = child_environ(settings)
+    client = open_redis(settings)
+    for stage, count in counts.items():
+        for i in range(count):
+            child = stack.spawn(f"worker-{stage.value}-{i}",
+                                [sys.executable, "-m", "cli", "worker", stage.value], env)
+            name = consumer_name(child.pid)
+
+            def joined(stage: Stage = stage, name: str = name) -> bool:
+                return name in live_consumers(client, stage)
+
+            child.wait_healthy(joined, 120, f"See {child.log_path}")
+        console.print(f"{stage.value:<8} workers {count}")
+
+
 @app.command()
 def up(
     data_dir: str | None = typer.Option(None, help="where logs and Valkey's AOF live"),
@@ -84,9 +142,65 @@ def up(
     try:
         with stack as addresses:
             _print_addresses(addresses)
+            resolved = stack.resolved(addresses)
+            _write_endpoints(settings, addresses)
+            _start_workers(stack, resolved)
             console.print("[green]diffcache is up[/green]; Ctrl-C to stop")
-            _sweep_until(stop, stack.resolved(addresses))
+            _sweep_until(stop, resolved)
+        (settings.data_dir / ENDPOINTS_FILE).unlink(missing_ok=True)
     except StartupError as exc:
         errors.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from exc
     console.print("stopped")
+
+
+@app.command()
+def worker(stage: str = typer.Argument(..., help="encode, denoise or decode")) -> None:
+    """Run one stage worker against the configured store and Redis."""
+    from workers.main import run
+    from workers.messages import Stage
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        chosen = Stage(stage)
+    except ValueError:
+        errors.print(f"[red]error:[/red] stage must be one of {[s.value for s in Stage]}")
+        raise typer.Exit(2) from None
+    run(chosen, _client_settings())
+
+
+model_app = typer.Typer(help="The built-in model.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("init")
+def model_init(
+    dir: str | None = typer.Option(None, "--dir", help="default: <data_dir>/model"),
+    preset: str | None = typer.Option(None, help="default or test"),
+) -> None:
+    """Build the tiny Wan2.1-architecture model and save it with save_pretrained."""
+    from workers.families import wan
+
+    settings = _settings(model={k: v for k, v in {"dir": dir, "preset": preset}.items() if v})
+    if wan.is_built(settings.model_dir):
+        console.print(f"model already built in {settings.model_dir}")
+        return
+    wan.build(settings.model_dir, settings.model.preset, settings.model.build_seed)
+    console.print(f"built the {settings.model.preset} model in {settings.model_dir}")
+
+
+@app.command()
+def submit(
+    prompt: str,
+    out: str = typer.Option(..., help="file to write the output to"),
+    negative_prompt: str = "",
+    seed: int = 0,
+    output_format: str = typer.Option("mp4", help="mp4, png or npy"),
+    tenant: str | None = None,
+) -> None:
+    """Submit one request straight to the queue and wait for its output."""
+    from cli.client import submit_and_wait
+
+    settings = _client_settings()
+    submit_and_wait(settings, prompt, negative_prompt, seed, output_format,
+                    tenant or settings.default_tenant, out, console)

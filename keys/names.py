@@ -94,3 +94,27 @@ def stats_bucket(tenant: str, minute: int) -> str:
 def tenants_registry() -> str:
     """Set: every tenant that has written counters, so a dashboard can list them."""
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:tenants"
+
+
+def request_record(tenant: str, request_id: str) -> str:
+    """Hash: the state, timings and results of one request (``workers.records``)."""
+    return f"{KEY_VERSION}:{check_tenant(tenant)}:req:{request_id}"
+
+
+def request_index(tenant: str) -> str:
+    """Sorted set: request ids of ``tenant`` scored by submission time in unix ms."""
+    return f"{KEY_VERSION}:{check_tenant(tenant)}:requests"
+
+
+def stage_stream(stage: str) -> str:
+    """Stream: jobs for one stage's worker pool. Shared by tenants; each job names its tenant."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:stream:{stage}"
+
+
+def dead_letter_stream() -> str:
+    """Stream: jobs that failed more deliveries than allowed, with the reason."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:stream:dead"
+
+
+def consumer_group(stage: str) -> str:
+    return f"{stage}-workers"

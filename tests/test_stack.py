@@ -51,7 +51,10 @@ def wait_gone(pids: set[int], timeout_s: float = 10) -> set[int]:
 @contextmanager
 def diffcache_up(tmp_path: Path, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
-    environ.update(env, DIFFCACHE_DATA_DIR=str(tmp_path), DIFFCACHE_STORE__SEGMENT_MIB="32")
+    environ.update({"DIFFCACHE_DATA_DIR": str(tmp_path), "DIFFCACHE_STORE__SEGMENT_MIB": "32",
+                    **{f"DIFFCACHE_WORKERS__{s}_WORKERS": "0" for s in ("ENCODE", "DENOISE",
+                                                                       "DECODE")},
+                    **env})
     proc = subprocess.Popen([*DIFFCACHE, "up"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=environ)
     lines = []
@@ -120,3 +123,23 @@ def test_bad_settings_are_named(tmp_path: Path, name: str, value: str, expected:
                           timeout=60, check=False)
     assert done.returncode == 2
     assert expected in done.stderr
+
+
+def test_up_serves_a_prompt_as_a_playable_mp4(tmp_path: Path) -> None:
+    """The README's promise: `make up`, then one command turns a prompt into an MP4."""
+    import imageio.v3 as iio
+
+    workers = {f"DIFFCACHE_WORKERS__{s}_WORKERS": "1" for s in ("ENCODE", "DENOISE", "DECODE")}
+    with diffcache_up(tmp_path, DIFFCACHE_MODEL__PRESET="test", **workers) as (proc, out):
+        assert "is up" in out and len(children_of(proc.pid)) == 6
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
+        environ["DIFFCACHE_DATA_DIR"] = str(tmp_path)
+        video = tmp_path / "raccoon.mp4"
+        done = subprocess.run([*DIFFCACHE, "submit", "a raccoon in a garden", "--out",
+                               str(video)], capture_output=True, text=True, env=environ,
+                              timeout=120, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        frames = iio.imread(video)
+        assert frames.shape == (9, 96, 96, 3) and frames.std() > 0
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0

@@ -1,0 +1,48 @@
+"""``diffcache submit``: a request straight through the queue, with a progress bar."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress
+
+from cachesvc.connect import open_cache, open_redis
+from cachesvc.settings import Settings
+from keys import GenerationSpec, OutputFormat, StoreKey
+from workers.messages import State
+from workers.records import Records
+from workers.submit import new_request_id, submit
+
+
+def submit_and_wait(settings: Settings, prompt: str, negative_prompt: str, seed: int,
+                    output_format: str, tenant: str, out: str, console: Console) -> None:
+    m = settings.model
+    spec = GenerationSpec.create(
+        request_id=new_request_id(), tenant=tenant, prompt=prompt,
+        negative_prompt=negative_prompt, width=m.width, height=m.height,
+        num_frames=m.num_frames, num_inference_steps=m.num_inference_steps,
+        guidance_scale=m.guidance_scale, seed=seed, output_format=OutputFormat(output_format))
+    client = open_redis(settings)
+    submit(client, spec)
+    records = Records(client)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("queued", total=spec.num_inference_steps)
+        while True:
+            record = records.get(tenant, spec.request_id)
+            assert record is not None
+            progress.update(task, completed=record.step, description=record.state.value.lower())
+            if record.state.terminal:
+                break
+            time.sleep(0.1)
+    if record.state is not State.DONE or record.output_key is None:
+        raise SystemExit(f"request {spec.request_id} ended {record.state}: {record.error}")
+    cache = open_cache(settings, client)
+    data = cache.get(StoreKey.parse(record.output_key))
+    cache.close()
+    if data is None:
+        raise SystemExit(f"output of {spec.request_id} expired from the store")
+    Path(out).write_bytes(data.numpy().tobytes())
+    timings = ", ".join(f"{k} {v:.2f}s" for k, v in record.stage_seconds().items())
+    console.print(f"wrote {out} ({len(data)} bytes); {timings}; cache hits {record.hits()}")

@@ -1,0 +1,59 @@
+"""Text conditions: tokenize, key by token ids, look up with single-flight, encode on a miss.
+
+The key is built from the encoder's own token ids, attention mask and max length, never from
+the raw string: texts the tokenizer merges (case, spacing) share an entry, texts it keeps apart
+never do. Tokenizing costs microseconds; encoding costs milliseconds to seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from cachesvc.single_flight import Outcome
+from cachesvc.tensor_cache import TensorCache
+from keys import Fingerprint, StoreKey, embedding_key
+
+
+class TokenizedText(Protocol):
+    @property
+    def ids(self) -> Sequence[int]: ...
+
+    @property
+    def mask(self) -> Sequence[int]: ...
+
+
+class TextModel(Protocol):
+    """What a model family provides for text conditioning."""
+
+    fingerprint: Fingerprint
+    max_length: int
+
+    def tokenize(self, text: str) -> TokenizedText: ...
+
+    def encode(self, tokens: TokenizedText) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedText:
+    text: str
+    key: StoreKey
+    tensor: torch.Tensor
+    hit: bool  # found in the cache (possibly after waiting for another encoder)
+
+
+def encode_texts(cache: TensorCache, model: TextModel, tenant: str,
+                 texts: Sequence[str]) -> dict[str, EncodedText]:
+    """Embeddings of each distinct text, from the cache where possible."""
+    out: dict[str, EncodedText] = {}
+    for text in dict.fromkeys(texts):
+        tokens = model.tokenize(text)
+        key = embedding_key(tenant, model.fingerprint, tokens.ids, tokens.mask, model.max_length)
+        cached = cache.get_or_compute(key, functools.partial(model.encode, tokens))
+        hit = cached.outcome in (Outcome.HIT, Outcome.WAITED)
+        out[text] = EncodedText(text, key, cached.tensor, hit)
+    return out

@@ -1,0 +1,144 @@
+"""The disaggregated pipeline, run by real worker processes over the real stack, against the
+monolithic diffusers ``WanPipeline`` on the same saved model: outputs are bit-identical."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from cachesvc.connect import open_redis
+from cachesvc.processes import ChildProcess
+from cachesvc.settings import ModelSettings, Settings, WorkerSettings
+from keys import GenerationSpec
+from keys.names import stage_stream
+from tests.workers_harness import make_spec, read_frames, run_request, start_worker, wait_done
+from workers.families import wan
+from workers.messages import Job, Stage, State
+from workers.runtime import consumer_name
+from workers.submit import submit
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("model")
+    wan.build(directory, "test")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def worker_settings(stack_settings: Settings, model_dir: Path) -> Settings:
+    return stack_settings.model_copy(update={
+        "model": ModelSettings(dir=model_dir, preset="test"),
+        "workers": WorkerSettings(idle_timeout_s=3.0, block_ms=200)})
+
+
+@pytest.fixture(scope="module")
+def client(worker_settings: Settings) -> redis.Redis:
+    return open_redis(worker_settings)
+
+
+@pytest.fixture(scope="module")
+def pool(worker_settings: Settings, client: redis.Redis,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Stage, list[ChildProcess]]]:
+    """One worker per stage for the whole module; tests may add and kill more."""
+    logs = tmp_path_factory.mktemp("worker-logs")
+    workers = {stage: [start_worker(worker_settings, stage, logs, client, f"{stage}-0")]
+               for stage in Stage}
+    yield workers
+    for children in workers.values():
+        for child in children:
+            child.stop()
+
+
+@pytest.fixture(scope="module")
+def pipe(model_dir: Path) -> object:
+    from diffusers import WanPipeline
+
+    return WanPipeline.from_pretrained(model_dir)
+
+
+def reference(pipe: object, spec: GenerationSpec) -> np.ndarray:
+    """The monolithic pipeline's frames for ``spec``, as uint8."""
+    segment = spec.schedule[0]
+    out = pipe(segment.prompt, negative_prompt=segment.negative_prompt,  # type: ignore[operator]
+               height=spec.height, width=spec.width, num_frames=spec.num_frames,
+               num_inference_steps=spec.num_inference_steps, guidance_scale=spec.guidance_scale,
+               generator=torch.Generator().manual_seed(spec.seed), output_type="np").frames
+    return wan.to_uint8(out[0])
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"guidance_scale": 1.0},
+    {"seed": 1234, "num_inference_steps": 6, "negative_prompt": ""},
+    {"width": 48, "height": 32, "num_frames": 9, "prompt": "Two dogs, running on a BEACH!"},
+    {"num_frames": 1, "guidance_scale": 3.5},
+], ids=["cfg", "no-cfg", "empty-negative", "wide-9-frames", "single-frame"])
+def test_outputs_are_bit_identical_to_the_diffusers_pipeline(
+        worker_settings: Settings, client: redis.Redis, pool: object, pipe: object,
+        changes: dict[str, object]) -> None:
+    spec = make_spec(**changes)
+    frames = run_request(worker_settings, client, spec)
+    expected = reference(pipe, spec)
+    assert frames.shape == expected.shape == (spec.num_frames, spec.height, spec.width, 3)
+    assert np.array_equal(frames, expected)
+
+
+def test_a_repeated_prompt_is_encoded_once(worker_settings: Settings, client: redis.Redis,
+                                           pool: object) -> None:
+    first = make_spec(prompt="a lighthouse at dawn", negative_prompt="dark", seed=1)
+    second = make_spec(prompt="a lighthouse at dawn", negative_prompt="dark", seed=2)
+    run_request(worker_settings, client, first)
+    run_request(worker_settings, client, second)
+    records = [wait_done(client, s) for s in (first, second)]
+    assert records[0].hits()["embed"] == 0
+    assert records[1].hits()["embed"] == 2  # prompt and negative prompt both hit
+
+
+def test_two_workers_of_one_stage_share_the_load(
+        worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
+        tmp_path: Path) -> None:
+    pool[Stage.DENOISE].append(start_worker(worker_settings, Stage.DENOISE, tmp_path, client,
+                                            "denoise-1"))
+    specs = [make_spec(seed=100 + i, num_inference_steps=8) for i in range(6)]
+    for spec in specs:
+        submit(client, spec)
+    records = [wait_done(client, spec) for spec in specs]
+    assert all(r.state is State.DONE for r in records)
+    assert len({r.fields["worker:denoise"] for r in records}) == 2
+
+
+def decode_entries_for(client: redis.Redis, request_id: str) -> int:
+    entries = client.xrange(stage_stream(Stage.DECODE.value))
+    return sum(Job.from_json(fields[b"job"]).request_id == request_id for _, fields in entries)
+
+
+@pytest.mark.parametrize("stage", [Stage.DENOISE, Stage.DECODE])
+def test_kill_9_mid_request_completes_once_with_the_same_output(
+        worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
+        pipe: object, tmp_path: Path, stage: Stage) -> None:
+    # Long enough in the stage under test that the kill lands mid-job.
+    spec = make_spec(seed=77, num_inference_steps=40 if stage is Stage.DENOISE else 4,
+                     num_frames=33 if stage is Stage.DECODE else 5, width=64, height=64)
+    submit(client, spec)
+    running = {Stage.DENOISE: State.DENOISING, Stage.DECODE: State.DECODING}[stage]
+    key = f"v1:{spec.tenant}:req:{spec.request_id}"
+    while client.hget(key, "state") != running.value.encode():
+        assert client.hget(key, "state") not in (b"DONE", b"FAILED"), "finished before the kill"
+        time.sleep(0.002)
+    owner = client.hget(key, f"worker:{stage.value}")
+    victim = next(c for c in pool[stage] if c.alive() and consumer_name(c.pid).encode() == owner)
+    victim.kill()
+    pool[stage].remove(victim)
+    pool[stage].append(start_worker(worker_settings, stage, tmp_path, client, "replacement"))
+    record = wait_done(client, spec)
+    assert record.state is State.DONE
+    assert int(record.fields[f"attempt:{stage.value}"]) == 2
+    assert decode_entries_for(client, spec.request_id) == 1  # published once
+    assert np.array_equal(read_frames(worker_settings, record), reference(pipe, spec))

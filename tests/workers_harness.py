@@ -1,0 +1,72 @@
+"""Worker processes for tests, started as `diffcache worker <stage>` against the session stack,
+and helpers to submit requests and read their outputs."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import redis
+
+from cachesvc.connect import open_cache
+from cachesvc.processes import ChildProcess
+from cachesvc.settings import Settings, child_environ
+from keys import GenerationSpec, StoreKey
+from workers.media import decode_npy
+from workers.messages import Stage, State
+from workers.records import Records, RequestRecord
+from workers.runtime import consumer_name
+from workers.streams import live_consumers
+from workers.submit import new_request_id, submit
+
+
+def start_worker(settings: Settings, stage: Stage, logs: Path, client: redis.Redis,
+                 name: str) -> ChildProcess:
+    child = ChildProcess(name, [sys.executable, "-m", "cli", "worker", stage.value],
+                         logs / f"{name}.log", child_environ(settings))
+    child.start()
+    child.wait_healthy(lambda: consumer_name(child.pid) in live_consumers(client, stage), 120,
+                       f"see {child.log_path}")
+    return child
+
+
+def make_spec(tenant: str = "acme", **changes: object) -> GenerationSpec:
+    fields: dict[str, object] = dict(request_id=new_request_id(), tenant=tenant,
+                                     prompt="a red fox in the snow", negative_prompt="blurry",
+                                     width=32, height=32, num_frames=5, num_inference_steps=4,
+                                     guidance_scale=5.0, seed=11, output_format="npy")
+    fields.update(changes)
+    return GenerationSpec.create(**fields)  # type: ignore[arg-type]
+
+
+def wait_done(client: redis.Redis, spec: GenerationSpec, timeout_s: float = 120) -> RequestRecord:
+    records = Records(client)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        record = records.get(spec.tenant, spec.request_id)
+        if record is not None and record.state.terminal:
+            return record
+        time.sleep(0.05)
+    last = records.get(spec.tenant, spec.request_id)
+    raise TimeoutError(f"request {spec.request_id} not finished: {last}")
+
+
+def run_request(settings: Settings, client: redis.Redis, spec: GenerationSpec) -> np.ndarray:
+    """Submit ``spec``, wait for it, and return its frames (F, H, W, 3) uint8."""
+    submit(client, spec)
+    record = wait_done(client, spec)
+    assert record.state is State.DONE, record
+    return read_frames(settings, record)
+
+
+def read_frames(settings: Settings, record: RequestRecord) -> np.ndarray:
+    assert record.output_key is not None
+    cache = open_cache(settings)
+    try:
+        data = cache.get(StoreKey.parse(record.output_key))
+    finally:
+        cache.close()
+    assert data is not None
+    return decode_npy(data.numpy().tobytes())

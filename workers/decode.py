@@ -1,0 +1,51 @@
+"""Decode stage: the VAE, frame chunk by frame chunk, into the requested output file.
+
+Reads: the decode stream; the request record; the final latents named by the job.
+Writes: the output file (``output`` entry keyed by chain head, decoder and format, with a TTL),
+then deletes the final latents once the result is published.
+Feeds: nothing; the request is DONE and the API serves the output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cachesvc.tensor_cache import TensorCache
+from keys import ChainLink, StoreKey, output_key
+from workers.families.wan import WanDecoder
+from workers.media import encode_frames
+from workers.messages import Job, Stage
+from workers.records import Records
+from workers.runtime import JobContext, Outcome, StageError
+
+
+class DecodeHandler:
+    stage = Stage.DECODE
+
+    def __init__(self, cache: TensorCache, records: Records, model: WanDecoder,
+                 fps: int) -> None:
+        self.cache = cache
+        self.records = records
+        self.model = model
+        self.fps = fps
+
+    def handle(self, ctx: JobContext) -> Outcome:
+        job = ctx.job
+        record = self.records.get(job.tenant, job.request_id)
+        if record is None:
+            raise StageError(job, "request record is missing")
+        spec = record.spec
+        head = ChainLink(job.tenant, job.chain_index, job.chain_head)
+        out_key = output_key(head, self.model.fingerprint, spec.output_format.value)
+        hit = self.cache.exists(out_key)
+        if not hit:
+            latents = self.cache.get(StoreKey.parse(job.ref("latents").key))
+            if latents is None:
+                raise StageError(job, "final latents are missing from the store")
+            data = encode_frames(self.model.frames(latents), spec.output_format, self.fps)
+            self.cache.put(out_key, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return Outcome(None, fields={"output_key": str(out_key), "hits:output": int(hit)})
+
+    def after_publish(self, job: Job, outcome: Outcome) -> None:
+        """Final latents have one consumer: delete them once the output is published."""
+        self.cache.remove(StoreKey.parse(job.ref("latents").key))

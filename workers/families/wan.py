@@ -1,0 +1,261 @@
+"""The Wan2.1 family: text encoder, DiT and VAE, loaded with ``from_pretrained``.
+
+The embedded default is a tiny Wan2.1-architecture pipeline built from a fixed seed and saved
+with ``save_pretrained`` on first start; from then on it loads through the same path a real
+checkpoint such as ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` takes. The stage code here reproduces
+``WanPipeline.__call__`` step for step, which is what makes outputs bit-identical to it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from encoders.text import TokenizedText
+from keys import Fingerprint, GenerationSpec, file_digest, model_fingerprint
+
+MAX_SEQUENCE_LENGTH = 512  # what WanPipeline.__call__ uses (encode_prompt defaults to 226)
+PRESET_FILE = "diffcache-preset.json"
+SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
+PUNCTUATION = list(".,!?;:'\"()-")
+
+
+@dataclass(frozen=True, slots=True)
+class WanPreset:
+    """Sizes of the tiny built-in model. ``default`` makes denoise dominate a request's compute,
+    as on real video models; ``test`` is the smallest model that exercises every code path."""
+
+    vocab_words: int
+    text_dim: int
+    text_layers: int
+    text_heads: int
+    dit_heads: int
+    dit_head_dim: int
+    dit_ffn: int
+    dit_layers: int
+    vae_base_dim: int
+
+
+PRESETS = {
+    "default": WanPreset(vocab_words=4000, text_dim=64, text_layers=2, text_heads=4,
+                         dit_heads=4, dit_head_dim=32, dit_ffn=512, dit_layers=14,
+                         vae_base_dim=8),
+    "test": WanPreset(vocab_words=4000, text_dim=32, text_layers=1, text_heads=2,
+                      dit_heads=2, dit_head_dim=16, dit_ffn=64, dit_layers=2, vae_base_dim=4),
+}
+
+
+def _word_tokenizer(words: list[str]) -> Any:
+    """A lower-casing word-level tokenizer that appends ``</s>``, as T5 tokenizers do."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for word in [*PUNCTUATION, *words]:
+        vocab.setdefault(word, len(vocab))
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>",
+                                                       special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                   unk_token="<unk>", model_max_length=MAX_SEQUENCE_LENGTH)
+
+
+def build(directory: Path, preset_name: str, seed: int = 0) -> None:
+    """Build the tiny pipeline from ``seed`` and save it with ``save_pretrained``."""
+    import wordfreq
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    preset = PRESETS[preset_name]
+    torch.manual_seed(seed)
+    # Common English words, so real prompts rarely fall back to <unk> (which would merge
+    # distinct prompts into one embedding key and inflate hit rates).
+    tokenizer = _word_tokenizer(wordfreq.top_n_list("en", preset.vocab_words))
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=preset.text_dim, d_kv=preset.text_dim // 4,
+        d_ff=preset.text_dim * 2, num_layers=preset.text_layers, num_heads=preset.text_heads,
+        relative_attention_num_buckets=32, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0))
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=preset.dit_heads,
+        attention_head_dim=preset.dit_head_dim, in_channels=16, out_channels=16,
+        text_dim=preset.text_dim, freq_dim=256, ffn_dim=preset.dit_ffn,
+        num_layers=preset.dit_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=1024)
+    vae = AutoencoderKLWan(base_dim=preset.vae_base_dim, z_dim=16, dim_mult=[1, 2, 4, 4],
+                           num_res_blocks=1, temperal_downsample=[False, True, True])
+    # The scheduler Wan2.1 ships with: UniPC over flow-matching sigmas.
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        flow_shift=3.0, num_train_timesteps=1000)
+    pipe: Any = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
+                       vae=vae, scheduler=scheduler)
+    directory.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(directory)
+    (directory / PRESET_FILE).write_text(json.dumps({"preset": preset_name, "seed": seed,
+                                                     **asdict(preset)}))
+
+
+def is_built(directory: Path) -> bool:
+    return (directory / "model_index.json").exists()
+
+
+def _fingerprint(role: str, component_dir: Path, dtype: torch.dtype) -> Fingerprint:
+    config = json.loads((component_dir / "config.json").read_text())
+    config.pop("_diffusers_version", None)
+    config.pop("transformers_version", None)
+    weights = {p.name: file_digest(p) for p in sorted(component_dir.glob("*.safetensors"))}
+    return model_fingerprint(role, config, weights, str(dtype), "cpu")
+
+
+# --- Encode ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    ids: tuple[int, ...]
+    mask: tuple[int, ...]
+
+
+class WanTextEncoder:
+    """UMT5 conditioning exactly as ``WanPipeline._get_t5_prompt_embeds`` computes it."""
+
+    max_length = MAX_SEQUENCE_LENGTH
+
+    def __init__(self, directory: Path) -> None:
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        self.tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
+        self.model = UMT5EncoderModel.from_pretrained(directory / "text_encoder").eval()
+        self.fingerprint = _fingerprint("text_encoder", directory / "text_encoder",
+                                        self.model.dtype)
+
+    def tokenize(self, text: str) -> Tokens:
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        out = self.tokenizer([prompt_clean(text)], padding="max_length",
+                             max_length=self.max_length, truncation=True,
+                             add_special_tokens=True, return_attention_mask=True,
+                             return_tensors="pt")
+        return Tokens(tuple(out.input_ids[0].tolist()), tuple(out.attention_mask[0].tolist()))
+
+    @torch.no_grad()
+    def encode(self, tokens: TokenizedText) -> torch.Tensor:
+        ids = torch.tensor([tokens.ids])
+        mask = torch.tensor([tokens.mask])
+        hidden = self.model(ids, mask).last_hidden_state
+        # Zero everything past the text, as the pipeline does.
+        length = int(mask.gt(0).sum())
+        out = torch.zeros_like(hidden)
+        out[:, :length] = hidden[:, :length]
+        return out
+
+
+# --- Denoise --------------------------------------------------------------------------------
+
+
+class WanDenoiser:
+    """The DiT and scheduler, driven one step at a time by the denoise worker."""
+
+    def __init__(self, directory: Path) -> None:
+        from diffusers import UniPCMultistepScheduler, WanTransformer3DModel
+
+        self.transformer = WanTransformer3DModel.from_pretrained(directory / "transformer").eval()
+        self.scheduler_config = dict(
+            UniPCMultistepScheduler.load_config(directory / "scheduler"))
+        self._scheduler_cls = UniPCMultistepScheduler
+        vae_config = json.loads((directory / "vae" / "config.json").read_text())
+        self.temporal_factor = 2 ** sum(vae_config["temperal_downsample"])
+        self.spatial_factor = 2 ** (len(vae_config["dim_mult"]) - 1)
+        self.fingerprint = _fingerprint("transformer", directory / "transformer",
+                                        self.transformer.dtype)
+
+    def scheduler(self, steps: int) -> Any:
+        scheduler = self._scheduler_cls.from_config(self.scheduler_config)
+        scheduler.set_timesteps(steps, device="cpu")
+        scheduler.set_begin_index(0)
+        return scheduler
+
+    def initial_latents(self, spec: GenerationSpec) -> torch.Tensor:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        shape = (1, self.transformer.config.in_channels,
+                 (spec.num_frames - 1) // self.temporal_factor + 1,
+                 spec.height // self.spatial_factor, spec.width // self.spatial_factor)
+        generator = torch.Generator(device="cpu").manual_seed(spec.seed)
+        return randn_tensor(shape, generator=generator, device=torch.device("cpu"),
+                            dtype=torch.float32)
+
+    @torch.no_grad()
+    def predict(self, latents: torch.Tensor, t: torch.Tensor,
+                embeds: torch.Tensor) -> torch.Tensor:
+        """One transformer forward: the model's prediction for ``latents`` at timestep ``t``."""
+        model_input = latents.to(self.transformer.dtype)
+        return self.transformer(hidden_states=model_input, timestep=t.expand(latents.shape[0]),
+                                encoder_hidden_states=embeds.to(self.transformer.dtype),
+                                return_dict=False)[0]
+
+
+def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Classifier-free guidance, in the pipeline's exact operation order."""
+    return uncond + scale * (cond - uncond)
+
+
+# --- Decode ---------------------------------------------------------------------------------
+
+
+class WanDecoder:
+    """The Wan VAE, decoding one latent frame at a time so video memory stays bounded."""
+
+    def __init__(self, directory: Path) -> None:
+        from diffusers import AutoencoderKLWan
+        from diffusers.video_processor import VideoProcessor
+
+        self.vae = AutoencoderKLWan.from_pretrained(directory / "vae").eval()
+        self.processor = VideoProcessor(vae_scale_factor=self.vae.config.scale_factor_spatial)
+        self.fingerprint = _fingerprint("vae", directory / "vae", self.vae.dtype)
+
+    @torch.no_grad()
+    def frames(self, latents: torch.Tensor) -> Iterator[np.ndarray]:
+        """uint8 frames (F, H, W, 3) chunk by chunk, equal to the pipeline's whole decode.
+
+        This is ``AutoencoderKLWan._decode`` with its frame loop opened up: the causal feature
+        cache carries across latent frames, so each chunk comes out exactly as it would inside
+        one call, and only one chunk of pixels is held at a time.
+        """
+        vae = self.vae
+        config = vae.config
+        latents = latents.to(dtype=vae.dtype)
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
+        std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
+        z = latents / std + mean
+        vae.clear_cache()
+        try:
+            x = vae.post_quant_conv(z)
+            for i in range(z.shape[2]):
+                vae._conv_idx = [0]
+                chunk = vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map,
+                                    feat_idx=vae._conv_idx, first_chunk=(i == 0))
+                chunk = torch.clamp(chunk, min=-1.0, max=1.0)
+                video = self.processor.postprocess_video(chunk, output_type="np")
+                yield to_uint8(video[0])
+        finally:
+            vae.clear_cache()
+
+
+def to_uint8(frames: np.ndarray) -> np.ndarray:
+    """Float frames in [0, 1] to uint8, as ``diffusers`` does for PIL output."""
+    return (frames * 255).round().astype(np.uint8)

@@ -1,0 +1,64 @@
+"""Start one stage worker from the settings object: load its model, connect, run the loop."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType
+
+import torch
+
+from cachesvc.connect import open_cache, open_redis
+from cachesvc.settings import Settings
+from workers.messages import Stage
+from workers.records import Records
+from workers.runtime import Handler, Worker
+
+log = logging.getLogger(__name__)
+
+
+def ensure_model(settings: Settings) -> None:
+    """Build the embedded model on first start; later starts load what was saved."""
+    from workers.families import wan
+
+    if not wan.is_built(settings.model_dir):
+        log.info("building the %s model in %s", settings.model.preset, settings.model_dir)
+        wan.build(settings.model_dir, settings.model.preset, settings.model.build_seed)
+
+
+def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
+    from workers.families import wan
+
+    torch.set_num_threads(settings.workers.torch_threads)
+    client = open_redis(settings)
+    cache = open_cache(settings, client)
+    records = Records(client)
+    directory = settings.model_dir
+    handler: Handler
+    if stage is Stage.ENCODE:
+        from workers.encode import EncodeHandler
+
+        handler = EncodeHandler(cache, records, wan.WanTextEncoder(directory))
+        return Worker(handler, client, settings.workers), handler
+    if stage is Stage.DENOISE:
+        from workers.denoise import DenoiseHandler
+
+        handler = DenoiseHandler(cache, records, wan.WanDenoiser(directory))
+        return Worker(handler, client, settings.workers), handler
+    from workers.decode import DecodeHandler
+
+    decode = DecodeHandler(cache, records, wan.WanDecoder(directory), settings.workers.fps)
+    return Worker(decode, client, settings.workers, after_publish=decode.after_publish), decode
+
+
+def run(stage: Stage, settings: Settings) -> None:
+    """Run a worker until SIGTERM or SIGINT; the job in hand finishes first."""
+    worker, _ = build_worker(stage, settings)
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        log.info("%s: stopping after the current job", signal.Signals(signum).name)
+        worker.stop.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    worker.run()

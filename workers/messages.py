@@ -1,0 +1,89 @@
+"""Everything that crosses a process boundary through Redis, as frozen, versioned types.
+
+A job carries references (store keys, dtypes, shapes), never tensors. It is encoded as JSON and
+validated on the way back in: data read from Redis is never unpickled or trusted blindly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pydantic import TypeAdapter
+
+MESSAGE_VERSION = 1
+
+
+class Stage(StrEnum):
+    ENCODE = "encode"
+    DENOISE = "denoise"
+    DECODE = "decode"
+
+
+class State(StrEnum):
+    """The life of a request; every change is written to its record."""
+
+    QUEUED = "QUEUED"
+    ENCODING = "ENCODING"
+    ENCODED = "ENCODED"
+    DENOISING = "DENOISING"
+    DENOISED = "DENOISED"
+    DECODING = "DECODING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (State.DONE, State.FAILED, State.CANCELLED)
+
+
+# The state a stage moves its request into when it starts, and when it publishes.
+RUNNING = {Stage.ENCODE: State.ENCODING, Stage.DENOISE: State.DENOISING,
+           Stage.DECODE: State.DECODING}
+FINISHED = {Stage.ENCODE: State.ENCODED, Stage.DENOISE: State.DENOISED, Stage.DECODE: State.DONE}
+NEXT = {Stage.ENCODE: Stage.DENOISE, Stage.DENOISE: Stage.DECODE, Stage.DECODE: None}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor in the store: what ``name`` means to the consumer, its key, dtype and shape."""
+
+    name: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One request's work for one stage."""
+
+    request_id: str
+    tenant: str
+    stage: Stage
+    refs: tuple[TensorRef, ...] = ()
+    # The trajectory's last chain link, from denoise to decode: it names the output entry.
+    chain_index: int = 0
+    chain_head: str = ""
+    v: int = MESSAGE_VERSION
+
+    def ref(self, name: str) -> TensorRef:
+        for ref in self.refs:
+            if ref.name == name:
+                return ref
+        raise KeyError(f"job for {self.request_id} at {self.stage} has no input {name!r}")
+
+    def to_json(self) -> str:
+        return _JOB.dump_json(self).decode()
+
+    @staticmethod
+    def from_json(raw: str | bytes) -> Job:
+        job = _JOB.validate_json(raw)
+        if job.v != MESSAGE_VERSION:
+            raise ValueError(f"job message version {job.v} is not {MESSAGE_VERSION}")
+        return job
+
+
+_JOB: TypeAdapter[Job] = TypeAdapter(Job)
+

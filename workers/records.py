@@ -1,0 +1,206 @@
+"""Request records: one Redis hash per request, the single source of truth for its state.
+
+Every state change goes through a Lua script that checks the writer's fencing token (the
+delivery attempt it holds), so a worker that was paused past its lease and wakes up can neither
+overwrite a newer attempt's progress nor publish a result twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+
+import redis
+
+from keys import GenerationSpec, OutputFormat, Priority, PromptSegment
+from keys.names import consumer_group, dead_letter_stream, request_record, stage_stream
+from workers.messages import FINISHED, NEXT, RUNNING, Job, State
+
+# KEYS[1] record. ARGV: stage, attempt, running state, now, then field/value pairs.
+_CLAIM = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return -1 end
+if state == 'CANCELLED' or state == 'FAILED' or state == 'DONE' then return 3 end
+if redis.call('HGET', KEYS[1], 'done:' .. ARGV[1]) then return 2 end
+local fence = tonumber(redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) or '0')
+if tonumber(ARGV[2]) < fence then return 0 end
+redis.call('HSET', KEYS[1], 'fence:' .. ARGV[1], ARGV[2], 'state', ARGV[3], 'updated_at', ARGV[4])
+for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+
+# KEYS[1] record. ARGV: stage, attempt, now, then field/value pairs. Returns the state.
+_UPDATE = """
+local fence = tonumber(redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) or '0')
+if tonumber(ARGV[2]) ~= fence then return 'STALE' end
+for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if #ARGV >= 4 then redis.call('HSET', KEYS[1], 'updated_at', ARGV[3]) end
+return redis.call('HGET', KEYS[1], 'state')
+"""
+
+# KEYS: record, this stage's stream, next stage's stream (or the record again for none).
+# ARGV: stage, attempt, group, entry id, next job ('' for none), new state, now, field pairs.
+_PUBLISH = """
+local fence = tonumber(redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) or '0')
+if tonumber(ARGV[2]) ~= fence then return 0 end
+if redis.call('HGET', KEYS[1], 'done:' .. ARGV[1]) then
+  redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])
+  return 2
+end
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'CANCELLED' then
+  redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])
+  return 3
+end
+if ARGV[5] ~= '' then redis.call('XADD', KEYS[3], '*', 'job', ARGV[5]) end
+redis.call('HSET', KEYS[1], 'done:' .. ARGV[1], '1', 'state', ARGV[6], 'updated_at', ARGV[7])
+for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])
+return 1
+"""
+
+# KEYS: record, this stage's stream, dead letters. ARGV: group, entry id, job, reason, now.
+_DEAD = """
+redis.call('XADD', KEYS[3], '*', 'job', ARGV[3], 'reason', ARGV[4])
+local state = redis.call('HGET', KEYS[1], 'state')
+if state and state ~= 'DONE' and state ~= 'CANCELLED' then
+  redis.call('HSET', KEYS[1], 'state', 'FAILED', 'error', ARGV[4], 'updated_at', ARGV[5])
+end
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
+return 1
+"""
+
+
+class Claim(IntEnum):
+    MISSING = -1  # no such request
+    STALE = 0  # a newer delivery attempt owns the request
+    OWNED = 1
+    ALREADY_DONE = 2  # this stage already published
+    TERMINAL = 3  # cancelled, failed or done
+
+
+class Published(IntEnum):
+    STALE = 0
+    PUBLISHED = 1
+    DUPLICATE = 2
+    CANCELLED = 3
+
+
+def spec_to_json(spec: GenerationSpec) -> str:
+    return json.dumps({
+        "request_id": spec.request_id, "tenant": spec.tenant,
+        "schedule": [[s.prompt, s.negative_prompt, s.until_step] for s in spec.schedule],
+        "width": spec.width, "height": spec.height, "num_frames": spec.num_frames,
+        "num_inference_steps": spec.num_inference_steps,
+        "guidance_scale": spec.guidance_scale, "seed": spec.seed,
+        "output_format": spec.output_format.value, "priority": spec.priority.value,
+    })
+
+
+def spec_from_json(raw: str | bytes) -> GenerationSpec:
+    d = json.loads(raw)
+    return GenerationSpec(
+        request_id=d["request_id"], tenant=d["tenant"],
+        schedule=tuple(PromptSegment(p, n, int(u)) for p, n, u in d["schedule"]),
+        width=int(d["width"]), height=int(d["height"]), num_frames=int(d["num_frames"]),
+        num_inference_steps=int(d["num_inference_steps"]),
+        guidance_scale=float(d["guidance_scale"]), seed=int(d["seed"]),
+        output_format=OutputFormat(d["output_format"]), priority=Priority(d["priority"]))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """What a reader of the record sees; ``fields`` keeps everything for status pages."""
+
+    spec: GenerationSpec
+    state: State
+    step: int
+    error: str | None
+    output_key: str | None
+    fields: dict[str, str]
+
+    def stage_seconds(self) -> dict[str, float]:
+        return {k.removeprefix("seconds:"): float(v) for k, v in self.fields.items()
+                if k.startswith("seconds:")}
+
+    def hits(self) -> dict[str, int]:
+        return {k.removeprefix("hits:"): int(v) for k, v in self.fields.items()
+                if k.startswith("hits:")}
+
+
+def _pairs(fields: dict[str, object]) -> list[str]:
+    out: list[str] = []
+    for k, v in fields.items():
+        out += [k, str(v)]
+    return out
+
+
+def _now() -> str:
+    return f"{time.time():.3f}"
+
+
+class Records:
+    """Reads and fenced writes of request records."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.redis = client
+        self._claim = client.register_script(_CLAIM)
+        self._update = client.register_script(_UPDATE)
+        self._publish = client.register_script(_PUBLISH)
+        self._dead = client.register_script(_DEAD)
+
+    def initial_fields(self, spec: GenerationSpec) -> dict[str, str]:
+        now = _now()
+        return {"spec": spec_to_json(spec), "state": State.QUEUED.value, "step": "0",
+                "steps": str(spec.num_inference_steps), "created_at": now, "updated_at": now}
+
+    def get(self, tenant: str, request_id: str) -> RequestRecord | None:
+        raw = self.redis.hgetall(request_record(tenant, request_id))
+        if not raw:
+            return None
+        fields = {k.decode(): v.decode() for k, v in raw.items()}  # type: ignore[union-attr]
+        return RequestRecord(spec=spec_from_json(fields["spec"]), state=State(fields["state"]),
+                             step=int(fields.get("step", "0")), error=fields.get("error"),
+                             output_key=fields.get("output_key"), fields=fields)
+
+    def claim(self, job: Job, attempt: int, **fields: object) -> Claim:
+        key = request_record(job.tenant, job.request_id)
+        return Claim(int(self._claim(keys=[key], args=[
+            job.stage.value, attempt, RUNNING[job.stage].value, _now(), *_pairs(fields)])))
+
+    def update(self, job: Job, attempt: int, **fields: object) -> State | None:
+        """Write progress if ``attempt`` still owns the request; its state, None if stale."""
+        key = request_record(job.tenant, job.request_id)
+        state = self._update(keys=[key], args=[job.stage.value, attempt, _now(),
+                                               *_pairs(fields)])
+        text = state.decode() if isinstance(state, bytes) else str(state)
+        return None if text == "STALE" else State(text)
+
+    def publish(self, job: Job, attempt: int, entry_id: str, next_job: Job | None,
+                state: State | None = None, **fields: object) -> Published:
+        """Atomically: hand ``next_job`` to the next stage, record the new state, ack."""
+        key = request_record(job.tenant, job.request_id)
+        following = NEXT[job.stage]
+        next_stream = stage_stream(following.value) if following else key
+        return Published(int(self._publish(
+            keys=[key, stage_stream(job.stage.value), next_stream],
+            args=[job.stage.value, attempt, consumer_group(job.stage.value), entry_id,
+                  next_job.to_json() if next_job else "", (state or FINISHED[job.stage]).value,
+                  _now(), *_pairs(fields)])))
+
+    def dead_letter(self, job: Job, entry_id: str, reason: str) -> None:
+        self._dead(keys=[request_record(job.tenant, job.request_id),
+                         stage_stream(job.stage.value), dead_letter_stream()],
+                   args=[consumer_group(job.stage.value), entry_id, job.to_json(), reason,
+                         _now()])
+
+    def cancel(self, tenant: str, request_id: str) -> bool:
+        """Ask workers to stop at the next step boundary; False if already finished."""
+        key = request_record(tenant, request_id)
+        state = self.redis.hget(key, "state")
+        if state is None or State(state.decode()).terminal:  # type: ignore[union-attr]
+            return False
+        self.redis.hset(key, mapping={"state": State.CANCELLED.value, "updated_at": _now()})
+        return True

@@ -1,0 +1,187 @@
+"""The loop every stage worker runs: take a delivery, fence it, run the stage, publish once.
+
+A stage handler computes; this module owns delivery, leases, retries, dead letters and the
+request record, so the three stages share one implementation of the queue contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import redis
+
+from cachesvc.settings import WorkerSettings
+from workers.messages import Job, Stage, State
+from workers.records import Claim, Published, Records
+from workers.streams import Delivery, StageQueue
+
+log = logging.getLogger(__name__)
+
+
+class StageError(RuntimeError):
+    """A stage could not process a job; names the request and stage."""
+
+    def __init__(self, job: Job, message: str) -> None:
+        super().__init__(f"{job.stage} of request {job.request_id}: {message}")
+        self.job = job
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a handler hands back: the next stage's job and fields for the record."""
+
+    next_job: Job | None
+    state: State | None = None  # default: the stage's FINISHED state
+    fields: dict[str, object] = field(default_factory=dict)
+
+
+class JobContext:
+    """What a handler may do besides computing: report progress and notice cancellation.
+
+    Progress is written by a background thread, so a compute loop that reports every step
+    never waits on Redis; the same thread polls for cancellation.
+    """
+
+    def __init__(self, records: Records, job: Job, attempt: int) -> None:
+        self.job = job
+        self.attempt = attempt
+        self._records = records
+        self._pending: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._done = threading.Event()
+        self.cancelled = threading.Event()
+        self.stale = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+        self._thread.start()
+
+    def progress(self, **fields: object) -> None:
+        with self._lock:
+            self._pending.update(fields)
+        self._wake.set()
+
+    def _flush(self) -> None:
+        with self._lock:
+            fields, self._pending = self._pending, {}
+        try:
+            state = self._records.update(self.job, self.attempt, **fields)
+        except redis.RedisError:
+            log.warning("progress of %s not written", self.job.request_id, exc_info=True)
+            with self._lock:
+                self._pending = {**fields, **self._pending}
+            return
+        if state is None:
+            self.stale.set()
+        elif state is State.CANCELLED:
+            self.cancelled.set()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self._wake.wait(0.2)
+            self._wake.clear()
+            self._flush()
+
+    def close(self) -> None:
+        self._done.set()
+        self._wake.set()
+        self._thread.join()
+        self._flush()
+
+    @property
+    def should_stop(self) -> bool:
+        return self.cancelled.is_set() or self.stale.is_set()
+
+
+class Handler(Protocol):
+    stage: Stage
+
+    def handle(self, ctx: JobContext) -> Outcome: ...
+
+
+def consumer_name(pid: int | None = None) -> str:
+    """The consumer name of the worker process ``pid`` (default: this one)."""
+    return f"{socket.gethostname()}-{os.getpid() if pid is None else pid}"
+
+
+class Worker:
+    def __init__(self, handler: Handler, client: redis.Redis, settings: WorkerSettings,
+                 after_publish: Callable[[Job, Outcome], None] | None = None) -> None:
+        self.handler = handler
+        self.settings = settings
+        self.records = Records(client)
+        self.queue = StageQueue(client, handler.stage, consumer_name())
+        self._after_publish = after_publish
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        self.queue.ensure_group()
+        log.info("%s worker %s ready", self.handler.stage, self.queue.consumer)
+        idle_ms = int(self.settings.idle_timeout_s * 1000)
+        while not self.stop.is_set():
+            try:
+                delivery = self.queue.next(self.settings.block_ms, idle_ms)
+                if delivery is not None:
+                    self.process(delivery)
+            except redis.RedisError as exc:
+                # Redis restarting or flushed: the unacknowledged job is redelivered later.
+                log.warning("Redis error in the %s loop (%s); retrying", self.handler.stage, exc)
+                self.stop.wait(1.0)
+                with contextlib.suppress(redis.RedisError):  # logged above; retried next turn
+                    self.queue.ensure_group()
+
+    def process(self, delivery: Delivery) -> None:
+        job = delivery.job
+        if job is None:
+            log.error("dropping malformed entry %s: %r", delivery.entry_id, delivery.raw[:200])
+            self.queue.ack(delivery.entry_id)
+            return
+        if delivery.attempt > self.settings.max_deliveries:
+            reason = (f"{job.stage} failed {delivery.attempt - 1} deliveries "
+                      f"(max {self.settings.max_deliveries})")
+            log.error("dead-lettering request %s: %s", job.request_id, reason)
+            self.records.dead_letter(job, delivery.entry_id, reason)
+            return
+        claim = self.records.claim(job, delivery.attempt, **{
+            f"attempt:{job.stage.value}": delivery.attempt,
+            f"worker:{job.stage.value}": self.queue.consumer})
+        if claim in (Claim.ALREADY_DONE, Claim.TERMINAL, Claim.MISSING):
+            log.info("request %s: %s needs no work (%s)", job.request_id, job.stage, claim.name)
+            self.queue.ack(delivery.entry_id)
+            return
+        if claim is Claim.STALE:
+            log.warning("request %s: attempt %d is stale", job.request_id, delivery.attempt)
+            return
+        self._run(job, delivery)
+
+    def _run(self, job: Job, delivery: Delivery) -> None:
+        ctx = JobContext(self.records, job, delivery.attempt)
+        start = time.perf_counter()
+        try:
+            with self.queue.lease(delivery.entry_id, self.settings.idle_timeout_s / 3):
+                outcome = self.handler.handle(ctx)
+        except Exception as exc:
+            # Left unacknowledged: redelivered after the idle timeout, dead-lettered after
+            # max_deliveries. The error is on the record meanwhile.
+            log.exception("request %s failed in %s", job.request_id, job.stage)
+            ctx.progress(error=f"{type(exc).__name__}: {exc}")
+            ctx.close()
+            return
+        ctx.close()
+        fields = {f"seconds:{job.stage.value}": f"{time.perf_counter() - start:.4f}",
+                  **outcome.fields}
+        published = self.records.publish(job, delivery.attempt, delivery.entry_id,
+                                         outcome.next_job, outcome.state, **fields)
+        if published is Published.STALE:
+            log.warning("request %s: result of stale attempt %d discarded", job.request_id,
+                        delivery.attempt)
+            return
+        if self._after_publish is not None and published is Published.PUBLISHED:
+            self._after_publish(job, outcome)

@@ -1,0 +1,58 @@
+"""Accepting a request: its record and its first stream entry, durable before we answer.
+
+Both are written in one Lua script, so a crash never leaves a record without its job or a job
+without its record. ``WAITAOF`` then waits until the server has fsynced them to its AOF.
+Submitting the same request id twice is a no-op that returns the existing request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import redis
+
+from keys import GenerationSpec
+from keys.names import request_index, request_record, stage_stream
+from workers.messages import Job, Stage
+from workers.records import Records
+
+# KEYS: record, index, encode stream. ARGV: score, job, request id, then field/value pairs.
+_SUBMIT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[3])
+redis.call('XADD', KEYS[3], '*', 'job', ARGV[2])
+return 1
+"""
+
+
+class DurabilityError(RuntimeError):
+    """The server could not confirm that an accepted request is on disk."""
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def submit(client: redis.Redis, spec: GenerationSpec, *, durable_timeout_ms: int = 2000) -> bool:
+    """Accept ``spec``; True if new, False if that request id was already accepted."""
+    fields = Records(client).initial_fields(spec)
+    args: list[str] = [str(int(time.time() * 1000)),
+                       Job(spec.request_id, spec.tenant, Stage.ENCODE).to_json(),
+                       spec.request_id]
+    for k, v in fields.items():
+        args += [k, v]
+    script = client.register_script(_SUBMIT)
+    created = bool(script(keys=[request_record(spec.tenant, spec.request_id),
+                                request_index(spec.tenant), stage_stream(Stage.ENCODE.value)],
+                          args=args))
+    try:
+        local, _ = client.execute_command("WAITAOF", 1, 0, durable_timeout_ms)
+    except redis.ResponseError as exc:
+        raise DurabilityError(f"request {spec.request_id} was written but the server cannot "
+                              f"confirm it is durable ({exc}); enable appendonly") from exc
+    if int(local) < 1:
+        raise DurabilityError(f"request {spec.request_id} not fsynced within "
+                              f"{durable_timeout_ms} ms")
+    return created
