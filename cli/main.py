@@ -97,13 +97,10 @@ def main() -> None:
 
 def _start_workers(stack: EmbeddedStack, settings: Settings) -> None:
     """One child per configured worker; waits until each has joined its consumer group."""
-    import sys
-
     from cachesvc.connect import open_redis
+    from workers.launch import wait_joined, worker_argv
     from workers.main import ensure_model
     from workers.messages import Stage
-    from workers.runtime import consumer_name
-    from workers.streams import live_consumers
 
     counts = {Stage.ENCODE: settings.workers.encode_workers,
               Stage.DENOISE: settings.workers.denoise_workers,
@@ -114,14 +111,8 @@ def _start_workers(stack: EmbeddedStack, settings: Settings) -> None:
     client = open_redis(settings)
     for stage, count in counts.items():
         for i in range(count):
-            child = stack.spawn(f"worker-{stage.value}-{i}",
-                                [sys.executable, "-m", "cli", "worker", stage.value], env)
-            name = consumer_name(child.pid)
-
-            def joined(stage: Stage = stage, name: str = name) -> bool:
-                return name in live_consumers(client, stage)
-
-            child.wait_healthy(joined, 120, f"See {child.log_path}")
+            wait_joined(stack.spawn(f"worker-{stage.value}-{i}", worker_argv(stage), env),
+                        client, stage)
         console.print(f"{stage.value:<8} workers {count}")
 
 

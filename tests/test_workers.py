@@ -16,7 +16,7 @@ from cachesvc.connect import open_redis
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import ModelSettings, Settings, WorkerSettings
 from keys import GenerationSpec
-from keys.names import stage_stream
+from keys.names import dead_letter_stream, stage_stream
 from tests.workers_harness import make_spec, read_frames, run_request, start_worker, wait_done
 from workers.families import wan
 from workers.messages import Job, Stage, State
@@ -142,3 +142,23 @@ def test_kill_9_mid_request_completes_once_with_the_same_output(
     assert int(record.fields[f"attempt:{stage.value}"]) == 2
     assert decode_entries_for(client, spec.request_id) == 1  # published once
     assert np.array_equal(read_frames(worker_settings, record), reference(pipe, spec))
+
+
+def test_a_poison_request_is_dead_lettered_with_its_reason(
+        client: redis.Redis, pool: object) -> None:
+    # PNG holds one frame: decode fails on every delivery of this five-frame request.
+    spec = make_spec(output_format="png", num_frames=5)
+    submit(client, spec)
+    record = wait_done(client, spec, timeout_s=180)
+    assert record.state is State.FAILED
+    assert record.error is not None and "decode failed 3 deliveries" in record.error
+    dead = client.xrange(dead_letter_stream())
+    assert any(Job.from_json(f[b"job"]).request_id == spec.request_id for _, f in dead)
+
+
+def test_submitting_a_request_id_twice_queues_it_once(client: redis.Redis) -> None:
+    spec = make_spec()
+    stream = stage_stream(Stage.ENCODE.value)
+    before = client.xlen(stream)
+    assert submit(client, spec) == submit(client, spec) == spec.request_id
+    assert client.xlen(stream) == before + 1

@@ -3,7 +3,6 @@ and helpers to submit requests and read their outputs."""
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -14,21 +13,19 @@ from cachesvc.connect import open_cache
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings, child_environ
 from keys import GenerationSpec, StoreKey
+from workers.launch import wait_joined, worker_argv
 from workers.media import decode_npy
 from workers.messages import Stage, State
 from workers.records import Records, RequestRecord
-from workers.runtime import consumer_name
-from workers.streams import live_consumers
 from workers.submit import new_request_id, submit
 
 
 def start_worker(settings: Settings, stage: Stage, logs: Path, client: redis.Redis,
                  name: str) -> ChildProcess:
-    child = ChildProcess(name, [sys.executable, "-m", "cli", "worker", stage.value],
-                         logs / f"{name}.log", child_environ(settings))
+    child = ChildProcess(name, worker_argv(stage), logs / f"{name}.log",
+                         child_environ(settings))
     child.start()
-    child.wait_healthy(lambda: consumer_name(child.pid) in live_consumers(client, stage), 120,
-                       f"see {child.log_path}")
+    wait_joined(child, client, stage)
     return child
 
 

@@ -8,10 +8,12 @@ Checks the cancel flag at every step boundary (through the progress thread, not 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from cachesvc.tensor_cache import TensorCache
-from keys import StepInputs, StoreKey, chain_next, chain_root, latents_key
+from keys import GenerationSpec, StepInputs, StoreKey, chain, chain_root, latents_key
 from workers.families.wan import WanDenoiser, guide
 from workers.messages import Job, Stage, State, TensorRef
 from workers.records import Records
@@ -43,26 +45,39 @@ class DenoiseHandler:
         spec = record.spec
         embeds = self._embeddings(job)
         scheduler = self.model.scheduler(spec.num_inference_steps)
-        latents = self.model.initial_latents(spec)
-        link = chain_root(spec, self.model.fingerprint, self.model.scheduler_config, "float32")
         bounds = [s.until_step for s in spec.schedule]
+        segments = [next(n for n, until in enumerate(bounds) if i < until)
+                    for i in range(spec.num_inference_steps)]
+        steps = [StepInputs(float(t), embeds[f"prompt:{seg}"][0],
+                            embeds[f"negative:{seg}"][0] if spec.uses_cfg else None,
+                            spec.guidance_scale)
+                 for t, seg in zip(scheduler.timesteps, segments, strict=True)]
+        head = chain(chain_root(spec, self.model.fingerprint, self.model.scheduler_config,
+                                "float32"), steps)[-1]
+        key = latents_key(spec.tenant, spec.request_id)
+        # A redelivery after the latents were stored but before publishing: nothing to redo.
+        if not self.cache.exists(key):
+            latents = self._denoise(ctx, spec, scheduler, embeds, segments)
+            if latents is None:
+                return Outcome(None, State.CANCELLED)
+            self.cache.put(key, latents)
+        shape = (1, *self.model.latent_shape(spec))
+        ref = TensorRef("latents", str(key), "float32", shape)
+        return Outcome(Job(job.request_id, job.tenant, Stage.DECODE, (ref,),
+                           chain_index=head.index, chain_head=head.hex))
+
+    def _denoise(self, ctx: JobContext, spec: GenerationSpec, scheduler: Any,
+                 embeds: dict[str, tuple[StoreKey, torch.Tensor]],
+                 segments: list[int]) -> torch.Tensor | None:
+        """The step loop; None if the request was cancelled at a step boundary."""
+        latents = self.model.initial_latents(spec)
         for i, t in enumerate(scheduler.timesteps):
             if ctx.should_stop:
-                return Outcome(None, State.CANCELLED, {"step": i})
-            segment = next(n for n, until in enumerate(bounds) if i < until)
-            cond_key, cond = embeds[f"prompt:{segment}"]
-            prediction = self.model.predict(latents, t, cond)
-            uncond_key = None
+                return None
+            prediction = self.model.predict(latents, t, embeds[f"prompt:{segments[i]}"][1])
             if spec.uses_cfg:
-                uncond_key, uncond = embeds[f"negative:{segment}"]
-                prediction = guide(prediction, self.model.predict(latents, t, uncond),
-                                   spec.guidance_scale)
+                uncond = self.model.predict(latents, t, embeds[f"negative:{segments[i]}"][1])
+                prediction = guide(prediction, uncond, spec.guidance_scale)
             latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-            link = chain_next(link, StepInputs(float(t), cond_key, uncond_key,
-                                               spec.guidance_scale))
             ctx.progress(step=i + 1)
-        key = latents_key(spec.tenant, spec.request_id)
-        self.cache.put(key, latents)
-        ref = TensorRef("latents", str(key), "float32", tuple(latents.shape))
-        return Outcome(Job(job.request_id, job.tenant, Stage.DECODE, (ref,),
-                           chain_index=link.index, chain_head=link.hex))
+        return latents

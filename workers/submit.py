@@ -35,8 +35,8 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def submit(client: redis.Redis, spec: GenerationSpec, *, durable_timeout_ms: int = 2000) -> bool:
-    """Accept ``spec``; True if new, False if that request id was already accepted."""
+def submit(client: redis.Redis, spec: GenerationSpec, *, durable_timeout_ms: int = 2000) -> str:
+    """Accept ``spec`` and return its request id; a request id seen before is not re-queued."""
     fields = Records(client).initial_fields(spec)
     args: list[str] = [str(int(time.time() * 1000)),
                        Job(spec.request_id, spec.tenant, Stage.ENCODE).to_json(),
@@ -44,9 +44,8 @@ def submit(client: redis.Redis, spec: GenerationSpec, *, durable_timeout_ms: int
     for k, v in fields.items():
         args += [k, v]
     script = client.register_script(_SUBMIT)
-    created = bool(script(keys=[request_record(spec.tenant, spec.request_id),
-                                request_index(spec.tenant), stage_stream(Stage.ENCODE.value)],
-                          args=args))
+    script(keys=[request_record(spec.tenant, spec.request_id), request_index(spec.tenant),
+                 stage_stream(Stage.ENCODE.value)], args=args)
     try:
         local, _ = client.execute_command("WAITAOF", 1, 0, durable_timeout_ms)
     except redis.ResponseError as exc:
@@ -55,4 +54,4 @@ def submit(client: redis.Redis, spec: GenerationSpec, *, durable_timeout_ms: int
     if int(local) < 1:
         raise DurabilityError(f"request {spec.request_id} not fsynced within "
                               f"{durable_timeout_ms} ms")
-    return created
+    return spec.request_id

@@ -189,15 +189,19 @@ class WanDenoiser:
         scheduler.set_begin_index(0)
         return scheduler
 
+    def latent_shape(self, spec: GenerationSpec) -> tuple[int, int, int, int]:
+        """(channels, latent frames, latent height, latent width) of one video."""
+        return (self.transformer.config.in_channels,
+                (spec.num_frames - 1) // self.temporal_factor + 1,
+                spec.height // self.spatial_factor, spec.width // self.spatial_factor)
+
     def initial_latents(self, spec: GenerationSpec) -> torch.Tensor:
+        """The pipeline's starting noise: ``randn_tensor`` from a CPU generator seeded once."""
         from diffusers.utils.torch_utils import randn_tensor
 
-        shape = (1, self.transformer.config.in_channels,
-                 (spec.num_frames - 1) // self.temporal_factor + 1,
-                 spec.height // self.spatial_factor, spec.width // self.spatial_factor)
         generator = torch.Generator(device="cpu").manual_seed(spec.seed)
-        return randn_tensor(shape, generator=generator, device=torch.device("cpu"),
-                            dtype=torch.float32)
+        return randn_tensor((1, *self.latent_shape(spec)), generator=generator,
+                            device=torch.device("cpu"), dtype=torch.float32)
 
     @torch.no_grad()
     def predict(self, latents: torch.Tensor, t: torch.Tensor,
