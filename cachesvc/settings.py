@@ -91,7 +91,12 @@ class WorkerSettings(_Section):
     idle_timeout_s: float = Field(30.0, gt=0, description="a silent job is reclaimed after this")
     max_deliveries: int = Field(3, ge=1, description="then the job goes to the dead letters")
     block_ms: int = Field(500, ge=1)
-    torch_threads: int = Field(1, ge=1)
+    # Intra-op threads per stage (0: torch's default, every core). On small tensors one thread
+    # per op wastes less than splitting each op; denoise gets its parallelism from cfg_parallel.
+    encode_threads: int = Field(1, ge=0)
+    denoise_threads: int = Field(1, ge=0)
+    decode_threads: int = Field(1, ge=0)
+    cfg_parallel: bool = Field(True, description="run the cond and uncond forwards concurrently")
     fps: int = Field(16, ge=1, description="frame rate of MP4 outputs")
 
 

@@ -8,6 +8,7 @@ Checks the cancel flag at every step boundary (through the progress thread, not 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -23,10 +24,14 @@ from workers.runtime import JobContext, Outcome, StageError
 class DenoiseHandler:
     stage = Stage.DENOISE
 
-    def __init__(self, cache: TensorCache, records: Records, model: WanDenoiser) -> None:
+    def __init__(self, cache: TensorCache, records: Records, model: WanDenoiser,
+                 cfg_parallel: bool) -> None:
         self.cache = cache
         self.records = records
         self.model = model
+        # The two CFG branches are independent forwards of one model. Run concurrently, each
+        # with its own single-threaded kernels, they compute exactly what they compute in turn.
+        self._cond_pool = ThreadPoolExecutor(1, "cfg-cond") if cfg_parallel else None
 
     def _embeddings(self, job: Job) -> dict[str, tuple[StoreKey, torch.Tensor]]:
         keys = [StoreKey.parse(r.key) for r in job.refs]
@@ -74,9 +79,18 @@ class DenoiseHandler:
         for i, t in enumerate(scheduler.timesteps):
             if ctx.should_stop:
                 return None
-            prediction = self.model.predict(latents, t, embeds[f"prompt:{segments[i]}"][1])
-            if spec.uses_cfg:
-                uncond = self.model.predict(latents, t, embeds[f"negative:{segments[i]}"][1])
+            cond = embeds[f"prompt:{segments[i]}"][1]
+            if not spec.uses_cfg:
+                prediction = self.model.predict(latents, t, cond)
+            else:
+                negative = embeds[f"negative:{segments[i]}"][1]
+                if self._cond_pool is None:
+                    prediction = self.model.predict(latents, t, cond)
+                    uncond = self.model.predict(latents, t, negative)
+                else:
+                    pending = self._cond_pool.submit(self.model.predict, latents, t, cond)
+                    uncond = self.model.predict(latents, t, negative)
+                    prediction = pending.result()
                 prediction = guide(prediction, uncond, spec.guidance_scale)
             latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
             ctx.progress(step=i + 1)

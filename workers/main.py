@@ -29,7 +29,11 @@ def ensure_model(settings: Settings) -> None:
 def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
     from workers.families import wan
 
-    torch.set_num_threads(settings.workers.torch_threads)
+    threads = {Stage.ENCODE: settings.workers.encode_threads,
+               Stage.DENOISE: settings.workers.denoise_threads,
+               Stage.DECODE: settings.workers.decode_threads}[stage]
+    if threads:
+        torch.set_num_threads(threads)
     client = open_redis(settings)
     cache = open_cache(settings, client)
     records = Records(client)
@@ -43,7 +47,8 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
     if stage is Stage.DENOISE:
         from workers.denoise import DenoiseHandler
 
-        handler = DenoiseHandler(cache, records, wan.WanDenoiser(directory))
+        handler = DenoiseHandler(cache, records, wan.WanDenoiser(directory),
+                                 settings.workers.cfg_parallel)
         return Worker(handler, client, settings.workers), handler
     from workers.decode import DecodeHandler
 
