@@ -19,7 +19,7 @@ import redis
 from prometheus_client import Counter
 
 from keys import KeyKind
-from keys.names import stats_bucket, tenants_registry
+from keys.names import stats_bucket, stats_total, tenants_registry
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class CacheCounters:
                 bucket = stats_bucket(tenant, minute)
                 for field, amount in fields.items():
                     pipe.hincrbyfloat(bucket, field, amount)
+                    pipe.hincrbyfloat(stats_total(tenant), field, amount)
                 pipe.expire(bucket, BUCKET_RETENTION_S)
                 pipe.sadd(tenants_registry(), tenant)
             pipe.execute()
@@ -117,6 +118,17 @@ class CacheCounters:
         if self._thread is not None:
             self._thread.join()
         self.flush()
+
+
+def read_totals(client: redis.Redis, tenant: str) -> dict[str, float]:
+    """Counters of ``tenant`` since the stack started."""
+    raw: dict[bytes, bytes] = client.hgetall(stats_total(tenant))  # type: ignore[assignment]
+    return {k.decode(): float(v) for k, v in raw.items()}
+
+
+def tenants(client: redis.Redis) -> list[str]:
+    raw: set[bytes] = client.smembers(tenants_registry())  # type: ignore[assignment]
+    return sorted(t.decode() for t in raw)
 
 
 def read_buckets(client: redis.Redis, tenant: str, minutes: range) -> dict[int, dict[str, float]]:

@@ -7,6 +7,7 @@ to a default. Nothing else in the tree reads the environment.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Literal
@@ -100,6 +101,26 @@ class WorkerSettings(_Section):
     fps: int = Field(16, ge=1, description="frame rate of MP4 outputs")
 
 
+class ApiSettings(_Section):
+    """The REST API: where it listens, who may call it, and the limits it enforces."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # API key -> tenant. Empty: no authentication, every request is the default tenant.
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    max_body_bytes: int = Field(65536, ge=1024)
+    max_queue_depth: int = Field(1000, ge=1, description="deeper than this answers 429")
+    retry_after_s: int = Field(5, ge=1)
+    max_prompt_chars: int = Field(2000, ge=1)
+    max_prompt_tokens: int = Field(511, ge=1, description="the text encoder's limit less EOS")
+    max_width: int = Field(1024, ge=16)
+    max_height: int = Field(1024, ge=16)
+    max_frames: int = Field(129, ge=1)
+    max_steps: int = Field(100, ge=1)
+    spatial_multiple: int = Field(16, ge=1, description="VAE factor times DiT patch size")
+    sync_timeout_s: float = Field(300.0, gt=0, description="synchronous endpoints wait this")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_nested_delimiter=_NESTED, extra="forbid", frozen=True
@@ -113,6 +134,7 @@ class Settings(BaseSettings):
     cache: CacheSettings = CacheSettings()
     model: ModelSettings = ModelSettings()
     workers: WorkerSettings = WorkerSettings()
+    api: ApiSettings = ApiSettings()
 
     @property
     def model_dir(self) -> Path:
@@ -155,7 +177,8 @@ def to_environ(settings: Settings) -> dict[str, str]:
         if isinstance(value, dict):
             for sub, v in value.items():
                 if v is not None:
-                    out[f"{ENV_PREFIX}{name}{_NESTED}{sub}".upper()] = str(v)
+                    text = json.dumps(v) if isinstance(v, dict | list) else str(v)
+                    out[f"{ENV_PREFIX}{name}{_NESTED}{sub}".upper()] = text
         else:
             out[f"{ENV_PREFIX}{name}".upper()] = str(value)
     return out

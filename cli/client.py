@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress
@@ -46,3 +48,37 @@ def submit_and_wait(settings: Settings, prompt: str, negative_prompt: str, seed:
     Path(out).write_bytes(data.numpy().tobytes())
     timings = ", ".join(f"{k} {v:.2f}s" for k, v in record.stage_seconds().items())
     console.print(f"wrote {out} ({len(data)} bytes); {timings}; cache hits {record.hits()}")
+
+
+def generate_via_api(api_url: str, api_key: str | None, body: Mapping[str, object], out: str,
+                     console: Console) -> None:
+    """POST /v1/generate, follow its events with a progress bar, then fetch the result."""
+    import json
+
+    import httpx
+
+    headers = {"X-API-Key": api_key} if api_key else {}
+    with httpx.Client(base_url=api_url, headers=headers, timeout=30) as http:
+        accepted = http.post("/v1/generate", json=body)
+        if accepted.status_code != 202:
+            raise SystemExit(f"rejected ({accepted.status_code}): {accepted.json()['error']}")
+        request_id = accepted.json()["id"]
+        status: dict[str, Any] = {}
+        with Progress(console=console, transient=True) as progress, \
+                http.stream("GET", f"/v1/requests/{request_id}/events", timeout=None) as events:
+            task = progress.add_task("queued", total=None)
+            for line in events.iter_lines():
+                if line.startswith("data: ") and '"step"' in line:
+                    status = json.loads(line.removeprefix("data: "))
+                    progress.update(task, total=status["steps"], completed=status["step"],
+                                    description=str(status["state"]).lower())
+        if status.get("state") != State.DONE.value:
+            raise SystemExit(f"request {request_id} ended {status.get('state')}: "
+                             f"{status.get('error')}")
+        data = http.get(f"/v1/requests/{request_id}/result").content
+    Path(out).write_bytes(data)
+    seconds = status["stage_seconds"]
+    assert isinstance(seconds, dict)
+    timings = ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
+    console.print(f"wrote {out} ({len(data)} bytes) for request {request_id}; {timings}; "
+                  f"cache hits {status['cache_hits']}")

@@ -56,7 +56,34 @@ def _write_endpoints(settings: Settings, addresses: StackAddresses) -> None:
 
     (settings.data_dir / ENDPOINTS_FILE).write_text(json.dumps({
         "redis_url": addresses.redis_url, "master_address": addresses.store.master_address,
-        "metadata_server": addresses.store.metadata_server}))
+        "metadata_server": addresses.store.metadata_server,
+        "api_url": _api_url(settings)}))
+
+
+def _api_url(settings: Settings) -> str:
+    return f"http://{settings.api.host}:{settings.api.port}"
+
+
+def _start_api(stack: EmbeddedStack, settings: Settings) -> None:
+    import sys
+
+    import httpx
+
+    from cachesvc.processes import require_free
+
+    require_free("api", settings.api.host, settings.api.port, "DIFFCACHE_API__PORT")
+    child = stack.spawn("api", [sys.executable, "-m", "api"], child_environ(settings))
+    url = _api_url(settings)
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    child.wait_healthy(healthy, 60, f"See {child.log_path}")
+    console.print(f"api             {url}")
+    console.print(f"dashboard       {url}/dashboard")
 
 
 def _print_addresses(addresses: StackAddresses) -> None:
@@ -136,6 +163,7 @@ def up(
             resolved = stack.resolved(addresses)
             _write_endpoints(settings, addresses)
             _start_workers(stack, resolved)
+            _start_api(stack, resolved)
             console.print("[green]diffcache is up[/green]; Ctrl-C to stop")
             _sweep_until(stop, resolved)
         (settings.data_dir / ENDPOINTS_FILE).unlink(missing_ok=True)
@@ -195,3 +223,57 @@ def submit(
     settings = _client_settings()
     submit_and_wait(settings, prompt, negative_prompt, seed, output_format,
                     tenant or settings.default_tenant, out, console)
+
+
+def _api_settings() -> tuple[str, Settings]:
+    """The API's URL: what ``diffcache up`` wrote down, else the configured host and port."""
+    import json
+
+    settings = _settings()
+    path = settings.data_dir / ENDPOINTS_FILE
+    if path.exists():
+        return str(json.loads(path.read_text()).get("api_url", _api_url(settings))), settings
+    return _api_url(settings), settings
+
+
+@app.command()
+def generate(
+    prompt: str,
+    out: str = typer.Option(..., help="file to write the output to"),
+    negative_prompt: str = "",
+    seed: int | None = None,
+    output_format: str = typer.Option("mp4", help="mp4, png or npy"),
+    num_frames: int | None = None,
+    steps: int | None = None,
+    api_key: str | None = typer.Option(None, help="sent as X-API-Key"),
+) -> None:
+    """Generate through the REST API with a progress bar; prints cache hits and timings."""
+    from cli.client import generate_via_api
+
+    url, _ = _api_settings()
+    body = {k: v for k, v in {
+        "prompt": prompt, "negative_prompt": negative_prompt, "seed": seed,
+        "output_format": output_format, "num_frames": num_frames,
+        "num_inference_steps": steps}.items() if v is not None}
+    generate_via_api(url, api_key, body, out, console)
+
+
+@app.command()
+def status(api_key: str | None = typer.Option(None, help="sent as X-API-Key")) -> None:
+    """Readiness, queues and stage latency of a running service."""
+    import httpx
+
+    url, _ = _api_settings()
+    headers = {"X-API-Key": api_key} if api_key else {}
+    try:
+        ready = httpx.get(f"{url}/readyz", headers=headers, timeout=5).json()
+        board = httpx.get(f"{url}/v1/dashboard", headers=headers, timeout=5).json()
+    except httpx.HTTPError as exc:
+        errors.print(f"[red]error:[/red] no API at {url} ({exc}); is `diffcache up` running?")
+        raise typer.Exit(1) from exc
+    for check, ok in ready.items():
+        console.print(f"{check:<16} {'ok' if ok else '[red]DOWN[/red]'}")
+    for stage, q in board["queues"].items():
+        lat = board["latency"][stage]
+        console.print(f"{stage:<8} waiting {q['waiting']:<4} in flight {q['in_flight']:<4} "
+                      f"p50 {lat['p50']} s  p95 {lat['p95']} s")

@@ -91,6 +91,16 @@ def stats_bucket(tenant: str, minute: int) -> str:
     return f"{KEY_VERSION}:{check_tenant(tenant)}:stats:{minute}"
 
 
+def stats_total(tenant: str) -> str:
+    """Hash: counters of ``tenant`` since the stack started, field ``<kind>.<counter>``."""
+    return f"{KEY_VERSION}:{check_tenant(tenant)}:stats:total"
+
+
+def stage_latency(stage: str) -> str:
+    """Hash: histogram of a stage's job seconds, fields ``le:<bound>``, ``sum`` and ``count``."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:latency:{stage}"
+
+
 def tenants_registry() -> str:
     """Set: every tenant that has written counters, so a dashboard can list them."""
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:tenants"

@@ -10,9 +10,13 @@ import pytest
 import redis
 
 from cachesvc.connect import open_cache, open_redis
-from cachesvc.settings import Settings, load_settings
+from cachesvc.processes import ChildProcess
+from cachesvc.settings import ModelSettings, Settings, WorkerSettings, load_settings
 from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
+from tests.workers_harness import start_worker
+from workers.families import wan
+from workers.messages import Stage
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +49,46 @@ def cache(_session_cache: TensorCache, redis_client: redis.Redis) -> TensorCache
     """The session's cache over an empty store and an empty Redis."""
     _session_cache.store.remove_all()
     return _session_cache
+
+
+# --- worker processes over the session stack, with the tiny test model --------------------------
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("model")
+    wan.build(directory, "test")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def worker_settings(stack_settings: Settings, model_dir: Path) -> Settings:
+    return stack_settings.model_copy(update={
+        "model": ModelSettings(dir=model_dir, preset="test"),
+        "workers": WorkerSettings(idle_timeout_s=3.0, block_ms=200)})
+
+
+@pytest.fixture(scope="session")
+def client(worker_settings: Settings) -> redis.Redis:
+    return open_redis(worker_settings)
+
+
+@pytest.fixture(scope="session")
+def pool(worker_settings: Settings, client: redis.Redis,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Stage, list[ChildProcess]]]:
+    """One worker per stage for the whole module; tests may add and kill more."""
+    logs = tmp_path_factory.mktemp("worker-logs")
+    workers = {stage: [start_worker(worker_settings, stage, logs, client, f"{stage}-0")]
+               for stage in Stage}
+    yield workers
+    for children in workers.values():
+        for child in children:
+            child.stop()
+
+
+@pytest.fixture(scope="session")
+def pipe(model_dir: Path) -> object:
+    from diffusers import WanPipeline
+
+    return WanPipeline.from_pretrained(model_dir)
+
+

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cachesvc.processes import free_port
 from cachesvc.settings import Settings
 
 DIFFCACHE = [sys.executable, "-c", "from cli.main import app; app()"]
@@ -52,6 +53,7 @@ def wait_gone(pids: set[int], timeout_s: float = 10) -> set[int]:
 def diffcache_up(tmp_path: Path, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
     environ.update({"DIFFCACHE_DATA_DIR": str(tmp_path), "DIFFCACHE_STORE__SEGMENT_MIB": "32",
+                    "DIFFCACHE_API__PORT": str(free_port("127.0.0.1")),
                     **{f"DIFFCACHE_WORKERS__{s}_WORKERS": "0" for s in ("ENCODE", "DENOISE",
                                                                        "DECODE")},
                     **env})
@@ -75,7 +77,7 @@ def test_up_then_ctrl_c_stops_everything(tmp_path: Path) -> None:
     with diffcache_up(tmp_path) as (proc, out):
         assert "is up" in out and "redis://127.0.0.1:" in out and "mooncake master" in out
         kids = children_of(proc.pid)
-        assert len(kids) == 3  # master, storage node, valkey
+        assert len(kids) == 4  # master, storage node, valkey, api
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         assert wait_gone(kids) == set()
@@ -107,7 +109,7 @@ def test_an_external_redis_is_used_instead_of_our_own(tmp_path: Path,
     assert stack_settings.redis.url
     with diffcache_up(tmp_path, DIFFCACHE_REDIS__URL=stack_settings.redis.url) as (proc, out):
         assert f"redis           {stack_settings.redis.url}" in out
-        assert len(children_of(proc.pid)) == 2  # no Valkey of its own
+        assert len(children_of(proc.pid)) == 3  # no Valkey of its own
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
 
@@ -131,7 +133,7 @@ def test_up_serves_a_prompt_as_a_playable_mp4(tmp_path: Path) -> None:
 
     workers = {f"DIFFCACHE_WORKERS__{s}_WORKERS": "1" for s in ("ENCODE", "DENOISE", "DECODE")}
     with diffcache_up(tmp_path, DIFFCACHE_MODEL__PRESET="test", **workers) as (proc, out):
-        assert "is up" in out and len(children_of(proc.pid)) == 6
+        assert "is up" in out and len(children_of(proc.pid)) == 7
         environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
         environ["DIFFCACHE_DATA_DIR"] = str(tmp_path)
         video = tmp_path / "raccoon.mp4"

@@ -4,73 +4,26 @@ monolithic diffusers ``WanPipeline`` on the same saved model: outputs are bit-id
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
-import torch
 
-from cachesvc.connect import open_redis
 from cachesvc.processes import ChildProcess
-from cachesvc.settings import ModelSettings, Settings, WorkerSettings
-from keys import GenerationSpec
+from cachesvc.settings import Settings
 from keys.names import dead_letter_stream, stage_stream
-from tests.workers_harness import make_spec, read_frames, run_request, start_worker, wait_done
-from workers.families import wan
+from tests.workers_harness import (
+    make_spec,
+    read_frames,
+    reference,
+    run_request,
+    start_worker,
+    wait_done,
+)
 from workers.messages import Job, Stage, State
 from workers.runtime import consumer_name
 from workers.submit import submit
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("model")
-    wan.build(directory, "test")
-    return directory
-
-
-@pytest.fixture(scope="module")
-def worker_settings(stack_settings: Settings, model_dir: Path) -> Settings:
-    return stack_settings.model_copy(update={
-        "model": ModelSettings(dir=model_dir, preset="test"),
-        "workers": WorkerSettings(idle_timeout_s=3.0, block_ms=200)})
-
-
-@pytest.fixture(scope="module")
-def client(worker_settings: Settings) -> redis.Redis:
-    return open_redis(worker_settings)
-
-
-@pytest.fixture(scope="module")
-def pool(worker_settings: Settings, client: redis.Redis,
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Stage, list[ChildProcess]]]:
-    """One worker per stage for the whole module; tests may add and kill more."""
-    logs = tmp_path_factory.mktemp("worker-logs")
-    workers = {stage: [start_worker(worker_settings, stage, logs, client, f"{stage}-0")]
-               for stage in Stage}
-    yield workers
-    for children in workers.values():
-        for child in children:
-            child.stop()
-
-
-@pytest.fixture(scope="module")
-def pipe(model_dir: Path) -> object:
-    from diffusers import WanPipeline
-
-    return WanPipeline.from_pretrained(model_dir)
-
-
-def reference(pipe: object, spec: GenerationSpec) -> np.ndarray:
-    """The monolithic pipeline's frames for ``spec``, as uint8."""
-    segment = spec.schedule[0]
-    out = pipe(segment.prompt, negative_prompt=segment.negative_prompt,  # type: ignore[operator]
-               height=spec.height, width=spec.width, num_frames=spec.num_frames,
-               num_inference_steps=spec.num_inference_steps, guidance_scale=spec.guidance_scale,
-               generator=torch.Generator().manual_seed(spec.seed), output_type="np").frames
-    return wan.to_uint8(out[0])
 
 
 @pytest.mark.parametrize("changes", [

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import redis
+import torch
 
 from cachesvc.connect import open_cache
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings, child_environ
 from keys import GenerationSpec, StoreKey
+from workers.families import wan
 from workers.launch import wait_joined, worker_argv
 from workers.media import decode_npy
 from workers.messages import Stage, State
@@ -67,3 +69,13 @@ def read_frames(settings: Settings, record: RequestRecord) -> np.ndarray:
         cache.close()
     assert data is not None
     return decode_npy(data.numpy().tobytes())
+
+
+def reference(pipe: object, spec: GenerationSpec) -> np.ndarray:
+    """The monolithic pipeline's frames for ``spec``, as uint8."""
+    segment = spec.schedule[0]
+    out = pipe(segment.prompt, negative_prompt=segment.negative_prompt,  # type: ignore[operator]
+               height=spec.height, width=spec.width, num_frames=spec.num_frames,
+               num_inference_steps=spec.num_inference_steps, guidance_scale=spec.guidance_scale,
+               generator=torch.Generator().manual_seed(spec.seed), output_type="np").frames
+    return wan.to_uint8(out[0])

@@ -19,6 +19,7 @@ from typing import Protocol
 import redis
 
 from cachesvc.settings import WorkerSettings
+from workers import stage_metrics
 from workers.messages import Job, Stage, State
 from workers.records import Claim, Published, Records
 from workers.streams import Delivery, StageQueue
@@ -179,6 +180,8 @@ class Worker:
                   **outcome.fields}
         published = self.records.publish(job, delivery.attempt, delivery.entry_id,
                                          outcome.next_job, outcome.state, **fields)
+        if published is Published.PUBLISHED:
+            stage_metrics.observe(self.records.redis, job.stage, time.perf_counter() - start)
         if published is Published.STALE:
             log.warning("request %s: result of stale attempt %d discarded", job.request_id,
                         delivery.attempt)

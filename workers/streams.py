@@ -76,13 +76,19 @@ class StageQueue:
     def ack(self, entry_id: str) -> None:
         self.redis.xack(self.stream, self.group, entry_id)
 
-    def depth(self) -> int:
-        """Entries not yet delivered to any consumer of the group, plus pending ones."""
-        groups = self.redis.xinfo_groups(self.stream)
+    def counts(self) -> tuple[int, int]:
+        """(waiting, in flight): entries no worker has taken yet, and taken but not acked."""
+        try:
+            groups = self.redis.xinfo_groups(self.stream)
+        except redis.ResponseError:  # the stream does not exist yet
+            return 0, 0
         for g in groups:
             if g["name"].decode() == self.group:
-                return int(g.get("lag") or 0) + int(g["pending"])
-        return 0
+                return int(g.get("lag") or 0), int(g["pending"])
+        return 0, 0
+
+    def depth(self) -> int:
+        return sum(self.counts())
 
     @contextmanager
     def lease(self, entry_id: str, interval_s: float) -> Iterator[None]:

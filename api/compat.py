@@ -1,0 +1,98 @@
+"""OpenAI-compatible image generation and SGLang-compatible video jobs, mapped onto the same
+queue as ``/v1/generate``."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+from fastapi import APIRouter, Response
+
+from api.deps import Svc, Tenant
+from api.schemas import GenerateBody, ImagesBody, VideoJob, VideosBody
+from api.service import NotReadyError, Service, WaitTimeoutError
+from keys import OutputFormat
+from workers.messages import State
+from workers.records import RequestRecord
+
+_VIDEO_STATUS = {State.QUEUED: "queued", State.DONE: "completed", State.FAILED: "failed",
+                 State.CANCELLED: "cancelled"}
+
+
+def _size(size: str | None) -> tuple[int | None, int | None]:
+    if size is None:
+        return None, None
+    width, height = size.split("x")
+    return int(width), int(height)
+
+
+def _frames(body: VideosBody) -> int | None:
+    if body.num_frames is not None:
+        return body.num_frames
+    if body.seconds is None:
+        return None
+    frames = round(body.seconds * (body.fps or 16))
+    return frames - (frames - 1) % 4  # the nearest 4k+1 at or below
+
+
+def video_job(record: RequestRecord) -> VideoJob:
+    steps = record.spec.num_inference_steps
+    progress = 100 if record.state is State.DONE else int(100 * record.step / steps)
+    return VideoJob(id=record.spec.request_id,
+                    status=_VIDEO_STATUS.get(record.state, "in_progress"),
+                    progress=progress, created_at=int(float(record.fields["created_at"])),
+                    error=record.error)
+
+
+router = APIRouter()
+
+
+@router.post("/v1/images/generations")
+def images(body: ImagesBody, who: Tenant, svc: Svc) -> dict[str, object]:
+    """OpenAI-compatible and synchronous: answers when the image is ready."""
+    width, height = _size(body.size)
+    request_id = svc.generate(who, GenerateBody(
+        prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
+        height=height, num_frames=1, num_inference_steps=body.num_inference_steps,
+        guidance_scale=body.guidance_scale, seed=body.seed,
+        output_format=OutputFormat.PNG))
+    record = _wait(svc, who, request_id, svc.settings.api.sync_timeout_s)
+    if body.response_format == "url":
+        item = {"url": f"/v1/requests/{request_id}/result"}
+    else:
+        _, data = svc.result(who, request_id)
+        item = {"b64_json": base64.b64encode(data).decode()}
+    return {"created": int(float(record.fields["created_at"])), "data": [item]}
+
+@router.post("/v1/videos", response_model=VideoJob)
+def create_video(body: VideosBody, who: Tenant, svc: Svc) -> VideoJob:
+    """SGLang-compatible: queue a video and answer with its job."""
+    width, height = _size(body.size)
+    request_id = svc.generate(who, GenerateBody(
+        prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
+        height=height, num_frames=_frames(body),
+        num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
+        seed=body.seed, output_format=OutputFormat.MP4))
+    return video_job(svc.record(who, request_id))
+
+@router.get("/v1/videos/{video_id}", response_model=VideoJob)
+def get_video(video_id: str, who: Tenant, svc: Svc) -> VideoJob:
+    return video_job(svc.record(who, video_id))
+
+@router.get("/v1/videos/{video_id}/content")
+def video_content(video_id: str, who: Tenant, svc: Svc) -> Response:
+    _, data = svc.result(who, video_id)
+    return Response(data, media_type="video/mp4")
+
+
+def _wait(svc: Service, tenant: str, request_id: str, timeout_s: float) -> RequestRecord:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        record = svc.record(tenant, request_id)
+        if record.state is State.DONE:
+            return record
+        if record.state.terminal:
+            raise NotReadyError(record)
+        time.sleep(0.05)
+    raise WaitTimeoutError(f"request {request_id} did not finish within {timeout_s:.0f} s; "
+                    f"poll /v1/requests/{request_id}")

@@ -1,0 +1,91 @@
+"""The native endpoints: generate, status, progress events, result, cancel, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api.deps import Svc, Tenant
+from api.schemas import Accepted, GenerateBody, RequestStatus
+from api.service import status_of
+from workers.media import CONTENT_TYPES
+
+router = APIRouter()
+EVENT_POLL_S = 0.1
+
+
+@router.post("/v1/generate", status_code=202, response_model=Accepted)
+def generate(body: GenerateBody, who: Tenant, svc: Svc,
+             idempotency_key: Annotated[str | None, Header(max_length=256)] = None) -> Accepted:
+    """Queue a generation; the 202 comes after the request is durable."""
+    request_id = svc.generate(who, body, idempotency_key)
+    return Accepted(id=request_id, status_url=f"/v1/requests/{request_id}",
+                    result_url=f"/v1/requests/{request_id}/result")
+
+
+@router.get("/v1/requests/{request_id}", response_model=RequestStatus)
+def status(request_id: str, who: Tenant, svc: Svc) -> RequestStatus:
+    """State, step k of N, per-stage seconds, cache hits and the error if any."""
+    return status_of(svc.record(who, request_id))
+
+
+@router.get("/v1/requests/{request_id}/result")
+def result(request_id: str, who: Tenant, svc: Svc) -> Response:
+    """The output file; 409 while the request is not done."""
+    record, data = svc.result(who, request_id)
+    fmt = record.spec.output_format
+    return Response(data, media_type=CONTENT_TYPES[fmt], headers={
+        "Content-Disposition": f'inline; filename="{request_id}.{fmt.value}"'})
+
+
+@router.delete("/v1/requests/{request_id}", status_code=202, response_model=RequestStatus)
+def cancel(request_id: str, who: Tenant, svc: Svc) -> RequestStatus:
+    """Cancel; workers stop at the next step boundary."""
+    return status_of(svc.cancel(who, request_id))
+
+
+@router.get("/v1/requests/{request_id}/events")
+async def events(request_id: str, who: Tenant, svc: Svc) -> StreamingResponse:
+    """Server-sent events with the request's state and step, until it finishes."""
+    await asyncio.to_thread(svc.record, who, request_id)  # a 404 before the stream opens
+
+    async def stream() -> AsyncIterator[str]:
+        last = None
+        while True:
+            record = await asyncio.to_thread(svc.record, who, request_id)
+            now = status_of(record)
+            if (now.state, now.step) != last:
+                last = (now.state, now.step)
+                yield f"event: progress\ndata: {now.model_dump_json()}\n\n"
+            if record.state.terminal:
+                yield f"event: end\ndata: {json.dumps({'state': now.state})}\n\n"
+                return
+            await asyncio.sleep(EVENT_POLL_S)
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    """The process is up."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+def readyz(svc: Svc) -> JSONResponse:
+    """Store and Redis reachable, and every stage has a live worker."""
+    checks = svc.readiness()
+    return JSONResponse(checks, status_code=200 if all(checks.values()) else 503)
+
+
+@router.get("/metrics")
+def metrics(request: Request) -> Response:
+    """Prometheus text: cluster-wide cache counters, queue depths and stage latencies."""
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,190 @@
+"""The REST API against the session stack and real worker processes."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from cachesvc.settings import ApiSettings, Settings
+from keys import GenerationSpec
+from tests.workers_harness import reference
+from workers.media import decode_npy
+
+SMALL = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 4}
+
+
+def app_client(settings: Settings, **api: object) -> TestClient:
+    configured = settings.model_copy(update={"api": ApiSettings(**api)})  # type: ignore[arg-type]
+    return TestClient(create_app(configured))
+
+
+@pytest.fixture(scope="module")
+def http(worker_settings: Settings, pool: object) -> Iterator[TestClient]:
+    with app_client(worker_settings) as client:
+        yield client
+
+
+def wait_state(http: TestClient, request_id: str, timeout_s: float = 120,
+               headers: dict[str, str] | None = None) -> dict[str, object]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = http.get(f"/v1/requests/{request_id}", headers=headers).json()
+        if status["state"] in ("DONE", "FAILED", "CANCELLED"):
+            return status  # type: ignore[no-any-return]
+        time.sleep(0.05)
+    raise TimeoutError(request_id)
+
+
+def test_generate_events_and_result_match_the_pipeline(http: TestClient, pipe: object) -> None:
+    body = {"prompt": "a red boat on the sea", "negative_prompt": "blurry", "seed": 5,
+            "output_format": "npy", "guidance_scale": 4.0, **SMALL}
+    accepted = http.post("/v1/generate", json=body)
+    assert accepted.status_code == 202
+    request_id = accepted.json()["id"]
+    assert accepted.json()["result_url"] == f"/v1/requests/{request_id}/result"
+    with http.stream("GET", f"/v1/requests/{request_id}/events") as events:
+        lines = [line for line in events.iter_lines() if line.startswith("data: ")]
+    progress = [json.loads(line[6:]) for line in lines[:-1]]
+    assert [p["step"] for p in progress] == sorted(p["step"] for p in progress)
+    assert progress[-1]["state"] == "DONE" and json.loads(lines[-1][6:]) == {"state": "DONE"}
+    result = http.get(f"/v1/requests/{request_id}/result")
+    assert result.status_code == 200
+    assert result.headers["content-type"] == "application/octet-stream"
+    spec = GenerationSpec.create(request_id="ref", tenant="default", prompt=body["prompt"],
+                                 negative_prompt="blurry", seed=5, guidance_scale=4.0,
+                                 **SMALL)  # type: ignore[arg-type]
+    assert np.array_equal(decode_npy(result.content), reference(pipe, spec))
+    status = http.get(f"/v1/requests/{request_id}").json()
+    assert set(status["stage_seconds"]) == {"encode", "denoise", "decode"}
+    assert status["steps"] == 4 and status["error"] is None
+
+
+@pytest.mark.parametrize("change, field, limit", [
+    ({"width": 33}, "width", "multiple of 16"),
+    ({"height": 4096}, "height", "to 1024"),
+    ({"num_frames": 6}, "num_frames", "4k+1"),
+    ({"num_inference_steps": 0}, "num_inference_steps", "from 1 to 100"),
+    ({"guidance_scale": -1}, "guidance_scale", "greater than or equal to 0"),
+    ({"seed": -5}, "seed", "greater than or equal to 0"),
+    ({"output_format": "gif"}, "output_format", "mp4"),
+    ({"output_format": "png", "num_frames": 5}, "output_format", "num_frames=1"),
+    ({"prompt": ""}, "prompt", "at least 1 character"),
+    ({"prompt": "a, " * 300}, "prompt", "511 tokens"),
+    ({"colour": "red"}, "colour", "not permitted"),
+])
+def test_bad_input_names_the_field_and_its_limit(http: TestClient, change: dict[str, object],
+                                                 field: str, limit: str) -> None:
+    response = http.post("/v1/generate", json={"prompt": "a cat", **change})
+    assert response.status_code == 422
+    assert response.json()["field"] == field
+    assert limit in response.json()["error"]
+
+
+def test_unknown_ids_missing_results_and_large_bodies(http: TestClient) -> None:
+    assert http.get("/v1/requests/nope").status_code == 404
+    assert http.get("/v1/requests/nope/result").status_code == 404
+    accepted = http.post("/v1/generate", json={"prompt": "a slow tree", "output_format": "npy",
+                                               **{**SMALL, "num_inference_steps": 60}})
+    early = http.get(f"/v1/requests/{accepted.json()['id']}/result")
+    assert early.status_code == 409 and "is" in early.json()["error"]
+    huge = http.post("/v1/generate", content=b"{" + b" " * 70000 + b"}",
+                     headers={"content-type": "application/json"})
+    assert huge.status_code == 413
+    wait_state(http, accepted.json()["id"])
+
+
+def test_cancel_stops_the_request_at_a_step_boundary(http: TestClient) -> None:
+    accepted = http.post("/v1/generate", json={"prompt": "a long river", "output_format": "npy",
+                                               **{**SMALL, "num_inference_steps": 100}})
+    request_id = accepted.json()["id"]
+    while http.get(f"/v1/requests/{request_id}").json()["step"] < 2:
+        time.sleep(0.01)
+    cancelled = http.delete(f"/v1/requests/{request_id}")
+    assert cancelled.status_code == 202 and cancelled.json()["state"] == "CANCELLED"
+    time.sleep(1.0)
+    final = http.get(f"/v1/requests/{request_id}").json()
+    assert final["state"] == "CANCELLED" and final["step"] < 100
+    assert http.delete(f"/v1/requests/{request_id}").status_code == 409
+
+
+def test_idempotency_key_returns_the_first_request(http: TestClient) -> None:
+    body = {"prompt": "a quiet city", "output_format": "npy", **SMALL}
+    first = http.post("/v1/generate", json=body, headers={"Idempotency-Key": "k-123"})
+    second = http.post("/v1/generate", json=body, headers={"Idempotency-Key": "k-123"})
+    assert first.json()["id"] == second.json()["id"]
+    wait_state(http, first.json()["id"])
+
+
+def test_api_keys_map_to_isolated_tenants(worker_settings: Settings, pool: object) -> None:
+    with app_client(worker_settings, api_keys={"key-a": "acme", "key-b": "globex"}) as http:
+        assert http.post("/v1/generate", json={"prompt": "x"}).status_code == 401
+        accepted = http.post("/v1/generate", json={"prompt": "a dog", "output_format": "npy",
+                                                   **SMALL}, headers={"X-API-Key": "key-a"})
+        request_id = accepted.json()["id"]
+        assert http.get(f"/v1/requests/{request_id}",
+                        headers={"Authorization": "Bearer key-b"}).status_code == 404
+        done = wait_state(http, request_id, headers={"X-API-Key": "key-a"})
+        assert done["state"] == "DONE"
+
+
+def test_a_full_queue_answers_429_with_retry_after(worker_settings: Settings,
+                                                   pool: object) -> None:
+    with app_client(worker_settings, max_queue_depth=2) as http:
+        body = {"prompt": "a busy road", "output_format": "npy",
+                **{**SMALL, "num_inference_steps": 60}}
+        codes = [http.post("/v1/generate", json=body) for _ in range(4)]
+        refused = [r for r in codes if r.status_code == 429]
+        assert refused and refused[0].headers["retry-after"] == "5"
+        assert "max_queue_depth" in refused[0].json()["error"]
+        for r in codes:
+            if r.status_code == 202:
+                wait_state(http, r.json()["id"])
+
+
+def test_openai_images_and_sglang_videos(http: TestClient) -> None:
+    image = http.post("/v1/images/generations", json={"prompt": "a yellow flower",
+                                                      "size": "32x32",
+                                                      "num_inference_steps": 3})
+    assert image.status_code == 200, image.text
+    png = iio.imread(io.BytesIO(base64.b64decode(image.json()["data"][0]["b64_json"])))
+    assert png.shape == (32, 32, 3)
+    job = http.post("/v1/videos", json={"prompt": "a horse running", "size": "32x32",
+                                        "num_frames": 5, "num_inference_steps": 3}).json()
+    assert job["object"] == "video" and job["status"] in ("queued", "in_progress")
+    deadline = time.monotonic() + 120
+    while http.get(f"/v1/videos/{job['id']}").json()["status"] != "completed":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    video = http.get(f"/v1/videos/{job['id']}/content")
+    assert video.headers["content-type"] == "video/mp4"
+    assert iio.imread(video.content, extension=".mp4").shape == (5, 32, 32, 3)
+
+
+def test_health_readiness_and_metrics(http: TestClient) -> None:
+    assert http.get("/healthz").json() == {"status": "ok"}
+    ready = http.get("/readyz")
+    assert ready.status_code == 200 and all(ready.json().values())
+    text = http.get("/metrics").text
+    assert 'diffcache_cache_lookups_total{kind="embed",tenant="default"}' in text
+    assert 'diffcache_queue_depth{stage="denoise"}' in text
+    assert 'diffcache_stage_seconds_bucket{le="+Inf",stage="denoise"}' in text
+
+
+def test_the_api_imports_no_model_code() -> None:
+    code = ("import sys, api.app; "
+            "print(sorted(m for m in ('diffusers', 'transformers', 'workers.families') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
