@@ -40,30 +40,16 @@ def install(app: FastAPI, retry_after_s: int) -> None:
     async def out_of_limits(_: Request, exc: FieldError) -> JSONResponse:
         return _body(422, str(exc), exc.field)
 
-    @app.exception_handler(QueueFullError)
-    async def full(_: Request, exc: QueueFullError) -> JSONResponse:
-        return _body(429, str(exc), headers={"Retry-After": str(retry_after_s)})
+    # Exception type -> status, and whether the client should retry after a pause.
+    table: dict[type[Exception], tuple[int, bool]] = {
+        QueueFullError: (429, True), NotFoundError: (404, False), NotReadyError: (409, False),
+        GoneError: (410, False), WaitTimeoutError: (504, False),
+        StoreUnavailableError: (503, True), DurabilityError: (503, True)}
 
-    @app.exception_handler(NotFoundError)
-    async def missing(_: Request, exc: NotFoundError) -> JSONResponse:
-        return _body(404, str(exc))
+    async def mapped(_: Request, exc: Exception) -> JSONResponse:
+        status, retry = table[type(exc)]
+        return _body(status, str(exc),
+                     headers={"Retry-After": str(retry_after_s)} if retry else None)
 
-    @app.exception_handler(NotReadyError)
-    async def not_ready(_: Request, exc: NotReadyError) -> JSONResponse:
-        return _body(409, str(exc))
-
-    @app.exception_handler(GoneError)
-    async def gone(_: Request, exc: GoneError) -> JSONResponse:
-        return _body(410, str(exc))
-
-    @app.exception_handler(WaitTimeoutError)
-    async def too_slow(_: Request, exc: WaitTimeoutError) -> JSONResponse:
-        return _body(504, str(exc))
-
-    @app.exception_handler(StoreUnavailableError)
-    async def store_down(_: Request, exc: StoreUnavailableError) -> JSONResponse:
-        return _body(503, str(exc), headers={"Retry-After": str(retry_after_s)})
-
-    @app.exception_handler(DurabilityError)
-    async def not_durable(_: Request, exc: DurabilityError) -> JSONResponse:
-        return _body(503, str(exc), headers={"Retry-After": str(retry_after_s)})
+    for exc_type in table:
+        app.add_exception_handler(exc_type, mapped)

@@ -92,6 +92,7 @@ class Service:
             output_format=body.output_format, priority=body.priority)
 
     def queue_depth(self) -> dict[str, int]:
+        """Jobs waiting or running per stage."""
         return {stage.value: StageQueue(self.redis, stage, "api").depth() for stage in Stage}
 
     def generate(self, tenant: str, body: GenerateBody, idem: str | None = None) -> str:

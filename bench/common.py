@@ -7,12 +7,17 @@ import statistics
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from cachesvc.settings import Settings, load_settings
+from cachesvc.connect import open_redis
+from cachesvc.processes import ChildProcess
+from cachesvc.settings import Settings, child_environ, load_settings
 from cachesvc.stack import EmbeddedStack
+from workers.launch import wait_joined, worker_argv
+from workers.messages import Stage
 
 console = Console(soft_wrap=True)
 
@@ -41,3 +46,17 @@ def report(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]],
         table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row))
     console.print(table)
     print(json.dumps(result), flush=True)
+
+
+def start_workers(settings: Settings, logs: Path) -> list[ChildProcess]:
+    """One worker process per stage, each joined to its consumer group."""
+    client = open_redis(settings)
+    children = []
+    for stage in Stage:
+        child = ChildProcess(f"bench-{stage.value}", worker_argv(stage),
+                             logs / f"{stage.value}.log", child_environ(settings))
+        child.start()
+        children.append(child)
+    for child, stage in zip(children, Stage, strict=True):
+        wait_joined(child, client, stage)
+    return children

@@ -12,19 +12,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.common import bench_stack, report
+from bench.common import bench_stack, report, start_workers
 from bench.workload import Draw, zipf_requests
 from cachesvc.connect import open_redis
-from cachesvc.processes import ChildProcess
-from cachesvc.settings import Settings, child_environ
+from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat
 from workers.families import wan
-from workers.launch import wait_joined, worker_argv
 from workers.main import ensure_model
 from workers.media import encode_frames
 from workers.messages import Stage, State
@@ -58,20 +55,6 @@ def run_baseline(settings: Settings, specs: list[GenerationSpec]) -> float:
                       output_type="np").frames[0]
         encode_frames([wan.to_uint8(frames)], OutputFormat.MP4, settings.workers.fps)
     return time.perf_counter() - start
-
-
-def start_workers(settings: Settings, logs: Path) -> list[ChildProcess]:
-    """One worker process per stage, each joined to its consumer group."""
-    client = open_redis(settings)
-    children = []
-    for stage in Stage:
-        child = ChildProcess(f"bench-{stage.value}", worker_argv(stage),
-                             logs / f"{stage.value}.log", child_environ(settings))
-        child.start()
-        children.append(child)
-    for child, stage in zip(children, Stage, strict=True):
-        wait_joined(child, client, stage)
-    return children
 
 
 def main() -> None:

@@ -2,16 +2,24 @@
 # Installs everything `make up` and `make test` need on a fresh machine; safe to rerun.
 # System: Debian's libibverbs1 (Mooncake's binaries link it even for TCP).
 # Python: .venv with torch (a pinned CPU build where there is no GPU) and the project.
+# `--test` only adds what the tests need on top: Debian's chromium, for the dashboard test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then
-    echo "bootstrap: installing libibverbs1"
+apt_install() {
+    echo "bootstrap: installing $*"
     sudo_if_needed apt-get update -qq
-    sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1
+    sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"
+}
+
+if [ "${1:-}" = "--test" ]; then
+    command -v chromium >/dev/null 2>&1 || apt_install chromium
+    exit 0
 fi
+
+ldconfig -p | grep -q 'libibverbs\.so\.1' || apt_install libibverbs1
 
 if [ ! -x .venv/bin/python ]; then
     echo "bootstrap: creating .venv"

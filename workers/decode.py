@@ -15,26 +15,21 @@ from keys import ChainLink, StoreKey, output_key
 from workers.families.wan import WanDecoder
 from workers.media import encode_frames
 from workers.messages import Job, Stage
-from workers.records import Records
 from workers.runtime import JobContext, Outcome, StageError
 
 
 class DecodeHandler:
     stage = Stage.DECODE
 
-    def __init__(self, cache: TensorCache, records: Records, model: WanDecoder,
+    def __init__(self, cache: TensorCache, model: WanDecoder,
                  fps: int) -> None:
         self.cache = cache
-        self.records = records
         self.model = model
         self.fps = fps
 
     def handle(self, ctx: JobContext) -> Outcome:
         job = ctx.job
-        record = self.records.get(job.tenant, job.request_id)
-        if record is None:
-            raise StageError(job, "request record is missing")
-        spec = record.spec
+        spec = ctx.spec()
         head = ChainLink(job.tenant, job.chain_index, job.chain_head)
         out_key = output_key(head, self.model.fingerprint, spec.output_format.value)
         hit = self.cache.exists(out_key)

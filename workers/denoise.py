@@ -17,17 +17,15 @@ from cachesvc.tensor_cache import TensorCache
 from keys import GenerationSpec, StepInputs, StoreKey, chain, chain_root, latents_key
 from workers.families.wan import WanDenoiser, guide
 from workers.messages import Job, Stage, State, TensorRef
-from workers.records import Records
 from workers.runtime import JobContext, Outcome, StageError
 
 
 class DenoiseHandler:
     stage = Stage.DENOISE
 
-    def __init__(self, cache: TensorCache, records: Records, model: WanDenoiser,
+    def __init__(self, cache: TensorCache, model: WanDenoiser,
                  cfg_parallel: bool) -> None:
         self.cache = cache
-        self.records = records
         self.model = model
         # The two CFG branches are independent forwards of one model. Run concurrently, each
         # with its own single-threaded kernels, they compute exactly what they compute in turn.
@@ -44,10 +42,7 @@ class DenoiseHandler:
 
     def handle(self, ctx: JobContext) -> Outcome:
         job = ctx.job
-        record = self.records.get(job.tenant, job.request_id)
-        if record is None:
-            raise StageError(job, "request record is missing")
-        spec = record.spec
+        spec = ctx.spec()
         embeds = self._embeddings(job)
         scheduler = self.model.scheduler(spec.num_inference_steps)
         bounds = [s.until_step for s in spec.schedule]

@@ -12,24 +12,19 @@ from cachesvc.codec import TensorSpec
 from cachesvc.tensor_cache import TensorCache
 from encoders.text import TextModel, encode_texts
 from workers.messages import Job, Stage, TensorRef
-from workers.records import Records
-from workers.runtime import JobContext, Outcome, StageError
+from workers.runtime import JobContext, Outcome
 
 
 class EncodeHandler:
     stage = Stage.ENCODE
 
-    def __init__(self, cache: TensorCache, records: Records, model: TextModel) -> None:
+    def __init__(self, cache: TensorCache, model: TextModel) -> None:
         self.cache = cache
-        self.records = records
         self.model = model
 
     def handle(self, ctx: JobContext) -> Outcome:
         job = ctx.job
-        record = self.records.get(job.tenant, job.request_id)
-        if record is None:
-            raise StageError(job, "request record is missing")
-        spec = record.spec
+        spec = ctx.spec()
         texts = [s.prompt for s in spec.schedule]
         if spec.uses_cfg:
             texts += [s.negative_prompt for s in spec.schedule]

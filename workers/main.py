@@ -11,7 +11,6 @@ import torch
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings
 from workers.messages import Stage
-from workers.records import Records
 from workers.runtime import Handler, Worker
 
 log = logging.getLogger(__name__)
@@ -36,23 +35,22 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
         torch.set_num_threads(threads)
     client = open_redis(settings)
     cache = open_cache(settings, client)
-    records = Records(client)
     directory = settings.model_dir
     handler: Handler
     if stage is Stage.ENCODE:
         from workers.encode import EncodeHandler
 
-        handler = EncodeHandler(cache, records, wan.WanTextEncoder(directory))
+        handler = EncodeHandler(cache, wan.WanTextEncoder(directory))
         return Worker(handler, client, settings.workers), handler
     if stage is Stage.DENOISE:
         from workers.denoise import DenoiseHandler
 
-        handler = DenoiseHandler(cache, records, wan.WanDenoiser(directory),
+        handler = DenoiseHandler(cache, wan.WanDenoiser(directory),
                                  settings.workers.cfg_parallel)
         return Worker(handler, client, settings.workers), handler
     from workers.decode import DecodeHandler
 
-    decode = DecodeHandler(cache, records, wan.WanDecoder(directory), settings.workers.fps)
+    decode = DecodeHandler(cache, wan.WanDecoder(directory), settings.workers.fps)
     return Worker(decode, client, settings.workers, after_publish=decode.after_publish), decode
 
 

@@ -19,10 +19,11 @@ from typing import Protocol
 import redis
 
 from cachesvc.settings import WorkerSettings
+from keys import GenerationSpec
 from workers import stage_metrics
 from workers.messages import Job, Stage, State
 from workers.records import Claim, Published, Records
-from workers.streams import Delivery, StageQueue
+from workers.streams import Delivery, LeaseKeeper, StageQueue
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,22 @@ class JobContext:
         self._done = threading.Event()
         self.cancelled = threading.Event()
         self.stale = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
-        self._thread.start()
+        # Started by the first progress report: a stage that reports nothing costs nothing.
+        self._thread: threading.Thread | None = None
+
+    def spec(self) -> GenerationSpec:
+        """The request this job belongs to, from its record."""
+        record = self._records.get(self.job.tenant, self.job.request_id)
+        if record is None:
+            raise StageError(self.job, "request record is missing")
+        return record.spec
 
     def progress(self, **fields: object) -> None:
         with self._lock:
             self._pending.update(fields)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+                self._thread.start()
         self._wake.set()
 
     def _flush(self) -> None:
@@ -93,8 +104,10 @@ class JobContext:
     def close(self) -> None:
         self._done.set()
         self._wake.set()
-        self._thread.join()
-        self._flush()
+        if self._thread is not None:
+            self._thread.join()
+        if self._pending:
+            self._flush()
 
     @property
     def should_stop(self) -> bool:
@@ -119,6 +132,7 @@ class Worker:
         self.settings = settings
         self.records = Records(client)
         self.queue = StageQueue(client, handler.stage, consumer_name())
+        self.leases = LeaseKeeper(self.queue, settings.idle_timeout_s / 3)
         self._after_publish = after_publish
         self.stop = threading.Event()
 
@@ -126,6 +140,12 @@ class Worker:
         self.queue.ensure_group()
         log.info("%s worker %s ready", self.handler.stage, self.queue.consumer)
         idle_ms = int(self.settings.idle_timeout_s * 1000)
+        try:
+            self._loop(idle_ms)
+        finally:
+            self.leases.close()
+
+    def _loop(self, idle_ms: int) -> None:
         while not self.stop.is_set():
             try:
                 delivery = self.queue.next(self.settings.block_ms, idle_ms)
@@ -166,7 +186,7 @@ class Worker:
         ctx = JobContext(self.records, job, delivery.attempt)
         start = time.perf_counter()
         try:
-            with self.queue.lease(delivery.entry_id, self.settings.idle_timeout_s / 3):
+            with self.leases.hold(delivery.entry_id):
                 outcome = self.handler.handle(ctx)
         except Exception as exc:
             # Left unacknowledged: redelivered after the idle timeout, dead-lettered after
