@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from api.schemas import FieldError
 from api.service import (
@@ -28,7 +29,9 @@ def _body(status: int, error: str, field: str | None = None,
 
 def install(app: FastAPI, retry_after_s: int) -> None:
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    @app.exception_handler(ValidationError)
+    async def invalid(_: Request, exc: RequestValidationError | ValidationError) -> JSONResponse:
+        # ValidationError: a body that a compatibility endpoint maps onto GenerateBody.
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"] if p not in ("body", "query", "path",
                                                                     "header"))

@@ -24,17 +24,24 @@ def token_count(text: str) -> int:
     return len(_PRETOKEN.findall(text))
 
 
+# Static bounds, published in the OpenAPI schema. A deployment's ApiSettings may only tighten
+# them, which ``check_limits`` does.
+Spatial = Annotated[int, Field(ge=16, le=4096, multiple_of=16)]
+Frames = Annotated[int, Field(ge=1, le=1025, description="4k+1")]
+Steps = Annotated[int, Field(ge=1, le=1000)]
+
+
 class GenerateBody(BaseModel):
-    """``POST /v1/generate``. Limits are checked against ``ApiSettings`` by ``check``."""
+    """``POST /v1/generate``. Deployment limits are applied by ``check_limits``."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(min_length=1)
-    negative_prompt: str = ""
-    width: int | None = Field(None, description="default: the model's default width")
-    height: int | None = None
-    num_frames: int | None = None
-    num_inference_steps: int | None = None
+    prompt: str = Field(min_length=1, max_length=20000)
+    negative_prompt: str = Field("", max_length=20000)
+    width: Spatial | None = Field(None, description="default: the model's width")
+    height: Spatial | None = Field(None, description="default: the model's height")
+    num_frames: Frames | None = None
+    num_inference_steps: Steps | None = None
     guidance_scale: float | None = Field(None, ge=0.0, le=30.0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="default: random")
     output_format: OutputFormat = OutputFormat.MP4
@@ -111,7 +118,7 @@ class ImagesBody(BaseModel):
     model: str | None = None
     negative_prompt: str = ""
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    num_inference_steps: int | None = None
+    num_inference_steps: Steps | None = None
     guidance_scale: float | None = Field(None, ge=0.0, le=30.0)
 
 
@@ -123,11 +130,11 @@ class VideosBody(BaseModel):
     prompt: str = Field(min_length=1)
     negative_prompt: str = ""
     size: Annotated[str, Field(pattern=r"^\d{1,4}x\d{1,4}$")] | None = None
-    num_frames: int | None = None
+    num_frames: Frames | None = None
     seconds: float | None = Field(None, gt=0, le=60)
     fps: int | None = Field(None, ge=1, le=60)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    num_inference_steps: int | None = None
+    num_inference_steps: Steps | None = None
     guidance_scale: float | None = Field(None, ge=0.0, le=30.0)
 
 

@@ -6,18 +6,15 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
-from api.app import create_app
-from cachesvc.processes import free_port
 from cachesvc.settings import ApiSettings, Settings
+from tests.workers_harness import serve_api
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -27,22 +24,8 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 @pytest.fixture(scope="module")
 def server(worker_settings: Settings, pool: object) -> Iterator[str]:
-    port = free_port("127.0.0.1")
-    app = create_app(worker_settings.model_copy(update={"api": ApiSettings(port=port)}))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/healthz").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    yield url
-    srv.should_exit = True
-    thread.join(10)
+    with serve_api(worker_settings, ApiSettings()) as url:
+        yield url
 
 
 def run_workload(url: str) -> None:

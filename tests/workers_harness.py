@@ -3,7 +3,10 @@ and helpers to submit requests and read their outputs."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +14,8 @@ import redis
 import torch
 
 from cachesvc.connect import open_cache
-from cachesvc.processes import ChildProcess
-from cachesvc.settings import Settings, child_environ
+from cachesvc.processes import ChildProcess, free_port
+from cachesvc.settings import ApiSettings, Settings, child_environ
 from keys import GenerationSpec, StoreKey
 from workers.families import wan
 from workers.launch import wait_joined, worker_argv
@@ -79,3 +82,27 @@ def reference(pipe: object, spec: GenerationSpec) -> np.ndarray:
                num_inference_steps=spec.num_inference_steps, guidance_scale=spec.guidance_scale,
                generator=torch.Generator().manual_seed(spec.seed), output_type="np").frames
     return wan.to_uint8(out[0])
+
+
+@contextmanager
+def serve_api(settings: Settings, api: ApiSettings) -> Iterator[str]:
+    """The API on a free loopback port, in a thread of this process; yields its URL."""
+    import uvicorn
+
+    from api.app import create_app
+
+    port = free_port("127.0.0.1")
+    app = create_app(settings.model_copy(update={"api": api.model_copy(update={"port": port})}))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(10)
