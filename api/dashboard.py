@@ -20,7 +20,7 @@ from keys import KeyKind
 from keys.names import request_index
 from workers import stage_metrics
 from workers.messages import Stage
-from workers.streams import StageQueue
+from workers.streams import queue_counts
 
 WINDOW_MINUTES = 30
 RECENT = 15
@@ -56,11 +56,10 @@ def dashboard_data(svc: Service) -> dict[str, Any]:
              for m in minutes]
     served = [sum(totals[m].get(f"{k.value}.bytes_read", 0.0) for k in KeyKind)
               for m in minutes]
-    queues = {}
+    queues = {stage.value: {"waiting": waiting, "in_flight": in_flight}
+              for stage, (waiting, in_flight) in queue_counts(svc.redis).items()}
     latency = {}
     for stage in Stage:
-        waiting, in_flight = StageQueue(svc.redis, stage, "dashboard").counts()
-        queues[stage.value] = {"waiting": waiting, "in_flight": in_flight}
         h = stage_metrics.read(svc.redis, stage)
         latency[stage.value] = {"p50": h.quantile(0.5), "p95": h.quantile(0.95),
                                 "count": h.count}

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 from cachesvc.counters import Event, read_totals, tenants
 from workers import stage_metrics
 from workers.messages import Stage
-from workers.streams import StageQueue
+from workers.streams import queue_counts
 
 
 class ClusterCollector(Collector):
@@ -37,8 +37,8 @@ class ClusterCollector(Collector):
 
         depth = GaugeMetricFamily("diffcache_queue_depth", "Jobs waiting or in progress",
                                   labels=["stage"])
-        for stage in Stage:
-            depth.add_metric([stage.value], StageQueue(self._redis, stage, "metrics").depth())
+        for stage, counts in queue_counts(self._redis).items():
+            depth.add_metric([stage.value], sum(counts))
         yield depth
 
         latency = HistogramMetricFamily("diffcache_stage_seconds", "Seconds per stage job",

@@ -20,7 +20,7 @@ from keys import GenerationSpec, KeyKind, StoreKey
 from keys.names import KEY_VERSION, check_tenant
 from workers.messages import Stage, State
 from workers.records import Records, RequestRecord
-from workers.streams import StageQueue, live_consumers
+from workers.streams import live_consumers, queue_counts
 from workers.submit import new_request_id, submit
 
 IDEMPOTENCY_TTL_S = 24 * 3600
@@ -93,7 +93,7 @@ class Service:
 
     def queue_depth(self) -> dict[str, int]:
         """Jobs waiting or running per stage."""
-        return {stage.value: StageQueue(self.redis, stage, "api").depth() for stage in Stage}
+        return {stage.value: sum(c) for stage, c in queue_counts(self.redis).items()}
 
     def generate(self, tenant: str, body: GenerateBody, idem: str | None = None) -> str:
         """Admit and submit; with an idempotency key, a repeat returns the first request."""

@@ -92,6 +92,9 @@ class WorkerSettings(_Section):
     idle_timeout_s: float = Field(30.0, gt=0, description="a silent job is reclaimed after this")
     max_deliveries: int = Field(3, ge=1, description="then the job goes to the dead letters")
     block_ms: int = Field(500, ge=1)
+    # Jobs read, fenced and published together. Larger batches cut round trips for quick
+    # stages; a batch holds its jobs' leases until the last one is done.
+    batch_size: int = Field(1, ge=1, le=256)
     # Intra-op threads per stage (0: torch's default, every core). On small tensors one thread
     # per op wastes less than splitting each op; denoise gets its parallelism from cfg_parallel.
     encode_threads: int = Field(1, ge=0)

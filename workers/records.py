@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
 import redis
 
 from keys import GenerationSpec, OutputFormat, Priority, PromptSegment
-from keys.names import consumer_group, dead_letter_stream, request_record, stage_stream
+from keys.names import (
+    consumer_group,
+    dead_letter_stream,
+    request_record,
+    stage_latency,
+    stage_stream,
+)
+from workers import stage_metrics
 from workers.messages import FINISHED, NEXT, RUNNING, Job, State
 
 # KEYS[1] record. ARGV: stage, attempt, running state, now, then field/value pairs.
@@ -40,8 +48,9 @@ if #ARGV >= 4 then redis.call('HSET', KEYS[1], 'updated_at', ARGV[3]) end
 return redis.call('HGET', KEYS[1], 'state')
 """
 
-# KEYS: record, this stage's stream, next stage's stream (or the record again for none).
-# ARGV: stage, attempt, group, entry id, next job ('' for none), new state, now, field pairs.
+# KEYS: record, this stage's stream, next stage's stream (or the record again for none), the
+# stage's latency histogram. ARGV: stage, attempt, group, entry id, next job ('' for none),
+# new state, now, histogram bucket field, seconds, then field pairs.
 _PUBLISH = """
 local fence = tonumber(redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) or '0')
 if tonumber(ARGV[2]) ~= fence then return 0 end
@@ -56,8 +65,11 @@ if state == 'CANCELLED' then
 end
 if ARGV[5] ~= '' then redis.call('XADD', KEYS[3], '*', 'job', ARGV[5]) end
 redis.call('HSET', KEYS[1], 'done:' .. ARGV[1], '1', 'state', ARGV[6], 'updated_at', ARGV[7])
-for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 10, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])
+redis.call('HINCRBY', KEYS[4], ARGV[8], 1)
+redis.call('HINCRBYFLOAT', KEYS[4], 'sum', ARGV[9])
+redis.call('HINCRBY', KEYS[4], 'count', 1)
 return 1
 """
 
@@ -71,6 +83,19 @@ end
 redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
 return 1
 """
+
+
+@dataclass(frozen=True, slots=True)
+class StageResult:
+    """What a stage produced for one delivery, ready to publish."""
+
+    job: Job
+    attempt: int
+    entry_id: str
+    next_job: Job | None
+    state: State | None
+    seconds: float
+    fields: dict[str, object]
 
 
 class Claim(IntEnum):
@@ -166,9 +191,16 @@ class Records:
                              output_key=fields.get("output_key"), fields=fields)
 
     def claim(self, job: Job, attempt: int, **fields: object) -> Claim:
-        key = request_record(job.tenant, job.request_id)
-        return Claim(int(self._claim(keys=[key], args=[
-            job.stage.value, attempt, RUNNING[job.stage].value, _now(), *_pairs(fields)])))
+        return self.claim_many([(job, attempt, fields)])[0]
+
+    def claim_many(self, claims: Sequence[tuple[Job, int, dict[str, object]]]) -> list[Claim]:
+        """Fence several jobs in one round trip: each job's claim is checked on its own."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job, attempt, fields in claims:
+            self._claim(keys=[request_record(job.tenant, job.request_id)],
+                        args=[job.stage.value, attempt, RUNNING[job.stage].value, _now(),
+                              *_pairs(fields)], client=pipe)
+        return [Claim(int(code)) for code in pipe.execute()]
 
     def update(self, job: Job, attempt: int, **fields: object) -> State | None:
         """Write progress if ``attempt`` still owns the request; its state, None if stale."""
@@ -178,17 +210,24 @@ class Records:
         text = state.decode() if isinstance(state, bytes) else str(state)
         return None if text == "STALE" else State(text)
 
-    def publish(self, job: Job, attempt: int, entry_id: str, next_job: Job | None,
-                state: State | None = None, **fields: object) -> Published:
-        """Atomically: hand ``next_job`` to the next stage, record the new state, ack."""
-        key = request_record(job.tenant, job.request_id)
-        following = NEXT[job.stage]
-        next_stream = stage_stream(following.value) if following else key
-        return Published(int(self._publish(
-            keys=[key, stage_stream(job.stage.value), next_stream],
-            args=[job.stage.value, attempt, consumer_group(job.stage.value), entry_id,
-                  next_job.to_json() if next_job else "", (state or FINISHED[job.stage]).value,
-                  _now(), *_pairs(fields)])))
+    def publish_many(self, results: Sequence[StageResult]) -> list[Published]:
+        """Atomically per job: hand on the next job, record the state and latency, ack.
+        All of them travel in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for r in results:
+            job = r.job
+            key = request_record(job.tenant, job.request_id)
+            following = NEXT[job.stage]
+            next_stream = stage_stream(following.value) if following else key
+            self._publish(
+                keys=[key, stage_stream(job.stage.value), next_stream,
+                      stage_latency(job.stage.value)],
+                args=[job.stage.value, r.attempt, consumer_group(job.stage.value), r.entry_id,
+                      r.next_job.to_json() if r.next_job else "",
+                      (r.state or FINISHED[job.stage]).value, _now(),
+                      stage_metrics.bucket_field(r.seconds), f"{r.seconds:.6f}",
+                      *_pairs(r.fields)], client=pipe)
+        return [Published(int(code)) for code in pipe.execute()]
 
     def dead_letter(self, job: Job, entry_id: str, reason: str) -> None:
         self._dead(keys=[request_record(job.tenant, job.request_id),

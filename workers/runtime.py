@@ -20,9 +20,8 @@ import redis
 
 from cachesvc.settings import WorkerSettings
 from keys import GenerationSpec
-from workers import stage_metrics
 from workers.messages import Job, Stage, State
-from workers.records import Claim, Published, Records
+from workers.records import Claim, Published, Records, StageResult
 from workers.streams import Delivery, LeaseKeeper, StageQueue
 
 log = logging.getLogger(__name__)
@@ -148,9 +147,10 @@ class Worker:
     def _loop(self, idle_ms: int) -> None:
         while not self.stop.is_set():
             try:
-                delivery = self.queue.next(self.settings.block_ms, idle_ms)
-                if delivery is not None:
-                    self.process(delivery)
+                deliveries = self.queue.next(self.settings.block_ms, idle_ms,
+                                             self.settings.batch_size)
+                if deliveries:
+                    self.process(deliveries)
             except redis.RedisError as exc:
                 # Redis restarting or flushed: the unacknowledged job is redelivered later.
                 log.warning("Redis error in the %s loop (%s); retrying", self.handler.stage, exc)
@@ -158,53 +158,62 @@ class Worker:
                 with contextlib.suppress(redis.RedisError):  # logged above; retried next turn
                     self.queue.ensure_group()
 
-    def process(self, delivery: Delivery) -> None:
+    def process(self, deliveries: list[Delivery]) -> None:
+        """Fence, run and publish a batch; one round trip to claim and one to publish it."""
+        runnable = [(job, d) for d in deliveries if (job := self._admissible(d)) is not None]
+        stage = self.handler.stage.value
+        claims = self.records.claim_many([
+            (job, d.attempt, {f"attempt:{stage}": d.attempt, f"worker:{stage}":
+                              self.queue.consumer}) for job, d in runnable])
+        owned: list[tuple[Job, Delivery]] = []
+        for (job, d), claim in zip(runnable, claims, strict=True):
+            if claim is Claim.OWNED:
+                owned.append((job, d))
+            elif claim is Claim.STALE:
+                log.warning("request %s: attempt %d is stale", job.request_id, d.attempt)
+            else:
+                log.info("request %s: %s needs no work (%s)", job.request_id, stage, claim.name)
+                self.queue.ack(d.entry_id)
+        with self.leases.hold(*(d.entry_id for _, d in owned)):
+            results = [r for job, d in owned if (r := self._run(job, d)) is not None]
+        published = self.records.publish_many([r for r, _ in results])
+        for (result, outcome), status in zip(results, published, strict=True):
+            if status is Published.STALE:
+                log.warning("request %s: result of stale attempt %d discarded",
+                            result.job.request_id, result.attempt)
+            elif status is Published.PUBLISHED and self._after_publish is not None:
+                self._after_publish(result.job, outcome)
+
+    def _admissible(self, delivery: Delivery) -> Job | None:
+        """The delivery's job, or None if it is dropped or dead-lettered instead of run."""
         job = delivery.job
         if job is None:
             log.error("dropping malformed entry %s: %r", delivery.entry_id, delivery.raw[:200])
             self.queue.ack(delivery.entry_id)
-            return
+            return None
         if delivery.attempt > self.settings.max_deliveries:
             reason = (f"{job.stage} failed {delivery.attempt - 1} deliveries "
                       f"(max {self.settings.max_deliveries})")
             log.error("dead-lettering request %s: %s", job.request_id, reason)
             self.records.dead_letter(job, delivery.entry_id, reason)
-            return
-        claim = self.records.claim(job, delivery.attempt, **{
-            f"attempt:{job.stage.value}": delivery.attempt,
-            f"worker:{job.stage.value}": self.queue.consumer})
-        if claim in (Claim.ALREADY_DONE, Claim.TERMINAL, Claim.MISSING):
-            log.info("request %s: %s needs no work (%s)", job.request_id, job.stage, claim.name)
-            self.queue.ack(delivery.entry_id)
-            return
-        if claim is Claim.STALE:
-            log.warning("request %s: attempt %d is stale", job.request_id, delivery.attempt)
-            return
-        self._run(job, delivery)
+            return None
+        return job
 
-    def _run(self, job: Job, delivery: Delivery) -> None:
+    def _run(self, job: Job, delivery: Delivery) -> tuple[StageResult, Outcome] | None:
+        """Run the stage for one job; None if it failed (it stays unacknowledged)."""
         ctx = JobContext(self.records, job, delivery.attempt)
         start = time.perf_counter()
         try:
-            with self.leases.hold(delivery.entry_id):
-                outcome = self.handler.handle(ctx)
+            outcome = self.handler.handle(ctx)
         except Exception as exc:
             # Left unacknowledged: redelivered after the idle timeout, dead-lettered after
             # max_deliveries. The error is on the record meanwhile.
             log.exception("request %s failed in %s", job.request_id, job.stage)
             ctx.progress(error=f"{type(exc).__name__}: {exc}")
             ctx.close()
-            return
+            return None
         ctx.close()
-        fields = {f"seconds:{job.stage.value}": f"{time.perf_counter() - start:.4f}",
-                  **outcome.fields}
-        published = self.records.publish(job, delivery.attempt, delivery.entry_id,
-                                         outcome.next_job, outcome.state, **fields)
-        if published is Published.PUBLISHED:
-            stage_metrics.observe(self.records.redis, job.stage, time.perf_counter() - start)
-        if published is Published.STALE:
-            log.warning("request %s: result of stale attempt %d discarded", job.request_id,
-                        delivery.attempt)
-            return
-        if self._after_publish is not None and published is Published.PUBLISHED:
-            self._after_publish(job, outcome)
+        seconds = time.perf_counter() - start
+        fields = {f"seconds:{job.stage.value}": f"{seconds:.4f}", **outcome.fields}
+        return StageResult(job, delivery.attempt, delivery.entry_id, outcome.next_job,
+                           outcome.state, seconds, fields), outcome

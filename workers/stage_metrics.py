@@ -18,14 +18,9 @@ def _field(bound: float) -> str:
     return "le:+Inf" if bound == float("inf") else f"le:{bound}"
 
 
-def observe(client: redis.Redis, stage: Stage, seconds: float) -> None:
-    bound = BOUNDS[bisect.bisect_left(BOUNDS, seconds)]
-    pipe = client.pipeline(transaction=False)
-    key = stage_latency(stage.value)
-    pipe.hincrby(key, _field(bound), 1)
-    pipe.hincrbyfloat(key, "sum", seconds)
-    pipe.hincrby(key, "count", 1)
-    pipe.execute()
+def bucket_field(seconds: float) -> str:
+    """The histogram field a job of ``seconds`` counts in; the publish script adds it."""
+    return _field(BOUNDS[bisect.bisect_left(BOUNDS, seconds)])
 
 
 @dataclass(frozen=True, slots=True)

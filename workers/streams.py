@@ -48,8 +48,8 @@ class StageQueue:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def next(self, block_ms: int, idle_timeout_ms: int) -> Delivery | None:
-        """A dead consumer's stale entry if there is one, else a new entry, else None.
+    def next(self, block_ms: int, idle_timeout_ms: int, count: int = 1) -> list[Delivery]:
+        """Stale entries of dead consumers if there are any, else up to ``count`` new ones.
 
         Stale entries are looked for at most every quarter of the idle timeout, which keeps
         the takeover delay within 1.25 idle timeouts and the hot path at one round trip.
@@ -57,18 +57,17 @@ class StageQueue:
         now = time.monotonic()
         if now >= self._next_reclaim:
             _, claimed, _ = self.redis.xautoclaim(self.stream, self.group, self.consumer,
-                                                  min_idle_time=idle_timeout_ms, count=1)
+                                                  min_idle_time=idle_timeout_ms, count=count)
             if claimed:
-                entry_id, fields = claimed[0]
-                log.warning("took over %s from a consumer that went silent", entry_id)
-                return self._delivery(entry_id, fields, reclaimed=True)
+                log.warning("took over %s from a consumer that went silent",
+                            [e for e, _ in claimed])
+                return [self._delivery(e, f, reclaimed=True) for e, f in claimed]
             self._next_reclaim = now + idle_timeout_ms / 4000
         got: Any = self.redis.xreadgroup(self.group, self.consumer, {self.stream: ">"},
-                                         count=1, block=block_ms)
+                                         count=count, block=block_ms)
         if not got:
-            return None
-        entry_id, fields = got[0][1][0]
-        return self._delivery(entry_id, fields, reclaimed=False)
+            return []
+        return [self._delivery(e, f, reclaimed=False) for e, f in got[0][1]]
 
     def _delivery(self, entry_id: bytes, fields: dict[bytes, bytes],
                   reclaimed: bool) -> Delivery:
@@ -89,17 +88,6 @@ class StageQueue:
     def ack(self, entry_id: str) -> None:
         self.redis.xack(self.stream, self.group, entry_id)
 
-    def counts(self) -> tuple[int, int]:
-        """(waiting, in flight): entries no worker has taken yet, and taken but not acked."""
-        try:
-            groups = self.redis.xinfo_groups(self.stream)
-        except redis.ResponseError:  # the stream does not exist yet
-            return 0, 0
-        for g in groups:
-            if g["name"].decode() == self.group:
-                return int(g.get("lag") or 0), int(g["pending"])
-        return 0, 0
-
     def read_count(self) -> int:
         """Entries the group has read since it was created."""
         try:
@@ -111,9 +99,6 @@ class StageQueue:
                 return int(g.get("entries-read") or 0)
         return 0
 
-    def depth(self) -> int:
-        return sum(self.counts())
-
 
 
 class LeaseKeeper:
@@ -123,38 +108,54 @@ class LeaseKeeper:
     def __init__(self, queue: StageQueue, interval_s: float) -> None:
         self._queue = queue
         self._interval_s = interval_s
-        self._held: str | None = None
+        self._held: tuple[str, ...] = ()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease", daemon=True)
         self._thread.start()
 
     @contextmanager
-    def hold(self, entry_id: str) -> Iterator[None]:
+    def hold(self, *entry_ids: str) -> Iterator[None]:
         with self._lock:
-            self._held = entry_id
+            self._held = entry_ids
         try:
             yield
         finally:
             with self._lock:
-                self._held = None
+                self._held = ()
 
     def _run(self) -> None:
         q = self._queue
         while not self._stop.wait(self._interval_s):
             with self._lock:
                 held = self._held
-            if held is None:
+            if not held:
                 continue
             try:
                 q.redis.xclaim(q.stream, q.group, q.consumer, min_idle_time=0,
-                               message_ids=[held], justid=True)
+                               message_ids=list(held), justid=True)
             except redis.RedisError:
                 log.warning("could not renew the lease on %s", held, exc_info=True)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def queue_counts(client: redis.Redis) -> dict[Stage, tuple[int, int]]:
+    """(waiting, in flight) of every stage, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for stage in Stage:
+        pipe.xinfo_groups(stage_stream(stage.value))
+    out: dict[Stage, tuple[int, int]] = {}
+    for stage, groups in zip(Stage, pipe.execute(raise_on_error=False), strict=True):
+        out[stage] = (0, 0)
+        if isinstance(groups, Exception):  # no stream yet: nothing queued
+            continue
+        for g in groups:
+            if g["name"].decode() == consumer_group(stage.value):
+                out[stage] = (int(g.get("lag") or 0), int(g["pending"]))
+    return out
 
 
 def live_consumers(client: redis.Redis, stage: Stage, max_idle_ms: int = 3000) -> set[str]:
