@@ -18,6 +18,7 @@ from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
 from keys import GenerationSpec, KeyKind, StoreKey
 from keys.names import KEY_VERSION, check_tenant
+from keys.spec import valid_request_id
 from workers.messages import Stage, State
 from workers.records import Records, RequestRecord
 from workers.streams import live_consumers, queue_counts
@@ -114,7 +115,7 @@ class Service:
         return submit(self.redis, spec)
 
     def record(self, tenant: str, request_id: str) -> RequestRecord:
-        record = self.records.get(tenant, request_id) if _valid_id(request_id) else None
+        record = self.records.get(tenant, request_id) if valid_request_id(request_id) else None
         if record is None:
             raise NotFoundError(f"no request {request_id}")
         return record
@@ -149,8 +150,4 @@ class Service:
             checks[f"{stage.value}_workers"] = (checks["redis"]
                                                 and bool(live_consumers(self.redis, stage)))
         return checks
-
-
-def _valid_id(request_id: str) -> bool:
-    return 0 < len(request_id) <= 64 and all(c.isalnum() or c in "_-" for c in request_id)
 

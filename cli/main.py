@@ -34,16 +34,21 @@ def _settings(**overrides: object) -> Settings:
 ENDPOINTS_FILE = "endpoints.json"
 
 
+def _discovered(settings: Settings) -> dict[str, str]:
+    """The addresses a running ``diffcache up`` wrote down in the data dir, if any."""
+    import json
+
+    path = settings.data_dir / ENDPOINTS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def _client_settings() -> Settings:
     """Settings for a command that joins a running stack: what ``diffcache up`` wrote down in
     the data dir fills in the addresses the environment leaves unset."""
-    import json
-
     settings = _settings()
-    path = settings.data_dir / ENDPOINTS_FILE
-    if settings.redis.url or settings.store.master_address or not path.exists():
+    found = _discovered(settings)
+    if settings.redis.url or settings.store.master_address or not found:
         return settings
-    found = json.loads(path.read_text())
     return settings.model_copy(update={
         "redis": settings.redis.model_copy(update={"url": found["redis_url"]}),
         "store": settings.store.model_copy(update={
@@ -225,15 +230,10 @@ def submit(
                     tenant or settings.default_tenant, out, console)
 
 
-def _api_settings() -> tuple[str, Settings]:
+def _api_base() -> str:
     """The API's URL: what ``diffcache up`` wrote down, else the configured host and port."""
-    import json
-
     settings = _settings()
-    path = settings.data_dir / ENDPOINTS_FILE
-    if path.exists():
-        return str(json.loads(path.read_text()).get("api_url", _api_url(settings))), settings
-    return _api_url(settings), settings
+    return _discovered(settings).get("api_url", _api_url(settings))
 
 
 @app.command()
@@ -250,7 +250,7 @@ def generate(
     """Generate through the REST API with a progress bar; prints cache hits and timings."""
     from cli.client import generate_via_api
 
-    url, _ = _api_settings()
+    url = _api_base()
     body = {k: v for k, v in {
         "prompt": prompt, "negative_prompt": negative_prompt, "seed": seed,
         "output_format": output_format, "num_frames": num_frames,
@@ -263,7 +263,7 @@ def status(api_key: str | None = typer.Option(None, help="sent as X-API-Key")) -
     """Readiness, queues and stage latency of a running service."""
     import httpx
 
-    url, _ = _api_settings()
+    url = _api_base()
     headers = {"X-API-Key": api_key} if api_key else {}
     try:
         ready = httpx.get(f"{url}/readyz", headers=headers, timeout=5).json()

@@ -31,7 +31,7 @@ class InvalidTenantError(ValueError):
 
 def check_tenant(tenant: str) -> str:
     """Return ``tenant`` unchanged if it is a valid namespace, else raise InvalidTenantError."""
-    if not _TENANT_RE.match(tenant):
+    if not _TENANT_RE.fullmatch(tenant):
         raise InvalidTenantError(tenant)
     return tenant
 

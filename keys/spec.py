@@ -17,6 +17,10 @@ from keys.names import check_tenant
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
+def valid_request_id(request_id: str) -> bool:
+    return bool(_REQUEST_ID_RE.fullmatch(request_id))
+
+
 class OutputFormat(StrEnum):
     MP4 = "mp4"
     PNG = "png"
@@ -55,7 +59,7 @@ class GenerationSpec:
 
     def __post_init__(self) -> None:
         check_tenant(self.tenant)
-        if not _REQUEST_ID_RE.match(self.request_id):
+        if not valid_request_id(self.request_id):
             raise ValueError(f"request_id {self.request_id!r} must match {_REQUEST_ID_RE.pattern}")
         if self.num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")

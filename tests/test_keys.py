@@ -229,3 +229,9 @@ def test_prompt_schedule_shares_the_chain_prefix() -> None:
     la, lb = links(a), links(b)
     assert la[:3] == lb[:3]  # h0, h1, h2: the shared two steps
     assert la[3] != lb[3]
+
+
+@pytest.mark.parametrize("tenant", ["acme\n", "acme:x", "", "_system", "Acme"])
+def test_tenants_that_could_forge_a_key_are_rejected(tenant: str) -> None:
+    with pytest.raises(keys.InvalidTenantError):
+        keys.check_tenant(tenant)
