@@ -17,7 +17,7 @@ from api.service import status_of
 from workers.media import CONTENT_TYPES
 
 router = APIRouter()
-EVENT_POLL_S = 0.1
+EVENT_POLL_S = 0.01  # how often an event stream rereads its record: one HGETALL
 
 
 @router.post("/v1/generate", status_code=202, response_model=Accepted)

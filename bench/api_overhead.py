@@ -2,7 +2,9 @@
 submit function, on the same stack, workers and workload, requests alternating between the two.
 
 Each request is tiny (one 32x32 frame, one step) so that compute varies little; the overhead of
-a pair is the difference of its two latencies, and both sides poll for DONE equally often.
+a pair is the difference of its two latencies. The HTTP side follows the request's server-sent
+events, as ``diffcache generate`` does; the direct side polls the record as often as the API's
+event stream does.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from api.routes import EVENT_POLL_S
 from bench.common import bench_stack, report, start_workers
 from cachesvc.connect import open_redis
 from cachesvc.processes import ChildProcess, free_port
@@ -26,7 +29,7 @@ from workers.messages import State
 from workers.records import Records
 from workers.submit import new_request_id, submit
 
-POLL_S = 0.002
+POLL_S = EVENT_POLL_S
 TINY = {"width": 32, "height": 32, "num_frames": 1, "num_inference_steps": 1}
 
 
@@ -63,11 +66,14 @@ def direct(settings: Settings, records: Records, prompt: str, seed: int) -> floa
 
 
 def via_http(http: httpx.Client, prompt: str, seed: int) -> float:
+    """POST, then follow the request's server-sent events to its end, as the CLI does."""
     start = time.perf_counter()
     request_id = http.post("/v1/generate", json={"prompt": prompt, "seed": seed,
                                                  "output_format": "npy", **TINY}).json()["id"]
-    while http.get(f"/v1/requests/{request_id}").json()["state"] != "DONE":
-        time.sleep(POLL_S)
+    with http.stream("GET", f"/v1/requests/{request_id}/events") as events:
+        for line in events.iter_lines():
+            if line.startswith("event: end"):
+                break
     return time.perf_counter() - start
 
 
