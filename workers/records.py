@@ -98,6 +98,16 @@ class StageResult:
     fields: dict[str, object]
 
 
+# KEYS[1] record. ARGV: now. 1 if cancelled, 0 if already finished, -1 if there is no record.
+_CANCEL = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return -1 end
+if state == 'DONE' or state == 'FAILED' or state == 'CANCELLED' then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'CANCELLED', 'updated_at', ARGV[1])
+return 1
+"""
+
+
 class Claim(IntEnum):
     MISSING = -1  # no such request
     STALE = 0  # a newer delivery attempt owns the request
@@ -175,6 +185,7 @@ class Records:
         self._update = client.register_script(_UPDATE)
         self._publish = client.register_script(_PUBLISH)
         self._dead = client.register_script(_DEAD)
+        self._cancel = client.register_script(_CANCEL)
 
     def initial_fields(self, spec: GenerationSpec) -> dict[str, str]:
         now = _now()
@@ -236,10 +247,8 @@ class Records:
                          _now()])
 
     def cancel(self, tenant: str, request_id: str) -> bool:
-        """Ask workers to stop at the next step boundary; False if already finished."""
-        key = request_record(tenant, request_id)
-        state = self.redis.hget(key, "state")
-        if state is None or State(state.decode()).terminal:  # type: ignore[union-attr]
-            return False
-        self.redis.hset(key, mapping={"state": State.CANCELLED.value, "updated_at": _now()})
-        return True
+        """Ask workers to stop at the next step boundary; False if already finished.
+
+        One script, so a request that finishes at the same moment is never marked CANCELLED
+        after DONE."""
+        return int(self._cancel(keys=[request_record(tenant, request_id)], args=[_now()])) == 1
