@@ -115,3 +115,18 @@ def test_submitting_a_request_id_twice_queues_it_once(client: redis.Redis) -> No
     before = client.xlen(stream)
     assert submit(client, spec) == submit(client, spec) == spec.request_id
     assert client.xlen(stream) == before + 1
+
+
+def test_an_identical_seeded_request_is_answered_from_the_output_cache(
+        worker_settings: Settings, client: redis.Redis, pool: object) -> None:
+    first = make_spec(prompt="a green train at night", seed=4242)
+    again = make_spec(prompt="a green train at night", seed=4242)
+    frames = run_request(worker_settings, client, first)
+    repeat = run_request(worker_settings, client, again)
+    record = wait_done(client, again)
+    assert record.hits()["output"] == 1
+    assert "seconds:denoise" not in record.fields  # no denoising at all
+    assert np.array_equal(frames, repeat)
+    changed = make_spec(prompt="a green train at night", seed=4243)
+    run_request(worker_settings, client, changed)
+    assert "seconds:denoise" in wait_done(client, changed).fields  # another seed: computed

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from cachesvc.tensor_cache import TensorCache
-from keys import GenerationSpec, StepInputs, StoreKey, chain, chain_root, latents_key
+from keys import GenerationSpec, StoreKey, latents_key
 from workers.families.wan import WanDenoiser, guide
 from workers.messages import Job, Stage, State, TensorRef
 from workers.runtime import JobContext, Outcome, StageError
+from workers.trajectory import chain_head, step_segments
 
 
 class DenoiseHandler:
@@ -45,15 +46,10 @@ class DenoiseHandler:
         spec = ctx.spec()
         embeds = self._embeddings(job)
         scheduler = self.model.scheduler(spec.num_inference_steps)
-        bounds = [s.until_step for s in spec.schedule]
-        segments = [next(n for n, until in enumerate(bounds) if i < until)
-                    for i in range(spec.num_inference_steps)]
-        steps = [StepInputs(float(t), embeds[f"prompt:{seg}"][0],
-                            embeds[f"negative:{seg}"][0] if spec.uses_cfg else None,
-                            spec.guidance_scale)
-                 for t, seg in zip(scheduler.timesteps, segments, strict=True)]
-        head = chain(chain_root(spec, self.model.fingerprint, self.model.scheduler_config,
-                                "float32"), steps)[-1]
+        segments = step_segments(spec)
+        head = chain_head(spec, {name: key for name, (key, _) in embeds.items()},
+                          self.model.fingerprint, self.model.scheduler_config,
+                          scheduler.timesteps)
         key = latents_key(spec.tenant, spec.request_id)
         # A redelivery after the latents were stored but before publishing: nothing to redo.
         if not self.cache.exists(key):

@@ -3,7 +3,9 @@
 Reads: the encode stream; the request record for its spec.
 Writes: one condition embedding per distinct prompt and negative prompt (``embed`` entries,
 soft-pinned, shared by every request and tenant-namespaced).
-Feeds: the denoise stream, with references named ``prompt:<segment>`` and ``negative:<segment>``.
+Feeds: the denoise stream, with references named ``prompt:<segment>`` and ``negative:<segment>``;
+or nothing, when the request's output is already cached: an identical request (same seed) is
+then DONE without denoising.
 """
 
 from __future__ import annotations
@@ -11,16 +13,20 @@ from __future__ import annotations
 from cachesvc.codec import TensorSpec
 from cachesvc.tensor_cache import TensorCache
 from encoders.text import TextModel, encode_texts
-from workers.messages import Job, Stage, TensorRef
+from keys import GenerationSpec, StoreKey, output_key
+from workers.families.wan import WanTrajectory
+from workers.messages import Job, Stage, State, TensorRef
 from workers.runtime import JobContext, Outcome
+from workers.trajectory import chain_head
 
 
 class EncodeHandler:
     stage = Stage.ENCODE
 
-    def __init__(self, cache: TensorCache, model: TextModel) -> None:
+    def __init__(self, cache: TensorCache, model: TextModel, trajectory: WanTrajectory) -> None:
         self.cache = cache
         self.model = model
+        self.trajectory = trajectory
 
     def handle(self, ctx: JobContext) -> Outcome:
         job = ctx.job
@@ -38,6 +44,18 @@ class EncodeHandler:
                 e = encoded[text]
                 spec_ = TensorSpec.of(e.tensor)
                 refs.append(TensorRef(f"{role}:{i}", str(e.key), spec_.dtype, spec_.shape))
-        hits = sum(e.hit for e in encoded.values())
-        return Outcome(Job(job.request_id, job.tenant, Stage.DENOISE, tuple(refs)),
-                       fields={"hits:embed": hits, "lookups:embed": len(encoded)})
+        fields: dict[str, object] = {"hits:embed": sum(e.hit for e in encoded.values()),
+                                     "lookups:embed": len(encoded)}
+        cached = self._cached_output(spec, refs)
+        if cached is not None:
+            return Outcome(None, State.DONE, {**fields, "output_key": str(cached),
+                                              "hits:output": 1})
+        return Outcome(Job(job.request_id, job.tenant, Stage.DENOISE, tuple(refs)), fields=fields)
+
+    def _cached_output(self, spec: GenerationSpec, refs: list[TensorRef]) -> StoreKey | None:
+        """The output entry of this exact trajectory, if another request already made it."""
+        t = self.trajectory
+        head = chain_head(spec, {r.name: StoreKey.parse(r.key) for r in refs}, t.fingerprint,
+                          t.scheduler_config, t.scheduler(spec.num_inference_steps).timesteps)
+        key = output_key(head, t.decoder_fingerprint, spec.output_format.value)
+        return key if self.cache.exists(key) else None

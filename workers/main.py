@@ -40,7 +40,8 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
     if stage is Stage.ENCODE:
         from workers.encode import EncodeHandler
 
-        handler = EncodeHandler(cache, wan.WanTextEncoder(directory))
+        handler = EncodeHandler(cache, wan.WanTextEncoder(directory),
+                                wan.WanTrajectory(directory))
         return Worker(handler, client, settings.workers), handler
     if stage is Stage.DENOISE:
         from workers.denoise import DenoiseHandler

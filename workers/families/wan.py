@@ -167,27 +167,38 @@ class WanTextEncoder:
 # --- Denoise --------------------------------------------------------------------------------
 
 
-class WanDenoiser:
-    """The DiT and scheduler, driven one step at a time by the denoise worker."""
+class WanTrajectory:
+    """What names a trajectory and its output, read from the model's files without loading
+    any weights: scheduler config and timesteps, DiT and VAE fingerprints."""
 
     def __init__(self, directory: Path) -> None:
-        from diffusers import UniPCMultistepScheduler, WanTransformer3DModel
+        from diffusers import UniPCMultistepScheduler
 
-        self.transformer = WanTransformer3DModel.from_pretrained(directory / "transformer").eval()
         self.scheduler_config = dict(
             UniPCMultistepScheduler.load_config(directory / "scheduler"))
         self._scheduler_cls = UniPCMultistepScheduler
-        vae_config = json.loads((directory / "vae" / "config.json").read_text())
-        self.temporal_factor = 2 ** sum(vae_config["temperal_downsample"])
-        self.spatial_factor = 2 ** (len(vae_config["dim_mult"]) - 1)
-        self.fingerprint = _fingerprint("transformer", directory / "transformer",
-                                        self.transformer.dtype)
+        # Components load in float32: from_pretrained is never given another dtype here.
+        self.fingerprint = _fingerprint("transformer", directory / "transformer", torch.float32)
+        self.decoder_fingerprint = _fingerprint("vae", directory / "vae", torch.float32)
 
     def scheduler(self, steps: int) -> Any:
         scheduler = self._scheduler_cls.from_config(self.scheduler_config)
         scheduler.set_timesteps(steps, device="cpu")
         scheduler.set_begin_index(0)
         return scheduler
+
+
+class WanDenoiser(WanTrajectory):
+    """The DiT and scheduler, driven one step at a time by the denoise worker."""
+
+    def __init__(self, directory: Path) -> None:
+        from diffusers import WanTransformer3DModel
+
+        super().__init__(directory)
+        self.transformer = WanTransformer3DModel.from_pretrained(directory / "transformer").eval()
+        vae_config = json.loads((directory / "vae" / "config.json").read_text())
+        self.temporal_factor = 2 ** sum(vae_config["temperal_downsample"])
+        self.spatial_factor = 2 ** (len(vae_config["dim_mult"]) - 1)
 
     def latent_shape(self, spec: GenerationSpec) -> tuple[int, int, int, int]:
         """(channels, latent frames, latent height, latent width) of one video."""
