@@ -124,7 +124,7 @@ class Service:
         record = self.record(tenant, request_id)
         if record.state is not State.DONE or record.output_key is None:
             raise NotReadyError(record)
-        data = self.cache.get(StoreKey.parse(record.output_key))
+        data = self.cache.get(StoreKey.parse(record.output_key), lookup=False)
         if data is None:
             raise GoneError(f"the output of {request_id} has expired from the cache")
         return record, data.numpy().tobytes()

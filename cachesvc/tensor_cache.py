@@ -147,13 +147,20 @@ class TensorCache:
         self._count_lookup(key, entry, saved_s)
         return None if entry is None else entry.tensor
 
-    def get(self, key: StoreKey, *, saved_s: float | None = None) -> torch.Tensor | None:
-        """A copy of the entry, or None on a miss. ``saved_s`` overrides the recorded cost."""
+    def get(self, key: StoreKey, *, saved_s: float | None = None,
+            lookup: bool = True) -> torch.Tensor | None:
+        """A copy of the entry, or None on a miss. ``saved_s`` overrides the recorded cost.
+
+        ``lookup=False`` is for handing an entry on (a stage reading its input, the API
+        serving an output): it counts bytes read, but no lookup, hit or saving, so hit rates
+        measure reuse only.
+        """
         entry = self._fetch(key)
-        self._count_lookup(key, entry, saved_s)
+        self._count_read(key, entry, saved_s, lookup)
         return None if entry is None else entry.tensor
 
-    def batch_get(self, keys: Sequence[StoreKey]) -> list[torch.Tensor | None]:
+    def batch_get(self, keys: Sequence[StoreKey], *,
+                  lookup: bool = True) -> list[torch.Tensor | None]:
         """Copies of several entries in one data round trip; None for each miss."""
         sizes = [self._size_of(k) for k in keys]
         present = [(k, s) for k, s in zip(keys, sizes, strict=True) if s is not None]
@@ -169,7 +176,7 @@ class TensorCache:
                     found[key] = None if entry is None else entry.cloned()
         entries = [found.get(k) for k in keys]
         for key, entry in zip(keys, entries, strict=True):
-            self._count_lookup(key, entry, None)
+            self._count_read(key, entry, None, lookup)
         return [None if e is None else e.tensor for e in entries]
 
     def consume(self, key: StoreKey) -> torch.Tensor | None:
@@ -180,6 +187,13 @@ class TensorCache:
         if tensor is not None:
             self.remove(key)
         return tensor
+
+    def contains(self, key: StoreKey) -> bool:
+        """Whether ``key`` is cached, counted as a lookup: a hit or a miss without a read."""
+        found = self.exists(key)
+        self.counters.add_many(key.tenant, key.kind, {
+            Event.LOOKUPS: 1.0, Event.HITS if found else Event.MISSES: 1.0})
+        return found
 
     def exists(self, key: StoreKey) -> bool:
         return self._call(key, lambda: self.store.exists(str(key)))
@@ -275,6 +289,15 @@ class TensorCache:
             return None
         tensor = codec.typed_view(buf.raw, offset + header.size, header.spec)
         return _Entry(tensor, header.cost_us / 1e6)
+
+    def _count_read(self, key: StoreKey, entry: _Entry | None, saved_s: float | None,
+                    lookup: bool) -> None:
+        if not lookup:
+            if entry is not None:
+                self.counters.add(key.tenant, key.kind, Event.BYTES_READ,
+                                  float(entry.tensor.numel() * entry.tensor.element_size()))
+            return
+        self._count_lookup(key, entry, saved_s)
 
     def _count_lookup(self, key: StoreKey, entry: _Entry | None,
                       saved_s: float | None) -> None:

@@ -41,7 +41,7 @@ def submit_and_wait(settings: Settings, prompt: str, negative_prompt: str, seed:
     if record.state is not State.DONE or record.output_key is None:
         raise SystemExit(f"request {spec.request_id} ended {record.state}: {record.error}")
     cache = open_cache(settings, client)
-    data = cache.get(StoreKey.parse(record.output_key))
+    data = cache.get(StoreKey.parse(record.output_key), lookup=False)
     cache.close()
     if data is None:
         raise SystemExit(f"output of {spec.request_id} expired from the store")

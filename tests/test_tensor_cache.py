@@ -190,3 +190,22 @@ def test_unpinned_entries_are_evicted_before_pinned(cache: TensorCache) -> None:
     time.sleep(0.5)
     assert all(cache.exists(k) for k in pinned)
     assert sum(cache.exists(k) for k in unpinned) < len(unpinned) // 2
+
+
+def test_handoff_reads_and_probes_count_what_they_are(cache: TensorCache,
+                                                      redis_client: redis.Redis) -> None:
+    """Hit rates measure reuse: a stage reading its input is not a lookup; a probe is."""
+    handed, probed = key(KeyKind.LATENTS), key(KeyKind.OUTPUT)
+    cache.put(handed, torch.ones(8))
+    cache.get(handed, lookup=False)
+    cache.batch_get([handed], lookup=False)
+    cache.put(probed, torch.ones(2))
+    assert cache.contains(probed) and not cache.contains(key(KeyKind.OUTPUT))
+    cache.counters.flush()
+    minute = int(time.time() // 60)
+    fields: dict[str, float] = {}
+    for bucket in read_buckets(redis_client, "acme", range(minute - 1, minute + 1)).values():
+        for f, v in bucket.items():
+            fields[f] = fields.get(f, 0) + v
+    assert "latents.lookups" not in fields and fields["latents.bytes_read"] == 2 * 8 * 4
+    assert (fields["output.lookups"], fields["output.hits"], fields["output.misses"]) == (2, 1, 1)

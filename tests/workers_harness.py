@@ -67,7 +67,7 @@ def read_frames(settings: Settings, record: RequestRecord) -> np.ndarray:
     assert record.output_key is not None
     cache = open_cache(settings)
     try:
-        data = cache.get(StoreKey.parse(record.output_key))
+        data = cache.get(StoreKey.parse(record.output_key), lookup=False)
     finally:
         cache.close()
     assert data is not None

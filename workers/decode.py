@@ -32,9 +32,11 @@ class DecodeHandler:
         spec = ctx.spec()
         head = ChainLink(job.tenant, job.chain_index, job.chain_head)
         out_key = output_key(head, self.model.fingerprint, spec.output_format.value)
+        # Redelivered after the output was stored: an idempotency check, not a cache lookup
+        # (the encode stage counts those).
         hit = self.cache.exists(out_key)
         if not hit:
-            latents = self.cache.get(StoreKey.parse(job.ref("latents").key))
+            latents = self.cache.get(StoreKey.parse(job.ref("latents").key), lookup=False)
             if latents is None:
                 raise StageError(job, "final latents are missing from the store")
             data = encode_frames(self.model.frames(latents), spec.output_format, self.fps)

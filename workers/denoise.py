@@ -34,7 +34,7 @@ class DenoiseHandler:
 
     def _embeddings(self, job: Job) -> dict[str, tuple[StoreKey, torch.Tensor]]:
         keys = [StoreKey.parse(r.key) for r in job.refs]
-        tensors = self.cache.batch_get(keys)
+        tensors = self.cache.batch_get(keys, lookup=False)  # a handoff, not reuse
         missing = [r.key for r, t in zip(job.refs, tensors, strict=True) if t is None]
         if missing:
             raise StageError(job, f"condition embeddings missing from the store: {missing}")

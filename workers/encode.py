@@ -58,4 +58,4 @@ class EncodeHandler:
         head = chain_head(spec, {r.name: StoreKey.parse(r.key) for r in refs}, t.fingerprint,
                           t.scheduler_config, t.scheduler(spec.num_inference_steps).timesteps)
         key = output_key(head, t.decoder_fingerprint, spec.output_format.value)
-        return key if self.cache.exists(key) else None
+        return key if self.cache.contains(key) else None
