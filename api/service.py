@@ -7,7 +7,7 @@ It holds the Redis client and the store connection, and talks to workers only th
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 import xxhash
@@ -68,10 +68,11 @@ class Service:
     settings: Settings
     redis: redis.Redis
     cache: TensorCache
+    records: Records = field(init=False)
 
-    @property
-    def records(self) -> Records:
-        return Records(self.redis)
+    def __post_init__(self) -> None:
+        # Built once: Records registers its Lua scripts with the client.
+        self.records = Records(self.redis)
 
     def spec_for(self, tenant: str, body: GenerateBody) -> GenerationSpec:
         m = self.settings.model

@@ -12,11 +12,11 @@ import torch
 from cachesvc import codec
 from cachesvc.codec import TensorSpec
 from cachesvc.connect import store_endpoints
-from cachesvc.counters import read_buckets
 from cachesvc.mooncake_store import MooncakeStore, replicate_config
 from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
 from keys import KeyKind, StoreKey
+from tests.counting import counted
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 SHAPES = [(), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 4), (1, 2, 3, 2, 5)]
@@ -52,12 +52,9 @@ def test_non_contiguous_input_is_stored_as_its_values(cache: TensorCache) -> Non
 def test_miss_is_none_and_counted(cache: TensorCache, redis_client: redis.Redis) -> None:
     k = key(KeyKind.OUTPUT)
     assert cache.get(k) is None
-    cache.counters.flush()
-    buckets = read_buckets(redis_client, "acme", range(int(time.time() // 60) - 1,
-                                                         int(time.time() // 60) + 1))
-    totals = {f: sum(b.get(f, 0) for b in buckets.values()) for f in ("output.misses",
-                                                                         "output.lookups")}
-    assert totals == {"output.misses": 1, "output.lookups": 1}
+    totals = counted(cache, redis_client, "acme")
+    assert {f: totals.get(f, 0) for f in ("output.misses", "output.lookups")} == {
+        "output.misses": 1, "output.lookups": 1}
 
 
 def test_hit_counts_bytes_and_recorded_compute_seconds(cache: TensorCache,
@@ -66,12 +63,7 @@ def test_hit_counts_bytes_and_recorded_compute_seconds(cache: TensorCache,
     cache.put(k, t, cost_s=0.25)
     cache.get(k)
     cache.get(k, saved_s=1.0)
-    cache.counters.flush()
-    minute = int(time.time() // 60)
-    fields: dict[str, float] = {}
-    for bucket in read_buckets(redis_client, "acme", range(minute - 1, minute + 1)).values():
-        for f, v in bucket.items():
-            fields[f] = fields.get(f, 0) + v
+    fields = counted(cache, redis_client, "acme")
     assert fields["embed.hits"] == 2
     assert fields["embed.bytes_read"] == 2 * 256 * 4
     assert fields["embed.bytes_written"] == 256 * 4
@@ -93,10 +85,7 @@ def test_corrupt_entry_is_counted_removed_and_missed(cache: TensorCache,
     assert cache.exists(k)
     assert cache.get(k) is None
     assert not cache.exists(k)
-    cache.counters.flush()
-    minute = int(time.time() // 60)
-    buckets = read_buckets(redis_client, "acme", range(minute - 1, minute + 1))
-    assert sum(b.get("scratch.corrupt", 0) for b in buckets.values()) == 1
+    assert counted(cache, redis_client, "acme").get("scratch.corrupt", 0) == 1
 
 
 def test_ttl_expiry_on_read_and_by_sweep(stack_settings: Settings, cache: TensorCache,
@@ -201,11 +190,6 @@ def test_handoff_reads_and_probes_count_what_they_are(cache: TensorCache,
     cache.batch_get([handed], lookup=False)
     cache.put(probed, torch.ones(2))
     assert cache.contains(probed) and not cache.contains(key(KeyKind.OUTPUT))
-    cache.counters.flush()
-    minute = int(time.time() // 60)
-    fields: dict[str, float] = {}
-    for bucket in read_buckets(redis_client, "acme", range(minute - 1, minute + 1)).values():
-        for f, v in bucket.items():
-            fields[f] = fields.get(f, 0) + v
+    fields = counted(cache, redis_client, "acme")
     assert "latents.lookups" not in fields and fields["latents.bytes_read"] == 2 * 8 * 4
     assert (fields["output.lookups"], fields["output.hits"], fields["output.misses"]) == (2, 1, 1)

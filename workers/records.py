@@ -176,6 +176,13 @@ def _now() -> str:
     return f"{time.time():.3f}"
 
 
+def initial_fields(spec: GenerationSpec) -> dict[str, str]:
+    """The record of a request just accepted."""
+    now = _now()
+    return {"spec": spec_to_json(spec), "state": State.QUEUED.value, "step": "0",
+            "steps": str(spec.num_inference_steps), "created_at": now, "updated_at": now}
+
+
 class Records:
     """Reads and fenced writes of request records."""
 
@@ -187,11 +194,6 @@ class Records:
         self._dead = client.register_script(_DEAD)
         self._cancel = client.register_script(_CANCEL)
 
-    def initial_fields(self, spec: GenerationSpec) -> dict[str, str]:
-        now = _now()
-        return {"spec": spec_to_json(spec), "state": State.QUEUED.value, "step": "0",
-                "steps": str(spec.num_inference_steps), "created_at": now, "updated_at": now}
-
     def get(self, tenant: str, request_id: str) -> RequestRecord | None:
         raw = self.redis.hgetall(request_record(tenant, request_id))
         if not raw:
@@ -200,9 +202,6 @@ class Records:
         return RequestRecord(spec=spec_from_json(fields["spec"]), state=State(fields["state"]),
                              step=int(fields.get("step", "0")), error=fields.get("error"),
                              output_key=fields.get("output_key"), fields=fields)
-
-    def claim(self, job: Job, attempt: int, **fields: object) -> Claim:
-        return self.claim_many([(job, attempt, fields)])[0]
 
     def claim_many(self, claims: Sequence[tuple[Job, int, dict[str, object]]]) -> list[Claim]:
         """Fence several jobs in one round trip: each job's claim is checked on its own."""

@@ -15,7 +15,7 @@ import redis
 from keys import GenerationSpec
 from keys.names import request_index, request_record, stage_stream
 from workers.messages import Job, Stage
-from workers.records import Records
+from workers.records import initial_fields
 
 # KEYS: record, index, encode stream. ARGV: score, job, request id, then field/value pairs.
 _SUBMIT = """
@@ -37,7 +37,7 @@ def new_request_id() -> str:
 
 def submit(client: redis.Redis, spec: GenerationSpec, *, durable_timeout_ms: int = 2000) -> str:
     """Accept ``spec`` and return its request id; a request id seen before is not re-queued."""
-    fields = Records(client).initial_fields(spec)
+    fields = initial_fields(spec)
     args: list[str] = [str(int(time.time() * 1000)),
                        Job(spec.request_id, spec.tenant, Stage.ENCODE).to_json(),
                        spec.request_id]
