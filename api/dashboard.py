@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse
 
 from api.deps import Svc
 from api.service import Service, status_of
-from cachesvc.counters import read_buckets, tenants
+from cachesvc.counters import read_buckets, read_totals, tenants
 from keys import KeyKind
 from keys.names import request_index
 from workers import stage_metrics
@@ -56,8 +56,17 @@ def dashboard_data(svc: Service) -> dict[str, Any]:
              for m in minutes]
     served = [sum(totals[m].get(f"{k.value}.bytes_read", 0.0) for k in KeyKind)
               for m in minutes]
-    queues = {stage.value: {"waiting": waiting, "in_flight": in_flight}
-              for stage, (waiting, in_flight) in queue_counts(svc.redis).items()}
+    queues = [{"stage": stage.value, "priority": priority.value, "waiting": waiting,
+               "in_flight": in_flight}
+              for (stage, priority), (waiting, in_flight) in queue_counts(svc.redis).items()]
+    # Lifetime reuse per tenant and kind: lookups, hits and the compute they saved.
+    reuse = []
+    for tenant in tenants(svc.redis):
+        lifetime = read_totals(svc.redis, tenant)
+        reuse += [{"tenant": tenant, "kind": kind.value,
+                   **{e: lifetime.get(f"{kind.value}.{e}", 0.0)
+                      for e in ("lookups", "hits", "compute_seconds_saved")}}
+                  for kind in KINDS]
     latency = {}
     for stage in Stage:
         h = stage_metrics.read(svc.redis, stage)
@@ -66,7 +75,7 @@ def dashboard_data(svc: Service) -> dict[str, Any]:
     recent.sort(key=lambda r: r["updated_at"], reverse=True)
     return {"minutes": [m * 60 for m in minutes], "hit_rate": hit_rate,
             "compute_saved_s": saved, "bytes_served": served, "queues": queues,
-            "latency": latency, "recent": recent[:RECENT]}
+            "latency": latency, "reuse": reuse, "recent": recent[:RECENT]}
 
 
 router = APIRouter()

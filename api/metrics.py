@@ -36,9 +36,9 @@ class ClusterCollector(Collector):
         yield from families.values()
 
         depth = GaugeMetricFamily("diffcache_queue_depth", "Jobs waiting or in progress",
-                                  labels=["stage"])
-        for stage, counts in queue_counts(self._redis).items():
-            depth.add_metric([stage.value], sum(counts))
+                                  labels=["stage", "priority"])
+        for (stage, priority), counts in queue_counts(self._redis).items():
+            depth.add_metric([stage.value, priority.value], sum(counts))
         yield depth
 
         latency = HistogramMetricFamily("diffcache_stage_seconds", "Seconds per stage job",

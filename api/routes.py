@@ -1,4 +1,5 @@
-"""The native endpoints: generate, status, progress events, result, cancel, health, metrics."""
+"""The native endpoints: generate, status, progress events, result, cancel, preempt, resume,
+health and metrics."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.deps import Svc, Tenant
-from api.schemas import Accepted, GenerateBody, RequestStatus
+from api.schemas import Accepted, GenerateBody, PreemptBody, RequestStatus, ResumeBody
 from api.service import status_of
 from workers.media import CONTENT_TYPES
 
@@ -24,7 +25,10 @@ EVENT_POLL_S = 0.01  # how often an event stream rereads its record: one HGETALL
 def generate(body: GenerateBody, who: Tenant, svc: Svc,
              idempotency_key: Annotated[str | None, Header(max_length=256)] = None) -> Accepted:
     """Queue a generation; the 202 comes after the request is durable."""
-    request_id = svc.generate(who, body, idempotency_key)
+    return accepted(svc.generate(who, body, idempotency_key))
+
+
+def accepted(request_id: str) -> Accepted:
     return Accepted(id=request_id, status_url=f"/v1/requests/{request_id}",
                     result_url=f"/v1/requests/{request_id}/result")
 
@@ -48,6 +52,21 @@ def result(request_id: str, who: Tenant, svc: Svc) -> Response:
 def cancel(request_id: str, who: Tenant, svc: Svc) -> RequestStatus:
     """Cancel; workers stop at the next step boundary."""
     return status_of(svc.cancel(who, request_id))
+
+
+@router.post("/v1/requests/{request_id}/preempt", status_code=202,
+             response_model=RequestStatus)
+def preempt(request_id: str, who: Tenant, svc: Svc,
+            body: PreemptBody | None = None) -> RequestStatus:
+    """Checkpoint at the next step boundary and step aside: re-queue (default) or park."""
+    return status_of(svc.preempt(who, request_id, (body or PreemptBody()).mode))
+
+
+@router.post("/v1/resume", status_code=202, response_model=Accepted)
+def resume(body: ResumeBody, who: Tenant, svc: Svc) -> Accepted:
+    """Without overrides: continue a preempted, cancelled or failed request from its latest
+    checkpoint (same id). With overrides: a new request branched from ``from_step``."""
+    return accepted(svc.resume(who, body))
 
 
 @router.get("/v1/requests/{request_id}/events")

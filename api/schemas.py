@@ -12,7 +12,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cachesvc.settings import ApiSettings
-from keys import OutputFormat, Priority
+from keys import CfgMode, OutputFormat, Priority
+from workers.records import PreemptMode
 
 # How the built-in word-level tokenizer splits text (tokenizers' Whitespace pre-tokenizer).
 _PRETOKEN = re.compile(r"\w+|[^\w\s]+")
@@ -29,6 +30,32 @@ def token_count(text: str) -> int:
 Spatial = Annotated[int, Field(ge=16, le=4096, multiple_of=16)]
 Frames = Annotated[int, Field(ge=1, le=1025, description="4k+1")]
 Steps = Annotated[int, Field(ge=1, le=1000)]
+Guidance = Annotated[float, Field(ge=0.0, le=30.0)]
+Prompt = Annotated[str, Field(min_length=1, max_length=20000)]
+Negative = Annotated[str, Field(max_length=20000)]
+MAX_SEGMENTS = 32
+
+
+class Segment(BaseModel):
+    """One entry of a prompt schedule: this prompt holds for the steps before ``until_step``,
+    like ``[from:to:when]`` prompt editing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: Prompt
+    negative_prompt: Negative | None = Field(None, description="default: the request's")
+    until_step: Steps
+    guidance_scale: Guidance | None = Field(None, description="default: the request's")
+
+
+class CfgCacheBody(BaseModel):
+    """How the unconditional (CFG) branch may be reused. ``exact`` never changes the output;
+    ``interval`` computes it every ``interval`` steps and extrapolates between (approximate)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: CfgMode = CfgMode.EXACT
+    interval: int | None = Field(None, ge=2, le=100, description="interval mode only")
 
 
 class GenerateBody(BaseModel):
@@ -36,16 +63,66 @@ class GenerateBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(min_length=1, max_length=20000)
-    negative_prompt: str = Field("", max_length=20000)
+    prompt: Prompt | None = Field(None, description="required unless schedule is given")
+    negative_prompt: Negative = ""
+    schedule: list[Segment] | None = Field(None, min_length=1, max_length=MAX_SEGMENTS,
+                                           description="prompt per step range, instead of "
+                                           "prompt; the last until_step is the step count")
     width: Spatial | None = Field(None, description="default: the model's width")
     height: Spatial | None = Field(None, description="default: the model's height")
     num_frames: Frames | None = None
-    num_inference_steps: Steps | None = None
-    guidance_scale: float | None = Field(None, ge=0.0, le=30.0)
+    num_inference_steps: Steps | None = Field(None, description="default: the model's, or the "
+                                              "schedule's last until_step")
+    guidance_scale: Guidance | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="default: random")
     output_format: OutputFormat = OutputFormat.MP4
     priority: Priority = Priority.INTERACTIVE
+    cfg_cache: CfgCacheBody = CfgCacheBody()
+
+
+class Overrides(BaseModel):
+    """What an edit-and-resume may change for the steps after ``from_step``. The fields that
+    shape the checkpointed prefix are listed so that setting one gets a clear refusal."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: Prompt | None = None
+    negative_prompt: Negative | None = None
+    guidance_scale: Guidance | None = None
+    schedule: list[Segment] | None = Field(None, min_length=1, max_length=MAX_SEGMENTS,
+                                           description="for the remaining steps")
+    output_format: OutputFormat | None = None
+    priority: Priority | None = None
+    width: int | None = Field(None, description="refused: changes the prefix")
+    height: int | None = Field(None, description="refused: changes the prefix")
+    num_frames: int | None = Field(None, description="refused: changes the prefix")
+    num_inference_steps: int | None = Field(None, description="refused: changes the prefix")
+    seed: int | None = Field(None, description="refused: changes the prefix")
+    model: str | None = Field(None, description="refused: changes the prefix")
+    cfg_cache: CfgCacheBody | None = Field(None, description="refused: changes the prefix")
+
+
+PREFIX_FIELDS = ("width", "height", "num_frames", "num_inference_steps", "seed", "model",
+                 "cfg_cache")
+
+
+class ResumeBody(BaseModel):
+    """``POST /v1/resume``: continue a preempted, cancelled or failed request, or (with
+    overrides) branch a new request from one of its checkpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: Annotated[str, Field(min_length=1, max_length=64)]
+    from_step: int | None = Field(None, ge=1, le=1000,
+                                  description="with overrides; default: the latest checkpoint")
+    overrides: Overrides | None = None
+
+
+class PreemptBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: PreemptMode = Field(PreemptMode.REQUEUE, description="requeue: resume on the next "
+                              "free worker; park: wait for POST /v1/resume")
 
 
 class FieldError(ValueError):
@@ -57,14 +134,27 @@ class FieldError(ValueError):
         self.message = message
 
 
-def check_limits(body: GenerateBody, width: int, height: int, frames: int, steps: int,
-                 limits: ApiSettings) -> None:
-    """Raise FieldError for the first field outside the limits of this deployment."""
-    for name, text in (("prompt", body.prompt), ("negative_prompt", body.negative_prompt)):
+def check_texts(texts: list[tuple[str, str | None]], limits: ApiSettings) -> None:
+    """Raise FieldError for the first (field, text) longer than this deployment allows."""
+    for name, text in texts:
+        if text is None:
+            continue
         if len(text) > limits.max_prompt_chars:
             raise FieldError(name, f"must be at most {limits.max_prompt_chars} characters")
         if token_count(text) > limits.max_prompt_tokens:
             raise FieldError(name, f"must be at most {limits.max_prompt_tokens} tokens")
+
+
+def segment_texts(prefix: str, segments: list[Segment] | None) -> list[tuple[str, str | None]]:
+    return [(f"{prefix}.{i}.{role}", text) for i, s in enumerate(segments or [])
+            for role, text in (("prompt", s.prompt), ("negative_prompt", s.negative_prompt))]
+
+
+def check_limits(body: GenerateBody, width: int, height: int, frames: int, steps: int,
+                 limits: ApiSettings) -> None:
+    """Raise FieldError for the first field outside the limits of this deployment."""
+    check_texts([("prompt", body.prompt), ("negative_prompt", body.negative_prompt),
+                 *segment_texts("schedule", body.schedule)], limits)
     m = limits.spatial_multiple
     for name, value, top in (("width", width, limits.max_width),
                              ("height", height, limits.max_height)):
@@ -91,8 +181,13 @@ class RequestStatus(BaseModel):
     step: int
     steps: int
     output_format: str
+    priority: str
     stage_seconds: dict[str, float]
     cache_hits: dict[str, int]
+    resumed_from: int = Field(description="the step this attempt started at: >0 when it "
+                              "resumed from a checkpoint (preemption, crash, shared prefix)")
+    checkpoints: list[int] = Field(description="steps with a checkpoint to branch from")
+    preemptions: int
     error: str | None
     created_at: float
     updated_at: float

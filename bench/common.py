@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,8 +17,10 @@ from cachesvc.connect import open_redis
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings, child_environ, load_settings
 from cachesvc.stack import EmbeddedStack
+from keys import GenerationSpec
 from workers.launch import wait_joined, worker_argv
-from workers.messages import Stage
+from workers.messages import Stage, State
+from workers.records import Records, RequestRecord
 
 console = Console(soft_wrap=True)
 
@@ -60,3 +63,36 @@ def start_workers(settings: Settings, logs: Path) -> list[ChildProcess]:
     for child, stage in zip(children, Stage, strict=True):
         wait_joined(child, client, stage)
     return children
+
+
+@contextmanager
+def workers(settings: Settings, logs: Path) -> Iterator[None]:
+    """``start_workers`` for the length of a ``with`` block."""
+    children = start_workers(settings, logs)
+    try:
+        yield
+    finally:
+        for child in children:
+            child.stop()
+
+
+def wait_all(records: Records, specs: Sequence[GenerationSpec],
+             poll_s: float = 0.02) -> dict[str, RequestRecord]:
+    """Wait until every request is DONE; its record by request id. Exits on any failure."""
+    pending = {s.request_id: s for s in specs}
+    done: dict[str, RequestRecord] = {}
+    while pending:
+        for request_id, spec in list(pending.items()):
+            record = records.get(spec.tenant, request_id)
+            if record is not None and record.state.terminal:
+                if record.state is not State.DONE:
+                    raise SystemExit(f"request {request_id} ended {record.state.value}: "
+                                     f"{record.error}")
+                done[request_id] = record
+                del pending[request_id]
+        time.sleep(poll_s)
+    return done
+
+
+def seconds_to_done(record: RequestRecord) -> float:
+    return float(record.fields["updated_at"]) - float(record.fields["created_at"])

@@ -14,7 +14,7 @@ from bench.common import bench_stack, report
 from cachesvc.connect import open_redis
 from cachesvc.settings import Settings, WorkerSettings
 from keys import GenerationSpec, OutputFormat
-from workers.messages import NEXT, Job, Stage, State
+from workers.messages import NEXT, Stage, State
 from workers.records import Records
 from workers.runtime import JobContext, Outcome, Worker
 from workers.streams import StageQueue, queue_counts
@@ -30,8 +30,10 @@ class NoOp:
     def handle(self, ctx: JobContext) -> Outcome:
         following = NEXT[self.stage]
         job = ctx.job
-        return Outcome(None if following is None else Job(job.request_id, job.tenant,
-                                                          following))
+        return Outcome(None if following is None else job.handoff(following, ()))
+
+    def discard(self, outcome: Outcome) -> None:
+        """Nothing was written."""
 
 
 READY, GO = "bench:dispatch:ready", "bench:dispatch:go"
@@ -74,7 +76,9 @@ def main() -> None:
         client.set(GO, 1)
         decode = StageQueue(client, Stage.DECODE, "bench")
         # Cheap to poll: the decode group has read every job and acknowledged them all.
-        while decode.read_count() < len(specs) or queue_counts(client)[Stage.DECODE][1]:
+        while decode.read_count() < len(specs) or any(
+                in_flight for (stage, _), (_, in_flight) in queue_counts(client).items()
+                if stage is Stage.DECODE):
             time.sleep(0.005)
         elapsed = time.perf_counter() - start
         assert all(r is not None and r.state is State.DONE

@@ -102,6 +102,18 @@ class WorkerSettings(_Section):
     decode_threads: int = Field(1, ge=0)
     cfg_parallel: bool = Field(True, description="run the cond and uncond forwards concurrently")
     fps: int = Field(16, ge=1, description="frame rate of MP4 outputs")
+    # Denoise writes a checkpoint every this many steps (0: a tenth of the request's steps, so
+    # a crash loses about a tenth of a job), at every prompt switch and when it stops early.
+    checkpoint_every: int = Field(0, ge=0)
+    cfg_cache: bool = Field(True, description="exact reuse of unconditional predictions")
+    decode_credits: int = Field(8, ge=1, description="trajectories denoising or awaiting decode")
+    preempt: bool = Field(True, description="waiting interactive work preempts batch work")
+    # An interactive entry must wait this long before it preempts: an idle worker takes it
+    # within a round trip, and then nothing needs preempting.
+    preempt_grace_ms: int = Field(100, ge=0)
+    # A job re-queued or resumed this many times is no longer preempted, so batch work always
+    # finishes however much interactive work arrives.
+    max_preemptions: int = Field(3, ge=0)
 
 
 class ApiSettings(_Section):

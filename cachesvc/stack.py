@@ -89,6 +89,7 @@ class EmbeddedStack:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.children: list[ChildProcess] = []
+        self.addresses: StackAddresses | None = None  # once started
         self._logs = settings.data_dir / "logs"
 
     def __enter__(self) -> StackAddresses:
@@ -117,7 +118,8 @@ class EmbeddedStack:
                 raise StartupError("mooncake", f"put/get through {endpoints.master_address} "
                                    "failed", f"See the logs in {self._logs}")
             time.sleep(0.2)
-        return StackAddresses(redis_url, endpoints)
+        self.addresses = StackAddresses(redis_url, endpoints)
+        return self.addresses
 
     def resolved(self, addresses: StackAddresses) -> Settings:
         """The settings a worker or the API needs to reach this stack."""
@@ -126,6 +128,14 @@ class EmbeddedStack:
             "metadata_server": addresses.store.metadata_server})
         redis_settings = self.settings.redis.model_copy(update={"url": addresses.redis_url})
         return self.settings.model_copy(update={"store": store, "redis": redis_settings})
+
+    def child(self, name: str) -> ChildProcess:
+        """The child started under ``name`` (``valkey``, ``mooncake_master``, ...)."""
+        for child in self.children:
+            if child.name == name:
+                return child
+        raise KeyError(f"this stack started no {name!r}; it started "
+                       f"{[c.name for c in self.children]}")
 
     def stop(self) -> None:
         # Reverse start order: the storage node leaves before its master.

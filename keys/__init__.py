@@ -22,11 +22,13 @@ from keys.builders import (
 )
 from keys.canonical import canonical_bytes, digest
 from keys.names import KEY_VERSION, InvalidTenantError, KeyKind, StoreKey, check_tenant
-from keys.spec import GenerationSpec, OutputFormat, Priority, PromptSegment
+from keys.spec import CfgCache, CfgMode, GenerationSpec, OutputFormat, Priority, PromptSegment
 
 __all__ = [
     "FIELD_POLICIES",
     "KEY_VERSION",
+    "CfgCache",
+    "CfgMode",
     "ChainLink",
     "FieldPolicy",
     "Fingerprint",

@@ -52,12 +52,14 @@ EMBEDDING_FIELDS = FieldPolicy(
         "guidance_scale": "applied after the encoder",
         "seed": "the text encoder is deterministic",
         "output_format": "applied after decode",
+        "cfg_cache": "applied after the encoder",
     },
 )
 CHAIN_FIELDS = FieldPolicy(
+    # cfg_cache counts only in its approximate mode; the exact tier never changes an output.
     includes=frozenset(
         {"tenant", "schedule", "width", "height", "num_frames", "num_inference_steps",
-         "guidance_scale", "seed"}
+         "guidance_scale", "seed", "cfg_cache"}
     ),
     ignores={**_ROUTING, "output_format": "applied after decode"},
 )
@@ -197,7 +199,8 @@ def chain_root(
     scheduler_config: Mapping[str, Canonical],
     dtype: str,
 ) -> ChainLink:
-    """``h0 = H(model fp, scheduler config, shape, seed, steps, dtype)``."""
+    """``h0 = H(model fp, scheduler config, shape, seed, steps, dtype)``, plus the CFG reuse
+    interval when the request asked for the approximate tier: its trajectory is its own."""
     payload: dict[str, Canonical] = {
         "model": model.hex,
         "scheduler": scheduler_config,
@@ -206,6 +209,8 @@ def chain_root(
         "steps": spec.num_inference_steps,
         "dtype": dtype,
     }
+    if spec.cfg_cache.approximate:
+        payload["cfg_interval"] = spec.cfg_cache.interval
     return ChainLink(spec.tenant, 0, digest("chain-root", payload))
 
 
@@ -229,9 +234,11 @@ def chain(root: ChainLink, steps: Sequence[StepInputs]) -> list[ChainLink]:
     return links
 
 
-def latents_key(tenant: str, request_id: str) -> StoreKey:
-    """Final latents of one request: single consumer, deleted once decoded."""
-    return StoreKey(check_tenant(tenant), KeyKind.LATENTS, request_id)
+def latents_key(tenant: str, request_id: str, fence_token: int) -> StoreKey:
+    """Final latents of one delivery of a request: single consumer, deleted once decoded. One
+    entry per delivery, so an attempt that was fenced out never overwrites or deletes the
+    entry of the attempt that owns the request."""
+    return StoreKey(check_tenant(tenant), KeyKind.LATENTS, f"{request_id}-{fence_token}")
 
 
 def output_key(head: ChainLink, decoder: Fingerprint, output_format: str) -> StoreKey:

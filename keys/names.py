@@ -116,9 +116,21 @@ def request_index(tenant: str) -> str:
     return f"{KEY_VERSION}:{check_tenant(tenant)}:requests"
 
 
-def stage_stream(stage: str) -> str:
-    """Stream: jobs for one stage's worker pool. Shared by tenants; each job names its tenant."""
-    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:stream:{stage}"
+def stage_stream(stage: str, priority: str) -> str:
+    """Stream: jobs of one priority class for one stage's worker pool. Shared by tenants; each
+    job names its tenant."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:stream:{stage}:{priority}"
+
+
+def decode_credits() -> str:
+    """Sorted set: the requests holding a decode credit (denoising, or latents not yet decoded),
+    scored by when they took it."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:credits:decode"
+
+
+def preempt_ticket(entry_id: str) -> str:
+    """String: set once per waiting interactive entry, so it preempts at most one batch job."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:preempt:{entry_id}"
 
 
 def dead_letter_stream() -> str:

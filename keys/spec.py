@@ -28,17 +28,55 @@ class OutputFormat(StrEnum):
 
 
 class Priority(StrEnum):
+    """Scheduling class: interactive work is taken first and may preempt batch work."""
+
     INTERACTIVE = "interactive"
     BATCH = "batch"
 
 
+class CfgMode(StrEnum):
+    EXACT = "exact"  # reuse a stored unconditional prediction only for identical inputs
+    OFF = "off"  # never look up or store one (same output as EXACT)
+    INTERVAL = "interval"  # approximate: compute it every ``interval`` steps, reuse between
+
+
+@dataclass(frozen=True, slots=True)
+class CfgCache:
+    """How the denoiser may reuse the unconditional (CFG) branch for one request."""
+
+    mode: CfgMode = CfgMode.EXACT
+    interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode is CfgMode.INTERVAL and self.interval < 2:
+            raise ValueError(f"cfg_cache.interval must be >= 2 in interval mode, "
+                             f"got {self.interval}")
+        if self.mode is not CfgMode.INTERVAL and self.interval != 1:
+            raise ValueError(f"cfg_cache.interval applies to interval mode only, "
+                             f"got {self.interval} with mode {self.mode.value}")
+
+    @property
+    def approximate(self) -> bool:
+        """Whether this mode changes the output (and so the trajectory's hash chain)."""
+        return self.mode is CfgMode.INTERVAL
+
+    def fresh_at(self, step: int) -> bool:
+        """Whether the unconditional branch is computed (not extrapolated) at ``step``."""
+        return self.mode is not CfgMode.INTERVAL or step % self.interval == 0
+
+
 @dataclass(frozen=True, slots=True)
 class PromptSegment:
-    """Prompt and negative prompt in force for the steps before ``until_step``."""
+    """Prompt, negative prompt and guidance in force for the steps before ``until_step``.
+
+    ``guidance_scale`` None means the request's; a branched request (edit-and-resume) keeps the
+    guidance of its prefix and sets its own for the steps it changes.
+    """
 
     prompt: str
     negative_prompt: str
     until_step: int
+    guidance_scale: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +94,7 @@ class GenerationSpec:
     seed: int
     output_format: OutputFormat
     priority: Priority
+    cfg_cache: CfgCache = CfgCache()
 
     def __post_init__(self) -> None:
         check_tenant(self.tenant)
@@ -91,6 +130,7 @@ class GenerationSpec:
         output_format: OutputFormat = OutputFormat.MP4,
         priority: Priority = Priority.INTERACTIVE,
         schedule: tuple[PromptSegment, ...] | None = None,
+        cfg_cache: CfgCache = CfgCache(),
     ) -> GenerationSpec:
         """Build a spec; without ``schedule``, prompt and negative prompt hold for every step."""
         if schedule is None:
@@ -107,6 +147,7 @@ class GenerationSpec:
             seed=seed,
             output_format=OutputFormat(output_format),
             priority=Priority(priority),
+            cfg_cache=cfg_cache,
         )
 
     def segment_at(self, step: int) -> PromptSegment:
@@ -115,10 +156,41 @@ class GenerationSpec:
             raise IndexError(f"step {step} is outside 0..{self.num_inference_steps - 1}")
         return next(s for s in self.schedule if step < s.until_step)
 
+    def branch(self, request_id: str, from_step: int, tail: tuple[PromptSegment, ...], *,
+               output_format: OutputFormat | None = None,
+               priority: Priority | None = None) -> GenerationSpec:
+        """A new request that shares this one's first ``from_step`` steps and then follows
+        ``tail`` (edit-and-resume). The prefix keeps its guidance explicitly, so the branch's
+        hash chain matches this one's up to ``h(from_step)`` whatever the tail sets."""
+        if not 0 < from_step < self.num_inference_steps:
+            raise ValueError(f"from_step must be from 1 to {self.num_inference_steps - 1}, "
+                             f"got {from_step}")
+        if not tail or tail[0].until_step <= from_step:
+            raise ValueError(f"the edited schedule must run past step {from_step}")
+        prefix: list[PromptSegment] = []
+        for segment in self.schedule:
+            prefix.append(dataclasses.replace(segment, until_step=min(segment.until_step,
+                                                                      from_step),
+                                              guidance_scale=self.guidance_of(segment)))
+            if segment.until_step >= from_step:
+                break
+        return dataclasses.replace(self, request_id=request_id, schedule=(*prefix, *tail),
+                                   output_format=output_format or self.output_format,
+                                   priority=priority or self.priority)
+
+    def guidance_of(self, segment: PromptSegment) -> float:
+        return self.guidance_scale if segment.guidance_scale is None else segment.guidance_scale
+
+    def guidance_at(self, step: int) -> float:
+        return self.guidance_of(self.segment_at(step))
+
+    def segment_uses_cfg(self, segment: PromptSegment) -> bool:
+        # Matches diffusers: guidance above 1 runs the unconditional branch.
+        return self.guidance_of(segment) > 1.0
+
     @property
     def uses_cfg(self) -> bool:
-        # Matches diffusers: guidance above 1 runs the unconditional branch.
-        return self.guidance_scale > 1.0
+        return any(self.segment_uses_cfg(s) for s in self.schedule)
 
 
 SPEC_FIELDS: frozenset[str] = frozenset(f.name for f in dataclasses.fields(GenerationSpec))

@@ -20,13 +20,19 @@ from workers.messages import Stage
 
 
 @pytest.fixture(scope="session")
-def stack_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    """Settings that reach a running embedded stack with a small (128 MiB) storage node."""
+def embedded_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
+    """A running embedded stack with a small (128 MiB) storage node."""
     data_dir: Path = tmp_path_factory.mktemp("stack")
-    settings = load_settings(data_dir=str(data_dir), store={"segment_mib": 128})
-    stack = EmbeddedStack(settings)
-    with stack as addresses:
-        yield stack.resolved(addresses)
+    stack = EmbeddedStack(load_settings(data_dir=str(data_dir), store={"segment_mib": 128}))
+    with stack:
+        yield stack
+
+
+@pytest.fixture(scope="session")
+def stack_settings(embedded_stack: EmbeddedStack) -> Settings:
+    """Settings that reach the session's embedded stack."""
+    assert embedded_stack.addresses is not None
+    return embedded_stack.resolved(embedded_stack.addresses)
 
 
 @pytest.fixture(scope="session")

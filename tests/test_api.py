@@ -16,10 +16,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import ApiSettings, Settings
-from keys import GenerationSpec
+from keys import GenerationSpec, StoreKey
 from tests.workers_harness import reference
 from workers.media import decode_npy
+from workers.records import Records
 
 SMALL = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 4}
 
@@ -83,6 +85,13 @@ def test_generate_events_and_result_match_the_pipeline(http: TestClient, pipe: o
     ({"prompt": ""}, "prompt", "at least 1 character"),
     ({"prompt": "a, " * 300}, "prompt", "511 tokens"),
     ({"colour": "red"}, "colour", "not permitted"),
+    ({"schedule": [{"prompt": "a dog", "until_step": 4}]}, "prompt", "exactly one"),
+    ({"prompt": None, "schedule": [{"prompt": "a", "until_step": 3},
+                                   {"prompt": "b", "until_step": 2}]}, "schedule", "rise"),
+    ({"prompt": None, "num_inference_steps": 8,
+      "schedule": [{"prompt": "a", "until_step": 4}]}, "schedule", "num_inference_steps=8"),
+    ({"cfg_cache": {"mode": "interval"}}, "cfg_cache.interval", "needs an interval"),
+    ({"cfg_cache": {"mode": "exact", "interval": 3}}, "cfg_cache.interval", "interval mode"),
 ])
 def test_bad_input_names_the_field_and_its_limit(http: TestClient, change: dict[str, object],
                                                  field: str, limit: str) -> None:
@@ -117,6 +126,88 @@ def test_cancel_stops_the_request_at_a_step_boundary(http: TestClient) -> None:
     final = http.get(f"/v1/requests/{request_id}").json()
     assert final["state"] == "CANCELLED" and final["step"] < 100
     assert http.delete(f"/v1/requests/{request_id}").status_code == 409
+
+
+def test_a_cancelled_request_resumes_from_its_checkpoint(http: TestClient,
+                                                       pipe: object) -> None:
+    body = {"prompt": "a long river", "negative_prompt": "dark", "seed": 8,
+            "output_format": "npy", **{**SMALL, "num_inference_steps": 30}}
+    request_id = http.post("/v1/generate", json=body).json()["id"]
+    while http.get(f"/v1/requests/{request_id}").json()["step"] < 5:
+        time.sleep(0.01)
+    assert http.delete(f"/v1/requests/{request_id}").status_code == 202
+    assert http.post("/v1/resume", json={"request_id": request_id,
+                                         "from_step": 3}).json()["field"] == "from_step"
+    while True:  # the worker stops at a step boundary and checkpoints there
+        status = http.get(f"/v1/requests/{request_id}").json()
+        if status["checkpoints"] and max(status["checkpoints"]) == status["step"] >= 5:
+            break
+        time.sleep(0.02)
+    resumed = http.post("/v1/resume", json={"request_id": request_id})
+    assert resumed.status_code == 202 and resumed.json()["id"] == request_id
+    status = wait_state(http, request_id)
+    assert status["state"] == "DONE" and status["resumed_from"] >= 5
+    assert http.post("/v1/resume", json={"request_id": request_id}).status_code == 409
+    spec = GenerationSpec.create(request_id="ref", tenant="default", prompt=body["prompt"],
+                                 negative_prompt="dark", seed=8, guidance_scale=5.0,
+                                 **{**SMALL, "num_inference_steps": 30})  # type: ignore[arg-type]
+    result = http.get(f"/v1/requests/{request_id}/result")
+    assert np.array_equal(decode_npy(result.content), reference(pipe, spec))
+
+
+def test_edit_and_resume_branches_a_new_request(http: TestClient, worker_settings: Settings
+                                                ) -> None:
+    body = {"schedule": [{"prompt": "a red fox", "until_step": 2},
+                         {"prompt": "a red fox in the snow", "until_step": 4}],
+            "seed": 9, "output_format": "npy", **SMALL}
+    base = http.post("/v1/generate", json=body).json()["id"]
+    status = wait_state(http, base)
+    assert status["state"] == "DONE" and status["checkpoints"] == [1, 2, 3, 4]
+    edit = {"request_id": base, "from_step": 2,
+            "overrides": {"prompt": "a white owl", "guidance_scale": 3.0}}
+    branched = http.post("/v1/resume", json=edit)
+    assert branched.status_code == 202 and branched.json()["id"] != base
+    done = wait_state(http, branched.json()["id"])
+    assert done["state"] == "DONE" and done["resumed_from"] == 2
+    refused = [
+        ({**edit, "overrides": {"seed": 3}}, 422, "overrides.seed"),
+        ({**edit, "overrides": {"width": 64}}, 422, "overrides.width"),
+        ({**edit, "from_step": 4}, 422, "from_step"),
+        ({**edit, "overrides": {"schedule": [{"prompt": "x", "until_step": 2}]}}, 422,
+         "overrides.schedule"),
+        ({**edit, "request_id": "nope"}, 404, None),
+    ]
+    for change, code, field in refused:
+        response = http.post("/v1/resume", json=change)
+        assert response.status_code == code, (change, response.json())
+        assert response.json().get("field") == field
+    record = Records(open_redis(worker_settings)).get("default", base)
+    assert record is not None
+    cache = open_cache(worker_settings)
+    try:  # the checkpoint at step 2 expires: a branch from it is gone
+        cache.remove(StoreKey.parse(record.checkpoints()[2]))
+    finally:
+        cache.close()
+    gone = http.post("/v1/resume", json=edit)
+    assert gone.status_code == 410 and "expired" in gone.json()["error"]
+
+
+def test_preempt_parks_a_denoising_request_until_resumed(http: TestClient) -> None:
+    body = {"prompt": "a quiet harbour", "output_format": "npy",
+            **{**SMALL, "num_inference_steps": 60}}
+    request_id = http.post("/v1/generate", json=body).json()["id"]
+    while http.get(f"/v1/requests/{request_id}").json()["step"] < 3:
+        time.sleep(0.01)
+    asked = http.post(f"/v1/requests/{request_id}/preempt", json={"mode": "park"})
+    assert asked.status_code == 202
+    while http.get(f"/v1/requests/{request_id}").json()["state"] != "PREEMPTED":
+        time.sleep(0.02)
+    again = http.post(f"/v1/requests/{request_id}/preempt")
+    assert again.status_code == 409 and "DENOISING" in again.json()["error"]
+    assert http.post("/v1/resume", json={"request_id": request_id}).status_code == 202
+    status = wait_state(http, request_id)
+    assert status["state"] == "DONE" and status["preemptions"] == 1
+    assert status["resumed_from"] >= 3
 
 
 def test_idempotency_key_returns_the_first_request(http: TestClient) -> None:
@@ -178,7 +269,7 @@ def test_health_readiness_and_metrics(http: TestClient) -> None:
     assert ready.status_code == 200 and all(ready.json().values())
     text = http.get("/metrics").text
     assert 'diffcache_cache_lookups_total{kind="embed",tenant="default"}' in text
-    assert 'diffcache_queue_depth{stage="denoise"}' in text
+    assert 'diffcache_queue_depth{priority="batch",stage="denoise"}' in text
     assert 'diffcache_stage_seconds_bucket{le="+Inf",stage="denoise"}' in text
 
 

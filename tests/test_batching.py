@@ -57,8 +57,9 @@ def test_batched_workers_publish_every_job_exactly_once(own_stack: Settings) -> 
     for t in threads:
         t.join(10)
     for stage in (Stage.DENOISE, Stage.DECODE):
-        assert client.xlen(stage_stream(stage.value)) == len(specs)  # each handed on once
+        # each handed on once
+        assert client.xlen(stage_stream(stage.value, "interactive")) == len(specs)
     for stage in Stage:
         assert stage_metrics.read(client, stage).count == len(specs)
-        assert client.xpending(stage_stream(stage.value), f"{stage.value}-workers")[
+        assert client.xpending(stage_stream(stage.value, "interactive"), f"{stage.value}-workers")[
             "pending"] == 0

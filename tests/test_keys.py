@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 import keys
 from keys import (
     FIELD_POLICIES,
+    CfgCache,
+    CfgMode,
     GenerationSpec,
     KeyKind,
     PromptSegment,
@@ -74,7 +76,7 @@ def all_keys(spec: GenerationSpec) -> dict[KeyKind, str]:
         KeyKind.CHECKPOINT: str(links[-1].checkpoint_key()),
         KeyKind.CFG: str(cfg_key(spec.tenant, MODEL, text_key(spec, first.negative_prompt),
                                  timesteps[0], latent_digest)),
-        KeyKind.LATENTS: str(latents_key(spec.tenant, spec.request_id)),
+        KeyKind.LATENTS: str(latents_key(spec.tenant, spec.request_id, 1)),
         KeyKind.OUTPUT: str(output_key(links[-1], DECODER, spec.output_format)),
     }
 
@@ -92,7 +94,8 @@ GOLDEN_KEYS = {
              "|v1:acme:embed:5e13209eeebf430066027b1b7ce1f897",
     "ckpt": "v1:acme:ckpt:4-f4da553a6aa46ce60c8e36be4009aaa5",
     "cfg": "v1:acme:cfg:697d9d46eee3bebb395adcfe9dfd8b91",
-    "latents": "v1:acme:latents:r1",
+    # Latents live between one denoise and one decode: never stored long enough to orphan.
+    "latents": "v1:acme:latents:r1-1",
     "output": "v1:acme:output:41c44d80d6252d6d7e1ad1c93b7eb52a",
 }
 
@@ -151,6 +154,8 @@ CHANGES = {
     "seed": st.integers(0, 2**63 - 1),
     "output_format": st.sampled_from(["png", "npy"]),
     "priority": st.sampled_from(["batch"]),
+    # Only the approximate mode changes outputs; exact and off must share every key.
+    "cfg_cache": st.sampled_from([CfgCache(CfgMode.INTERVAL, 2), CfgCache(CfgMode.INTERVAL, 5)]),
 }
 
 
@@ -229,6 +234,10 @@ def test_prompt_schedule_shares_the_chain_prefix() -> None:
     la, lb = links(a), links(b)
     assert la[:3] == lb[:3]  # h0, h1, h2: the shared two steps
     assert la[3] != lb[3]
+
+
+def test_exact_and_off_cfg_modes_share_every_key() -> None:
+    assert all_keys(base_spec()) == all_keys(base_spec(cfg_cache=CfgCache(CfgMode.OFF)))
 
 
 @pytest.mark.parametrize("tenant", ["acme\n", "acme:x", "", "_system", "Acme"])

@@ -64,11 +64,11 @@ def test_two_workers_of_one_stage_share_the_load(
         submit(client, spec)
     records = [wait_done(client, spec) for spec in specs]
     assert all(r.state is State.DONE for r in records)
-    assert len({r.fields["worker:denoise"] for r in records}) == 2
+    assert len({r.fields["worker:denoise"] for r in records}) >= 2  # earlier tests add more
 
 
 def decode_entries_for(client: redis.Redis, request_id: str) -> int:
-    entries = client.xrange(stage_stream(Stage.DECODE.value))
+    entries = client.xrange(stage_stream(Stage.DECODE.value, "interactive"))
     return sum(Job.from_json(fields[b"job"]).request_id == request_id for _, fields in entries)
 
 
@@ -111,7 +111,7 @@ def test_a_poison_request_is_dead_lettered_with_its_reason(
 
 def test_submitting_a_request_id_twice_queues_it_once(client: redis.Redis) -> None:
     spec = make_spec()
-    stream = stage_stream(Stage.ENCODE.value)
+    stream = stage_stream(Stage.ENCODE.value, "interactive")
     before = client.xlen(stream)
     assert submit(client, spec) == submit(client, spec) == spec.request_id
     assert client.xlen(stream) == before + 1

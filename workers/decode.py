@@ -12,6 +12,7 @@ import torch
 
 from cachesvc.tensor_cache import TensorCache
 from keys import ChainLink, StoreKey, output_key
+from workers.credits import Credits
 from workers.families.wan import WanDecoder
 from workers.media import encode_frames
 from workers.messages import Job, Stage
@@ -21,11 +22,12 @@ from workers.runtime import JobContext, Outcome, StageError
 class DecodeHandler:
     stage = Stage.DECODE
 
-    def __init__(self, cache: TensorCache, model: WanDecoder,
-                 fps: int) -> None:
+    def __init__(self, cache: TensorCache, model: WanDecoder, fps: int,
+                 credits: Credits) -> None:
         self.cache = cache
         self.model = model
         self.fps = fps
+        self.credits = credits
 
     def handle(self, ctx: JobContext) -> Outcome:
         job = ctx.job
@@ -44,5 +46,10 @@ class DecodeHandler:
         return Outcome(None, fields={"output_key": str(out_key), "hits:output": int(hit)})
 
     def after_publish(self, job: Job, outcome: Outcome) -> None:
-        """Final latents have one consumer: delete them once the output is published."""
+        """Final latents have one consumer: delete them once the output is published, and
+        hand the request's decode credit back."""
         self.cache.remove(StoreKey.parse(job.ref("latents").key))
+        self.credits.release(job.tenant, job.request_id)
+
+    def discard(self, outcome: Outcome) -> None:
+        """Outputs are content-addressed: a stale attempt wrote the same bytes, if anything."""

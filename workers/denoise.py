@@ -1,38 +1,120 @@
 """Denoise stage: the DiT loop, run one step at a time by this worker.
 
-Reads: the denoise stream; the request record; the condition embeddings named by the job.
-Writes: the final latents (``latents`` entry keyed by request id, read once by decode).
+Reads: the denoise stream; the request record; the condition embeddings named by the job; the
+latest cached checkpoint on the request's hash chain, which it resumes from (a crash, a
+preemption, or another request with the same trajectory prefix put it there).
+Writes: checkpoints behind the loop; unconditional predictions (the exact CFG tier); the final
+latents (``latents`` entry of this delivery, read once by decode).
 Feeds: the decode stream, with the latents reference and the trajectory's chain head.
-Checks the cancel flag at every step boundary (through the progress thread, not the network).
+Checks cancel and preempt requests at every step boundary (through the progress thread).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from cachesvc.settings import WorkerSettings
 from cachesvc.tensor_cache import TensorCache
-from keys import GenerationSpec, StoreKey, latents_key
-from workers.families.wan import WanDenoiser, guide
-from workers.messages import Job, Stage, State, TensorRef
+from keys import ChainLink, GenerationSpec, StoreKey, latents_key
+from workers.checkpoint import Checkpoint, CheckpointError
+from workers.credits import Credits
+from workers.families.wan import WanDenoiser
+from workers.guidance import Guidance
+from workers.messages import Stage, State, TensorRef
 from workers.runtime import JobContext, Outcome, StageError
-from workers.trajectory import chain_head, step_segments
+from workers.trajectory import chain_links, checkpoint_steps, step_segments
+from workers.write_behind import WriteBehind
+
+log = logging.getLogger(__name__)
+
+CREDIT_POLL_S = 0.05
+
+
+@dataclass
+class _Run:
+    """One attempt's trajectory state, from where it started to where it stopped."""
+
+    spec: GenerationSpec
+    links: list[ChainLink]
+    scheduler: Any
+    rng: torch.Generator
+    latents: torch.Tensor
+    step: int
+    compute_s: float
+    guidance: Guidance
+
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint.capture(self.step, self.latents, self.scheduler, self.rng,
+                                  self.guidance.residual, self.compute_s)
 
 
 class DenoiseHandler:
     stage = Stage.DENOISE
 
-    def __init__(self, cache: TensorCache, model: WanDenoiser,
-                 cfg_parallel: bool) -> None:
+    def __init__(self, cache: TensorCache, model: WanDenoiser, settings: WorkerSettings,
+                 credits: Credits) -> None:
         self.cache = cache
         self.model = model
+        self.settings = settings
+        self.credits = credits
         # The two CFG branches are independent forwards of one model. Run concurrently, each
         # with its own single-threaded kernels, they compute exactly what they compute in turn.
-        self._cond_pool = ThreadPoolExecutor(1, "cfg-cond") if cfg_parallel else None
+        self._cond_pool = ThreadPoolExecutor(1, "cfg-cond") if settings.cfg_parallel else None
+        self._writes = WriteBehind()
 
-    def _embeddings(self, job: Job) -> dict[str, tuple[StoreKey, torch.Tensor]]:
+    def handle(self, ctx: JobContext) -> Outcome:
+        job = ctx.job
+        spec = ctx.spec()
+        embeds = self._embeddings(ctx)
+        run = self._start(ctx, spec, embeds)
+        if not self._take_credit(ctx):
+            return self._stopped(ctx, run)
+        segments = step_segments(spec)
+        saves = checkpoint_steps(spec, self.settings.checkpoint_every)
+        timesteps = run.scheduler.timesteps
+        while run.step < spec.num_inference_steps:
+            if ctx.should_stop or ctx.preempt is not None:
+                return self._stopped(ctx, run)
+            i = run.step
+            segment = spec.schedule[segments[i]]
+            negative = embeds[f"negative:{segments[i]}"] if spec.segment_uses_cfg(segment) \
+                else None
+            start = time.perf_counter()
+            prediction = run.guidance.predict(i, run.latents, timesteps[i],
+                                              embeds[f"prompt:{segments[i]}"][1], negative,
+                                              spec.guidance_of(segment))
+            run.latents = run.scheduler.step(prediction, timesteps[i], run.latents,
+                                             return_dict=False)[0]
+            run.compute_s += time.perf_counter() - start
+            run.step += 1
+            ctx.progress(step=run.step)
+            if run.step in saves:
+                self._save(ctx, run)
+        self._writes.drain()
+        key = latents_key(spec.tenant, spec.request_id, job.fence_token(ctx.attempt))
+        self.cache.put(key, run.latents)
+        shape = (1, *self.model.latent_shape(spec))
+        head = run.links[-1]
+        return Outcome(job.handoff(Stage.DECODE,
+                                   (TensorRef("latents", str(key), "float32", shape),),
+                                   chain_index=head.index, chain_head=head.hex),
+                       fields=run.guidance.stats.as_fields())
+
+    def discard(self, outcome: Outcome) -> None:
+        """A fenced-out attempt's latents belong to no one: delete them."""
+        if outcome.next_job is not None:
+            self.cache.remove(StoreKey.parse(outcome.next_job.ref("latents").key))
+
+    # --- the steps of ``handle`` -------------------------------------------------------------
+
+    def _embeddings(self, ctx: JobContext) -> dict[str, tuple[StoreKey, torch.Tensor]]:
+        job = ctx.job
         keys = [StoreKey.parse(r.key) for r in job.refs]
         tensors = self.cache.batch_get(keys, lookup=False)  # a handoff, not reuse
         missing = [r.key for r, t in zip(job.refs, tensors, strict=True) if t is None]
@@ -41,48 +123,81 @@ class DenoiseHandler:
         return {r.name: (k, t) for r, k, t in zip(job.refs, keys, tensors, strict=True)
                 if t is not None}
 
-    def handle(self, ctx: JobContext) -> Outcome:
-        job = ctx.job
-        spec = ctx.spec()
-        embeds = self._embeddings(job)
+    def _start(self, ctx: JobContext, spec: GenerationSpec,
+               embeds: dict[str, tuple[StoreKey, torch.Tensor]]) -> _Run:
+        """The trajectory at its latest cached checkpoint, or at step 0."""
         scheduler = self.model.scheduler(spec.num_inference_steps)
-        segments = step_segments(spec)
-        head = chain_head(spec, {name: key for name, (key, _) in embeds.items()},
-                          self.model.fingerprint, self.model.scheduler_config,
-                          scheduler.timesteps)
-        key = latents_key(spec.tenant, spec.request_id)
-        # A redelivery after the latents were stored but before publishing: nothing to redo.
-        if not self.cache.exists(key):
-            latents = self._denoise(ctx, spec, scheduler, embeds, segments)
-            if latents is None:
-                return Outcome(None, State.CANCELLED)
-            self.cache.put(key, latents)
-        shape = (1, *self.model.latent_shape(spec))
-        ref = TensorRef("latents", str(key), "float32", shape)
-        return Outcome(Job(job.request_id, job.tenant, Stage.DECODE, (ref,),
-                           chain_index=head.index, chain_head=head.hex))
+        links = chain_links(spec, {name: key for name, (key, _) in embeds.items()},
+                            self.model.fingerprint, self.model.scheduler_config,
+                            scheduler.timesteps)
+        latents, rng = self.model.initial_latents(spec)
+        run = _Run(spec, links, scheduler, rng, latents, 0, 0.0, self._guidance(spec, None))
+        found = self._latest_checkpoint(ctx, links)
+        if found is not None:
+            found.restore(scheduler, rng)
+            run.latents, run.step, run.compute_s = found.latents, found.step, found.compute_s
+            run.guidance = self._guidance(spec, found.cfg_residual)
+            ctx.progress(**{f"ckpt:{found.step}": str(links[found.step].checkpoint_key())})
+        ctx.progress(step=run.step, resumed_from=run.step)
+        return run
 
-    def _denoise(self, ctx: JobContext, spec: GenerationSpec, scheduler: Any,
-                 embeds: dict[str, tuple[StoreKey, torch.Tensor]],
-                 segments: list[int]) -> torch.Tensor | None:
-        """The step loop; None if the request was cancelled at a step boundary."""
-        latents = self.model.initial_latents(spec)
-        for i, t in enumerate(scheduler.timesteps):
-            if ctx.should_stop:
-                return None
-            cond = embeds[f"prompt:{segments[i]}"][1]
-            if not spec.uses_cfg:
-                prediction = self.model.predict(latents, t, cond)
-            else:
-                negative = embeds[f"negative:{segments[i]}"][1]
-                if self._cond_pool is None:
-                    prediction = self.model.predict(latents, t, cond)
-                    uncond = self.model.predict(latents, t, negative)
-                else:
-                    pending = self._cond_pool.submit(self.model.predict, latents, t, cond)
-                    uncond = self.model.predict(latents, t, negative)
-                    prediction = pending.result()
-                prediction = guide(prediction, uncond, spec.guidance_scale)
-            latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-            ctx.progress(step=i + 1)
-        return latents
+    def _guidance(self, spec: GenerationSpec, residual: torch.Tensor | None) -> Guidance:
+        return Guidance(self.cache, self.model.predict, self.model.fingerprint, spec,
+                        lookup=self.settings.cfg_cache, cond_pool=self._cond_pool,
+                        write_behind=self._writes, residual=residual)
+
+    def _latest_checkpoint(self, ctx: JobContext, links: list[ChainLink]) -> Checkpoint | None:
+        """The checkpoint furthest along ``links``: one existence round trip for the chain,
+        then reads from the end until one is intact."""
+        keys = [link.checkpoint_key() for link in links[1:]]
+        present = [k for k, ok in zip(keys, self.cache.batch_exists(keys), strict=True) if ok]
+        for key in reversed(present):
+            entry = self.cache.get(key)  # a counted lookup: its cost is the compute saved
+            if entry is None:
+                continue  # evicted or expired since the existence check
+            try:
+                return Checkpoint.from_bytes(entry.numpy().tobytes())
+            except CheckpointError:
+                # Written by an incompatible release: drop it so nobody trips on it again.
+                log.warning("request %s: unreadable checkpoint %s removed",
+                            ctx.job.request_id, key, exc_info=True)
+                self.cache.remove(key)
+        return None
+
+    def _take_credit(self, ctx: JobContext) -> bool:
+        """Wait for a decode credit; False if the job was cancelled or preempted meanwhile."""
+        job = ctx.job
+        waiting = False
+        while not self.credits.acquire(job.tenant, job.request_id, int(time.time() * 1000)):
+            if not waiting:
+                ctx.progress(waiting="decode credit")
+                waiting = True
+            if ctx.should_stop or ctx.preempt is not None:
+                return False
+            time.sleep(CREDIT_POLL_S)
+        if waiting:
+            ctx.progress(waiting="")
+        return True
+
+    def _save(self, ctx: JobContext, run: _Run) -> None:
+        snapshot = run.checkpoint()
+        key = run.links[snapshot.step].checkpoint_key()
+
+        def write() -> None:
+            data = snapshot.to_bytes()
+            self.cache.put(key, torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                           cost_s=snapshot.compute_s)
+            ctx.progress(**{f"ckpt:{snapshot.step}": str(key), "checkpoint_step": snapshot.step})
+
+        self._writes.submit(f"checkpoint {key}", write)
+
+    def _stopped(self, ctx: JobContext, run: _Run) -> Outcome:
+        """The loop stopped early: checkpoint where it stands (unless a newer attempt owns the
+        request), wait for the write, and report why."""
+        if not ctx.stale.is_set() and run.step > 0:
+            self._save(ctx, run)
+        self._writes.drain()
+        fields = run.guidance.stats.as_fields()
+        if ctx.preempt is not None and not ctx.should_stop:
+            return Outcome(None, fields=fields, preempted=ctx.preempt)
+        return Outcome(None, State.CANCELLED, fields)

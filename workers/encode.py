@@ -15,7 +15,7 @@ from cachesvc.tensor_cache import TensorCache
 from encoders.text import TextModel, encode_texts
 from keys import GenerationSpec, StoreKey, output_key
 from workers.families.wan import WanTrajectory
-from workers.messages import Job, Stage, State, TensorRef
+from workers.messages import Stage, State, TensorRef
 from workers.runtime import JobContext, Outcome
 from workers.trajectory import chain_head
 
@@ -32,13 +32,12 @@ class EncodeHandler:
         job = ctx.job
         spec = ctx.spec()
         texts = [s.prompt for s in spec.schedule]
-        if spec.uses_cfg:
-            texts += [s.negative_prompt for s in spec.schedule]
+        texts += [s.negative_prompt for s in spec.schedule if spec.segment_uses_cfg(s)]
         encoded = encode_texts(self.cache, self.model, spec.tenant, texts)
         refs = []
         for i, segment in enumerate(spec.schedule):
             names = [("prompt", segment.prompt)]
-            if spec.uses_cfg:
+            if spec.segment_uses_cfg(segment):
                 names.append(("negative", segment.negative_prompt))
             for role, text in names:
                 e = encoded[text]
@@ -50,7 +49,10 @@ class EncodeHandler:
         if cached is not None:
             return Outcome(None, State.DONE, {**fields, "output_key": str(cached),
                                               "hits:output": 1})
-        return Outcome(Job(job.request_id, job.tenant, Stage.DENOISE, tuple(refs)), fields=fields)
+        return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=fields)
+
+    def discard(self, outcome: Outcome) -> None:
+        """Embeddings are content-addressed and shared: nothing belongs to one attempt."""
 
     def _cached_output(self, spec: GenerationSpec, refs: list[TensorRef]) -> StoreKey | None:
         """The output entry of this exact trajectory, if another request already made it."""

@@ -10,8 +10,10 @@ import torch
 
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings
+from workers.credits import Credits
 from workers.messages import Stage
-from workers.runtime import Handler, Worker
+from workers.preemption import InteractiveWaiting
+from workers.runtime import Handler, Worker, consumer_name
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +45,17 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
         handler = EncodeHandler(cache, wan.WanTextEncoder(directory),
                                 wan.WanTrajectory(directory))
         return Worker(handler, client, settings.workers), handler
+    credits = Credits(client, settings.workers.decode_credits)
     if stage is Stage.DENOISE:
         from workers.denoise import DenoiseHandler
 
-        handler = DenoiseHandler(cache, wan.WanDenoiser(directory),
-                                 settings.workers.cfg_parallel)
-        return Worker(handler, client, settings.workers), handler
+        handler = DenoiseHandler(cache, wan.WanDenoiser(directory), settings.workers, credits)
+        waiting = InteractiveWaiting(client, stage, consumer_name(), settings.workers)
+        return Worker(handler, client, settings.workers,
+                      preemption=waiting.check_for if settings.workers.preempt else None), handler
     from workers.decode import DecodeHandler
 
-    decode = DecodeHandler(cache, wan.WanDecoder(directory), settings.workers.fps)
+    decode = DecodeHandler(cache, wan.WanDecoder(directory), settings.workers.fps, credits)
     return Worker(decode, client, settings.workers, after_publish=decode.after_publish), decode
 
 

@@ -11,7 +11,11 @@ from enum import StrEnum
 
 from pydantic import TypeAdapter
 
+from keys import Priority
+
 MESSAGE_VERSION = 1
+# Delivery counts stay far below this, so a token orders by generation, then by attempt.
+ATTEMPTS_PER_GENERATION = 1_000_000
 
 
 class Stage(StrEnum):
@@ -29,6 +33,7 @@ class State(StrEnum):
     DENOISING = "DENOISING"
     DENOISED = "DENOISED"
     DECODING = "DECODING"
+    PREEMPTED = "PREEMPTED"  # parked at a checkpoint until ``POST /v1/resume``
     DONE = "DONE"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -36,6 +41,10 @@ class State(StrEnum):
     @property
     def terminal(self) -> bool:
         return self in (State.DONE, State.FAILED, State.CANCELLED)
+
+    @property
+    def resumable(self) -> bool:
+        return self in (State.PREEMPTED, State.FAILED, State.CANCELLED)
 
 
 # The state a stage moves its request into when it starts, and when it publishes.
@@ -66,7 +75,22 @@ class Job:
     # The trajectory's last chain link, from denoise to decode: it names the output entry.
     chain_index: int = 0
     chain_head: str = ""
+    priority: Priority = Priority.INTERACTIVE
+    # Raised each time the request is re-queued (preempted) or resumed, so every delivery of
+    # the new entry outranks every delivery of the old one.
+    generation: int = 0
     v: int = MESSAGE_VERSION
+
+    def fence_token(self, attempt: int) -> int:
+        """The fencing token of delivery ``attempt`` of this job: records accept writes from
+        the highest token they have seen only."""
+        return self.generation * ATTEMPTS_PER_GENERATION + attempt
+
+    def handoff(self, stage: Stage, refs: tuple[TensorRef, ...], *, chain_index: int = 0,
+                chain_head: str = "") -> Job:
+        """The same request's job for the next stage, in the same class and generation."""
+        return Job(self.request_id, self.tenant, stage, refs, chain_index, chain_head,
+                   self.priority, self.generation)
 
     def ref(self, name: str) -> TensorRef:
         for ref in self.refs:

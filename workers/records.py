@@ -11,11 +11,11 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 
 import redis
 
-from keys import GenerationSpec, OutputFormat, Priority, PromptSegment
+from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat, Priority, PromptSegment
 from keys.names import (
     consumer_group,
     dead_letter_stream,
@@ -24,36 +24,50 @@ from keys.names import (
     stage_stream,
 )
 from workers import stage_metrics
-from workers.messages import FINISHED, NEXT, RUNNING, Job, State
+from workers.messages import ATTEMPTS_PER_GENERATION, FINISHED, NEXT, RUNNING, Job, State
+from workers.streams import Delivery
 
-# KEYS[1] record. ARGV: stage, attempt, running state, now, then field/value pairs.
+# KEYS[1] record. ARGV: stage, token, job generation, running state, now, then field pairs.
 _CLAIM = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return -1 end
+if tonumber(ARGV[3]) < tonumber(redis.call('HGET', KEYS[1], 'generation') or '0') then
+  return 4
+end
 if state == 'CANCELLED' or state == 'FAILED' or state == 'DONE' then return 3 end
 if redis.call('HGET', KEYS[1], 'done:' .. ARGV[1]) then return 2 end
 local fence = tonumber(redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) or '0')
 if tonumber(ARGV[2]) < fence then return 0 end
-redis.call('HSET', KEYS[1], 'fence:' .. ARGV[1], ARGV[2], 'state', ARGV[3], 'updated_at', ARGV[4])
-for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[1], 'fence:' .. ARGV[1], ARGV[2], 'state', ARGV[4], 'updated_at', ARGV[5])
+for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 
-# KEYS[1] record. ARGV: stage, attempt, now, then field/value pairs. Returns the state.
-_UPDATE = """
-local fence = tonumber(redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) or '0')
-if tonumber(ARGV[2]) ~= fence then return 'STALE' end
+# A writer is current when its token is the stage's fence and its generation is the request's
+# (a resume or re-queue since its claim makes it stale). KEYS[1] record; ARGV[1] stage,
+# ARGV[2] token.
+CURRENT = """
+local function current()
+  local fence = tonumber(redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) or '0')
+  local generation = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
+  return tonumber(ARGV[2]) == fence
+    and math.floor(tonumber(ARGV[2]) / PER_GENERATION) >= generation
+end
+""".replace("PER_GENERATION", str(ATTEMPTS_PER_GENERATION))
+
+# KEYS[1] record. ARGV: stage, token, now, then field pairs. Returns {state, preempt request}.
+_UPDATE = CURRENT + """
+if not current() then return {'STALE', ''} end
 for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if #ARGV >= 4 then redis.call('HSET', KEYS[1], 'updated_at', ARGV[3]) end
-return redis.call('HGET', KEYS[1], 'state')
+return {redis.call('HGET', KEYS[1], 'state'), redis.call('HGET', KEYS[1], 'preempt') or ''}
 """
 
 # KEYS: record, this stage's stream, next stage's stream (or the record again for none), the
-# stage's latency histogram. ARGV: stage, attempt, group, entry id, next job ('' for none),
+# stage's latency histogram. ARGV: stage, token, group, entry id, next job ('' for none),
 # new state, now, histogram bucket field, seconds, then field pairs.
-_PUBLISH = """
-local fence = tonumber(redis.call('HGET', KEYS[1], 'fence:' .. ARGV[1]) or '0')
-if tonumber(ARGV[2]) ~= fence then return 0 end
+_PUBLISH = CURRENT + """
+if not current() then return 0 end
 if redis.call('HGET', KEYS[1], 'done:' .. ARGV[1]) then
   redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])
   return 2
@@ -73,11 +87,13 @@ redis.call('HINCRBY', KEYS[4], 'count', 1)
 return 1
 """
 
-# KEYS: record, this stage's stream, dead letters. ARGV: group, entry id, job, reason, now.
+# KEYS: record, this stage's stream, dead letters. ARGV: group, entry id, job, reason, now,
+# job generation. A job of an older generation was superseded: it fails nothing.
 _DEAD = """
 redis.call('XADD', KEYS[3], '*', 'job', ARGV[3], 'reason', ARGV[4])
 local state = redis.call('HGET', KEYS[1], 'state')
-if state and state ~= 'DONE' and state ~= 'CANCELLED' then
+local generation = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
+if state and state ~= 'DONE' and state ~= 'CANCELLED' and tonumber(ARGV[6]) >= generation then
   redis.call('HSET', KEYS[1], 'state', 'FAILED', 'error', ARGV[4], 'updated_at', ARGV[5])
 end
 redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
@@ -91,7 +107,7 @@ class StageResult:
 
     job: Job
     attempt: int
-    entry_id: str
+    delivery: Delivery
     next_job: Job | None
     state: State | None
     seconds: float
@@ -114,6 +130,21 @@ class Claim(IntEnum):
     OWNED = 1
     ALREADY_DONE = 2  # this stage already published
     TERMINAL = 3  # cancelled, failed or done
+    SUPERSEDED = 4  # the request was re-queued or resumed under a newer entry
+
+
+class PreemptMode(StrEnum):
+    REQUEUE = "requeue"  # back to its stream, to resume on the next free worker
+    PARK = "park"  # left PREEMPTED until ``POST /v1/resume``
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What a progress write learns: the request's state (None if the writer is stale) and
+    whether someone asked for it to be preempted."""
+
+    state: State | None
+    preempt: PreemptMode | None
 
 
 class Published(IntEnum):
@@ -126,23 +157,28 @@ class Published(IntEnum):
 def spec_to_json(spec: GenerationSpec) -> str:
     return json.dumps({
         "request_id": spec.request_id, "tenant": spec.tenant,
-        "schedule": [[s.prompt, s.negative_prompt, s.until_step] for s in spec.schedule],
+        "schedule": [[s.prompt, s.negative_prompt, s.until_step, s.guidance_scale]
+                     for s in spec.schedule],
         "width": spec.width, "height": spec.height, "num_frames": spec.num_frames,
         "num_inference_steps": spec.num_inference_steps,
         "guidance_scale": spec.guidance_scale, "seed": spec.seed,
         "output_format": spec.output_format.value, "priority": spec.priority.value,
+        "cfg_cache": [spec.cfg_cache.mode.value, spec.cfg_cache.interval],
     })
 
 
 def spec_from_json(raw: str | bytes) -> GenerationSpec:
     d = json.loads(raw)
+    mode, interval = d["cfg_cache"]
     return GenerationSpec(
         request_id=d["request_id"], tenant=d["tenant"],
-        schedule=tuple(PromptSegment(p, n, int(u)) for p, n, u in d["schedule"]),
+        schedule=tuple(PromptSegment(p, n, int(u), None if g is None else float(g))
+                       for p, n, u, g in d["schedule"]),
         width=int(d["width"]), height=int(d["height"]), num_frames=int(d["num_frames"]),
         num_inference_steps=int(d["num_inference_steps"]),
         guidance_scale=float(d["guidance_scale"]), seed=int(d["seed"]),
-        output_format=OutputFormat(d["output_format"]), priority=Priority(d["priority"]))
+        output_format=OutputFormat(d["output_format"]), priority=Priority(d["priority"]),
+        cfg_cache=CfgCache(CfgMode(mode), int(interval)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,21 +200,33 @@ class RequestRecord:
         return {k.removeprefix("hits:"): int(v) for k, v in self.fields.items()
                 if k.startswith("hits:")}
 
+    @property
+    def generation(self) -> int:
+        return int(self.fields.get("generation", "0"))
 
-def _pairs(fields: dict[str, object]) -> list[str]:
+    def checkpoints(self) -> dict[int, str]:
+        """Step -> store key of every checkpoint this request wrote or started from."""
+        return {int(k.removeprefix("ckpt:")): v for k, v in self.fields.items()
+                if k.startswith("ckpt:")}
+
+    def counter(self, name: str) -> int:
+        return int(self.fields.get(name, "0"))
+
+
+def field_pairs(fields: dict[str, object]) -> list[str]:
     out: list[str] = []
     for k, v in fields.items():
         out += [k, str(v)]
     return out
 
 
-def _now() -> str:
+def timestamp() -> str:
     return f"{time.time():.3f}"
 
 
 def initial_fields(spec: GenerationSpec) -> dict[str, str]:
     """The record of a request just accepted."""
-    now = _now()
+    now = timestamp()
     return {"spec": spec_to_json(spec), "state": State.QUEUED.value, "step": "0",
             "steps": str(spec.num_inference_steps), "created_at": now, "updated_at": now}
 
@@ -208,17 +256,19 @@ class Records:
         pipe = self.redis.pipeline(transaction=False)
         for job, attempt, fields in claims:
             self._claim(keys=[request_record(job.tenant, job.request_id)],
-                        args=[job.stage.value, attempt, RUNNING[job.stage].value, _now(),
-                              *_pairs(fields)], client=pipe)
+                        args=[job.stage.value, job.fence_token(attempt), job.generation,
+                              RUNNING[job.stage].value, timestamp(), *field_pairs(fields)],
+                        client=pipe)
         return [Claim(int(code)) for code in pipe.execute()]
 
-    def update(self, job: Job, attempt: int, **fields: object) -> State | None:
-        """Write progress if ``attempt`` still owns the request; its state, None if stale."""
+    def update(self, job: Job, attempt: int, **fields: object) -> Progress:
+        """Write progress if ``attempt`` still owns the request."""
         key = request_record(job.tenant, job.request_id)
-        state = self._update(keys=[key], args=[job.stage.value, attempt, _now(),
-                                               *_pairs(fields)])
-        text = state.decode() if isinstance(state, bytes) else str(state)
-        return None if text == "STALE" else State(text)
+        state, preempt = (v.decode() if isinstance(v, bytes) else str(v) for v in self._update(
+            keys=[key], args=[job.stage.value, job.fence_token(attempt), timestamp(),
+                              *field_pairs(fields)]))
+        return Progress(None if state == "STALE" else State(state),
+                        PreemptMode(preempt) if preempt else None)
 
     def publish_many(self, results: Sequence[StageResult]) -> list[Published]:
         """Atomically per job: hand on the next job, record the state and latency, ack.
@@ -228,26 +278,26 @@ class Records:
             job = r.job
             key = request_record(job.tenant, job.request_id)
             following = NEXT[job.stage]
-            next_stream = stage_stream(following.value) if following else key
+            next_stream = stage_stream(following.value, job.priority.value) if following else key
             self._publish(
-                keys=[key, stage_stream(job.stage.value), next_stream,
-                      stage_latency(job.stage.value)],
-                args=[job.stage.value, r.attempt, consumer_group(job.stage.value), r.entry_id,
+                keys=[key, r.delivery.stream, next_stream, stage_latency(job.stage.value)],
+                args=[job.stage.value, job.fence_token(r.attempt),
+                      consumer_group(job.stage.value), r.delivery.entry_id,
                       r.next_job.to_json() if r.next_job else "",
-                      (r.state or FINISHED[job.stage]).value, _now(),
+                      (r.state or FINISHED[job.stage]).value, timestamp(),
                       stage_metrics.bucket_field(r.seconds), f"{r.seconds:.6f}",
-                      *_pairs(r.fields)], client=pipe)
+                      *field_pairs(r.fields)], client=pipe)
         return [Published(int(code)) for code in pipe.execute()]
 
-    def dead_letter(self, job: Job, entry_id: str, reason: str) -> None:
-        self._dead(keys=[request_record(job.tenant, job.request_id),
-                         stage_stream(job.stage.value), dead_letter_stream()],
-                   args=[consumer_group(job.stage.value), entry_id, job.to_json(), reason,
-                         _now()])
+    def dead_letter(self, job: Job, delivery: Delivery, reason: str) -> None:
+        self._dead(keys=[request_record(job.tenant, job.request_id), delivery.stream,
+                         dead_letter_stream()],
+                   args=[consumer_group(job.stage.value), delivery.entry_id, job.to_json(),
+                         reason, timestamp(), job.generation])
 
     def cancel(self, tenant: str, request_id: str) -> bool:
         """Ask workers to stop at the next step boundary; False if already finished.
 
         One script, so a request that finishes at the same moment is never marked CANCELLED
         after DONE."""
-        return int(self._cancel(keys=[request_record(tenant, request_id)], args=[_now()])) == 1
+        return int(self._cancel(keys=[request_record(tenant, request_id)], args=[timestamp()])) == 1

@@ -20,8 +20,9 @@ import redis
 
 from cachesvc.settings import WorkerSettings
 from keys import GenerationSpec
+from workers.lifecycle import Lifecycle, Requeued
 from workers.messages import Job, Stage, State
-from workers.records import Claim, Published, Records, StageResult
+from workers.records import Claim, PreemptMode, Published, Records, StageResult
 from workers.streams import Delivery, LeaseKeeper, StageQueue
 
 log = logging.getLogger(__name__)
@@ -42,19 +43,29 @@ class Outcome:
     next_job: Job | None
     state: State | None = None  # default: the stage's FINISHED state
     fields: dict[str, object] = field(default_factory=dict)
+    # Set when the job stopped early to be re-queued or parked, not finished.
+    preempted: PreemptMode | None = None
+
+
+# Asked by the progress thread whether the job in hand should make way for other work.
+PreemptCheck = Callable[[], PreemptMode | None]
 
 
 class JobContext:
-    """What a handler may do besides computing: report progress and notice cancellation.
+    """What a handler may do besides computing: report progress and notice cancellation or a
+    request to preempt.
 
     Progress is written by a background thread, so a compute loop that reports every step
-    never waits on Redis; the same thread polls for cancellation.
+    never waits on Redis; the same thread polls for cancellation and preemption.
     """
 
-    def __init__(self, records: Records, job: Job, attempt: int) -> None:
+    def __init__(self, records: Records, job: Job, attempt: int,
+                 preempt_check: PreemptCheck | None = None) -> None:
         self.job = job
         self.attempt = attempt
         self._records = records
+        self._preempt_check = preempt_check
+        self.preempt: PreemptMode | None = None
         self._pending: dict[str, object] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -83,16 +94,20 @@ class JobContext:
         with self._lock:
             fields, self._pending = self._pending, {}
         try:
-            state = self._records.update(self.job, self.attempt, **fields)
+            progress = self._records.update(self.job, self.attempt, **fields)
+            if self.preempt is None and progress.preempt is None and self._preempt_check:
+                self.preempt = self._preempt_check()
         except redis.RedisError:
             log.warning("progress of %s not written", self.job.request_id, exc_info=True)
             with self._lock:
                 self._pending = {**fields, **self._pending}
             return
-        if state is None:
+        if progress.state is None:
             self.stale.set()
-        elif state is State.CANCELLED:
+        elif progress.state is State.CANCELLED:
             self.cancelled.set()
+        if progress.preempt is not None:
+            self.preempt = progress.preempt
 
     def _run(self) -> None:
         while not self._done.is_set():
@@ -118,6 +133,9 @@ class Handler(Protocol):
 
     def handle(self, ctx: JobContext) -> Outcome: ...
 
+    def discard(self, outcome: Outcome) -> None:
+        """Undo what ``handle`` wrote for a result that was not published (a stale attempt)."""
+
 
 def consumer_name(pid: int | None = None) -> str:
     """The consumer name of the worker process ``pid`` (default: this one)."""
@@ -126,10 +144,13 @@ def consumer_name(pid: int | None = None) -> str:
 
 class Worker:
     def __init__(self, handler: Handler, client: redis.Redis, settings: WorkerSettings,
-                 after_publish: Callable[[Job, Outcome], None] | None = None) -> None:
+                 after_publish: Callable[[Job, Outcome], None] | None = None,
+                 preemption: Callable[[Job], PreemptCheck | None] | None = None) -> None:
         self.handler = handler
         self.settings = settings
         self.records = Records(client)
+        self.lifecycle = Lifecycle(client)
+        self._preemption = preemption
         self.queue = StageQueue(client, handler.stage, consumer_name())
         self.leases = LeaseKeeper(self.queue, settings.idle_timeout_s / 3)
         self._after_publish = after_publish
@@ -173,35 +194,52 @@ class Worker:
                 log.warning("request %s: attempt %d is stale", job.request_id, d.attempt)
             else:
                 log.info("request %s: %s needs no work (%s)", job.request_id, stage, claim.name)
-                self.queue.ack(d.entry_id)
-        with self.leases.hold(*(d.entry_id for _, d in owned)):
+                self.queue.ack(d)
+        with self.leases.hold(*(d for _, d in owned)):
             results = [r for job, d in owned if (r := self._run(job, d)) is not None]
-        published = self.records.publish_many([r for r, _ in results])
-        for (result, outcome), status in zip(results, published, strict=True):
+        finished = [(r, o) for r, o in results if o.preempted is None]
+        for result, outcome in results:
+            if outcome.preempted is not None:
+                self._requeue(result, outcome)
+        published = self.records.publish_many([r for r, _ in finished])
+        for (result, outcome), status in zip(finished, published, strict=True):
+            if status is Published.PUBLISHED:
+                if self._after_publish is not None:
+                    self._after_publish(result.job, outcome)
+                continue
             if status is Published.STALE:
                 log.warning("request %s: result of stale attempt %d discarded",
                             result.job.request_id, result.attempt)
-            elif status is Published.PUBLISHED and self._after_publish is not None:
-                self._after_publish(result.job, outcome)
+            self.handler.discard(outcome)
+
+    def _requeue(self, result: StageResult, outcome: Outcome) -> None:
+        assert outcome.preempted is not None
+        job = result.job
+        status = self.lifecycle.requeue(job, result.delivery, outcome.preempted, result.fields)
+        log.info("request %s preempted at %s (%s): %s", job.request_id, job.stage,
+                 outcome.preempted.value, status.name)
+        if status is Requeued.STALE:
+            self.handler.discard(outcome)
 
     def _admissible(self, delivery: Delivery) -> Job | None:
         """The delivery's job, or None if it is dropped or dead-lettered instead of run."""
         job = delivery.job
         if job is None:
             log.error("dropping malformed entry %s: %r", delivery.entry_id, delivery.raw[:200])
-            self.queue.ack(delivery.entry_id)
+            self.queue.ack(delivery)
             return None
         if delivery.attempt > self.settings.max_deliveries:
             reason = (f"{job.stage} failed {delivery.attempt - 1} deliveries "
                       f"(max {self.settings.max_deliveries})")
             log.error("dead-lettering request %s: %s", job.request_id, reason)
-            self.records.dead_letter(job, delivery.entry_id, reason)
+            self.records.dead_letter(job, delivery, reason)
             return None
         return job
 
     def _run(self, job: Job, delivery: Delivery) -> tuple[StageResult, Outcome] | None:
         """Run the stage for one job; None if it failed (it stays unacknowledged)."""
-        ctx = JobContext(self.records, job, delivery.attempt)
+        check = self._preemption(job) if self._preemption is not None else None
+        ctx = JobContext(self.records, job, delivery.attempt, check)
         start = time.perf_counter()
         try:
             outcome = self.handler.handle(ctx)
@@ -215,5 +253,5 @@ class Worker:
         ctx.close()
         seconds = time.perf_counter() - start
         fields = {f"seconds:{job.stage.value}": f"{seconds:.4f}", **outcome.fields}
-        return StageResult(job, delivery.attempt, delivery.entry_id, outcome.next_job,
+        return StageResult(job, delivery.attempt, delivery, outcome.next_job,
                            outcome.state, seconds, fields), outcome

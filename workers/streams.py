@@ -1,4 +1,5 @@
-"""A stage's Redis stream, read through a consumer group: at-least-once delivery with leases.
+"""A stage's Redis streams, one per priority class, read through a consumer group:
+at-least-once delivery with leases, interactive work first.
 
 A delivery's attempt number is the entry's delivery count, which Redis raises on every claim by
 another consumer; it is the fencing token that records check. A healthy worker renews its lease
@@ -18,14 +19,19 @@ from typing import Any
 
 import redis
 
+from keys import Priority
 from keys.names import consumer_group, stage_stream
 from workers.messages import Job, Stage
+
+# The order workers take work in.
+PRIORITY_ORDER = (Priority.INTERACTIVE, Priority.BATCH)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
+    stream: str
     entry_id: str
     job: Job | None  # None: the entry could not be parsed, and goes to the dead letters
     raw: bytes
@@ -37,68 +43,75 @@ class StageQueue:
         self.redis = client
         self.stage = stage
         self.consumer = consumer
-        self.stream = stage_stream(stage.value)
+        self.streams = tuple(stage_stream(stage.value, p.value) for p in PRIORITY_ORDER)
         self.group = consumer_group(stage.value)
         self._next_reclaim = 0.0
 
     def ensure_group(self) -> None:
-        try:
-            self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for stream in self.streams:
+            try:
+                self.redis.xgroup_create(stream, self.group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
     def next(self, block_ms: int, idle_timeout_ms: int, count: int = 1) -> list[Delivery]:
-        """Stale entries of dead consumers if there are any, else up to ``count`` new ones.
+        """Stale entries of dead consumers if there are any, else new ones: up to ``count``
+        per priority class, interactive ones first.
 
         Stale entries are looked for at most every quarter of the idle timeout, which keeps
         the takeover delay within 1.25 idle timeouts and the hot path at one round trip.
         """
         now = time.monotonic()
         if now >= self._next_reclaim:
-            _, claimed, _ = self.redis.xautoclaim(self.stream, self.group, self.consumer,
-                                                  min_idle_time=idle_timeout_ms, count=count)
-            if claimed:
-                log.warning("took over %s from a consumer that went silent",
-                            [e for e, _ in claimed])
-                return [self._delivery(e, f, reclaimed=True) for e, f in claimed]
+            for stream in self.streams:
+                _, claimed, _ = self.redis.xautoclaim(stream, self.group, self.consumer,
+                                                      min_idle_time=idle_timeout_ms, count=count)
+                if claimed:
+                    log.warning("took over %s from a consumer that went silent",
+                                [e for e, _ in claimed])
+                    return [self._delivery(stream, e, f, reclaimed=True) for e, f in claimed]
             self._next_reclaim = now + idle_timeout_ms / 4000
-        got: Any = self.redis.xreadgroup(self.group, self.consumer, {self.stream: ">"},
+        # One blocking read over every class: it returns what each class has, in the order
+        # asked, so a worker never sleeps on the batch stream while interactive work waits.
+        got: Any = self.redis.xreadgroup(self.group, self.consumer,
+                                         {s: ">" for s in self.streams},
                                          count=count, block=block_ms)
-        if not got:
-            return []
-        return [self._delivery(e, f, reclaimed=False) for e, f in got[0][1]]
+        order = {s: i for i, s in enumerate(self.streams)}
+        batches = sorted(((name.decode(), entries) for name, entries in got or []),
+                         key=lambda item: order[item[0]])
+        return [self._delivery(stream, e, f, reclaimed=False)
+                for stream, entries in batches for e, f in entries]
 
-    def _delivery(self, entry_id: bytes, fields: dict[bytes, bytes],
+    def _delivery(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes],
                   reclaimed: bool) -> Delivery:
         eid = entry_id.decode()
         attempt = 1  # an entry read with ">" has never been delivered before
         if reclaimed:
-            pending = self.redis.xpending_range(self.stream, self.group, min=eid, max=eid,
-                                                count=1)
+            pending = self.redis.xpending_range(stream, self.group, min=eid, max=eid, count=1)
             attempt = int(pending[0]["times_delivered"]) if pending else 1
         raw = fields.get(b"job", b"")
         try:
             job: Job | None = Job.from_json(raw)
         except ValueError:
-            log.error("entry %s of %s is not a valid job", eid, self.stream)
+            log.error("entry %s of %s is not a valid job", eid, stream)
             job = None
-        return Delivery(eid, job, raw, attempt)
+        return Delivery(stream, eid, job, raw, attempt)
 
-    def ack(self, entry_id: str) -> None:
-        self.redis.xack(self.stream, self.group, entry_id)
+    def ack(self, delivery: Delivery) -> None:
+        self.redis.xack(delivery.stream, self.group, delivery.entry_id)
 
     def read_count(self) -> int:
-        """Entries the group has read since it was created."""
-        try:
-            groups = self.redis.xinfo_groups(self.stream)
-        except redis.ResponseError:  # the stream does not exist yet
-            return 0
-        for g in groups:
-            if g["name"].decode() == self.group:
-                return int(g.get("entries-read") or 0)
-        return 0
-
+        """Entries the group has read, over every class, since it was created."""
+        total = 0
+        for stream in self.streams:
+            try:
+                groups = self.redis.xinfo_groups(stream)
+            except redis.ResponseError:  # the stream does not exist yet
+                continue
+            total += sum(int(g.get("entries-read") or 0) for g in groups
+                         if g["name"].decode() == self.group)
+        return total
 
 
 class LeaseKeeper:
@@ -108,16 +121,16 @@ class LeaseKeeper:
     def __init__(self, queue: StageQueue, interval_s: float) -> None:
         self._queue = queue
         self._interval_s = interval_s
-        self._held: tuple[str, ...] = ()
+        self._held: tuple[Delivery, ...] = ()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease", daemon=True)
         self._thread.start()
 
     @contextmanager
-    def hold(self, *entry_ids: str) -> Iterator[None]:
+    def hold(self, *deliveries: Delivery) -> Iterator[None]:
         with self._lock:
-            self._held = entry_ids
+            self._held = deliveries
         try:
             yield
         finally:
@@ -131,37 +144,57 @@ class LeaseKeeper:
                 held = self._held
             if not held:
                 continue
-            try:
-                q.redis.xclaim(q.stream, q.group, q.consumer, min_idle_time=0,
-                               message_ids=list(held), justid=True)
-            except redis.RedisError:
-                log.warning("could not renew the lease on %s", held, exc_info=True)
+            for stream in {d.stream for d in held}:
+                ids: list[Any] = [d.entry_id for d in held if d.stream == stream]
+                try:
+                    q.redis.xclaim(stream, q.group, q.consumer, min_idle_time=0,
+                                   message_ids=ids, justid=True)
+                except redis.RedisError:
+                    log.warning("could not renew the lease on %s", ids, exc_info=True)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
 
 
-def queue_counts(client: redis.Redis) -> dict[Stage, tuple[int, int]]:
-    """(waiting, in flight) of every stage, in one round trip."""
+def queue_counts(client: redis.Redis) -> dict[tuple[Stage, Priority], tuple[int, int]]:
+    """(waiting, in flight) of every stage and priority class, in one round trip."""
+    classes = [(stage, p) for stage in Stage for p in PRIORITY_ORDER]
     pipe = client.pipeline(transaction=False)
-    for stage in Stage:
-        pipe.xinfo_groups(stage_stream(stage.value))
-    out: dict[Stage, tuple[int, int]] = {}
-    for stage, groups in zip(Stage, pipe.execute(raise_on_error=False), strict=True):
-        out[stage] = (0, 0)
+    for stage, p in classes:
+        pipe.xinfo_groups(stage_stream(stage.value, p.value))
+    out: dict[tuple[Stage, Priority], tuple[int, int]] = {}
+    for (stage, p), groups in zip(classes, pipe.execute(raise_on_error=False), strict=True):
+        out[stage, p] = (0, 0)
         if isinstance(groups, Exception):  # no stream yet: nothing queued
             continue
         for g in groups:
             if g["name"].decode() == consumer_group(stage.value):
-                out[stage] = (int(g.get("lag") or 0), int(g["pending"]))
+                out[stage, p] = (int(g.get("lag") or 0), int(g["pending"]))
     return out
+
+
+def oldest_waiting(client: redis.Redis, stage: Stage, priority: Priority) -> str | None:
+    """The id of the oldest entry of one class that no worker has taken yet, if any."""
+    stream = stage_stream(stage.value, priority.value)
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:
+        return None
+    for g in groups:
+        if g["name"].decode() == consumer_group(stage.value) and int(g.get("lag") or 0) > 0:
+            last = bytes(g["last-delivered-id"]).decode()
+            entries: Any = client.xrange(stream, min=f"({last}", count=1)
+            return entries[0][0].decode() if entries else None
+    return None
 
 
 def live_consumers(client: redis.Redis, stage: Stage, max_idle_ms: int = 3000) -> set[str]:
     """Names of the consumers of ``stage`` that polled within ``max_idle_ms``: live workers."""
+    # Every worker reads every class in one call, so the interactive stream sees them all.
+    stream = stage_stream(stage.value, PRIORITY_ORDER[0].value)
     try:
-        consumers = client.xinfo_consumers(stage_stream(stage.value), consumer_group(stage.value))
+        consumers = client.xinfo_consumers(stream, consumer_group(stage.value))
     except redis.ResponseError:  # no stream or group yet: no worker has started
         return set()
     # "idle" counts from the last read attempt; a blocked XREADGROUP keeps it low.

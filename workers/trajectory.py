@@ -1,6 +1,6 @@
-"""A request's trajectory before it is computed: the prompt segment of every step and the hash
-chain over them. Denoise keys its checkpoints and output by it; encode uses the chain head to
-answer a request whose output is already cached without denoising it again."""
+"""A request's trajectory before it is computed: the prompt segment of every step, the hash
+chain over them and the steps that get a checkpoint. Denoise keys its checkpoints and output by
+the chain; encode uses its head to answer a request whose output is already cached."""
 
 from __future__ import annotations
 
@@ -17,12 +17,35 @@ def step_segments(spec: GenerationSpec) -> list[int]:
             for i in range(spec.num_inference_steps)]
 
 
+def chain_links(spec: GenerationSpec, embedding_keys: Mapping[str, StoreKey],
+                model: Fingerprint, scheduler_config: Mapping[str, Canonical],
+                timesteps: Sequence[float]) -> list[ChainLink]:
+    """``h(0)..h(N)`` for ``spec``; ``embedding_keys`` names ``prompt:<i>`` and, for segments
+    with guidance, ``negative:<i>``."""
+    steps = []
+    for t, seg in zip(timesteps, step_segments(spec), strict=True):
+        segment = spec.schedule[seg]
+        uncond = embedding_keys[f"negative:{seg}"] if spec.segment_uses_cfg(segment) else None
+        steps.append(StepInputs(float(t), embedding_keys[f"prompt:{seg}"], uncond,
+                                spec.guidance_of(segment)))
+    return chain(chain_root(spec, model, scheduler_config, "float32"), steps)
+
+
 def chain_head(spec: GenerationSpec, embedding_keys: Mapping[str, StoreKey],
                model: Fingerprint, scheduler_config: Mapping[str, Canonical],
                timesteps: Sequence[float]) -> ChainLink:
-    """``h(N)`` for ``spec``; ``embedding_keys`` names keys ``prompt:<i>`` and ``negative:<i>``."""
-    steps = [StepInputs(float(t), embedding_keys[f"prompt:{seg}"],
-                        embedding_keys[f"negative:{seg}"] if spec.uses_cfg else None,
-                        spec.guidance_scale)
-             for t, seg in zip(timesteps, step_segments(spec), strict=True)]
-    return chain(chain_root(spec, model, scheduler_config, "float32"), steps)[-1]
+    """``h(N)``: names the finished trajectory, and so its output."""
+    return chain_links(spec, embedding_keys, model, scheduler_config, timesteps)[-1]
+
+
+def checkpoint_every(spec: GenerationSpec, every: int) -> int:
+    """The checkpoint interval in steps; 0 asks for a tenth of the request's steps."""
+    return every if every > 0 else max(1, spec.num_inference_steps // 10)
+
+
+def checkpoint_steps(spec: GenerationSpec, every: int) -> frozenset[int]:
+    """Steps after which denoise writes a checkpoint: every ``every`` steps, at each prompt
+    switch (where edited schedules branch) and at the end (a redelivery then skips it all)."""
+    k = checkpoint_every(spec, every)
+    n = spec.num_inference_steps
+    return frozenset({*range(k, n + 1, k), *(s.until_step for s in spec.schedule), n})

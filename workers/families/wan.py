@@ -206,13 +206,16 @@ class WanDenoiser(WanTrajectory):
                 (spec.num_frames - 1) // self.temporal_factor + 1,
                 spec.height // self.spatial_factor, spec.width // self.spatial_factor)
 
-    def initial_latents(self, spec: GenerationSpec) -> torch.Tensor:
-        """The pipeline's starting noise: ``randn_tensor`` from a CPU generator seeded once."""
+    def initial_latents(self, spec: GenerationSpec) -> tuple[torch.Tensor, torch.Generator]:
+        """The pipeline's starting noise: ``randn_tensor`` from a CPU generator seeded once.
+        The generator comes back too: a stochastic scheduler would draw from it per step, so
+        checkpoints carry its state."""
         from diffusers.utils.torch_utils import randn_tensor
 
         generator = torch.Generator(device="cpu").manual_seed(spec.seed)
-        return randn_tensor((1, *self.latent_shape(spec)), generator=generator,
-                            device=torch.device("cpu"), dtype=torch.float32)
+        latents = randn_tensor((1, *self.latent_shape(spec)), generator=generator,
+                               device=torch.device("cpu"), dtype=torch.float32)
+        return latents, generator
 
     @torch.no_grad()
     def predict(self, latents: torch.Tensor, t: torch.Tensor,

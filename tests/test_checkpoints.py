@@ -1,0 +1,127 @@
+"""Step checkpoints over real workers: resuming from any of them, branching an edited schedule
+from one, and recovering a killed worker from the latest one all give bit-identical output."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis
+import torch
+
+from cachesvc.connect import open_cache
+from cachesvc.processes import ChildProcess
+from cachesvc.settings import Settings
+from keys import PromptSegment, StoreKey
+from tests.workers_harness import (
+    make_spec,
+    read_frames,
+    reference,
+    run_request,
+    start_worker,
+    wait_done,
+)
+from workers.checkpoint import Checkpoint
+from workers.families import wan
+from workers.messages import Stage, State
+from workers.runtime import consumer_name
+from workers.submit import new_request_id, submit
+from workers.trajectory import checkpoint_every
+
+
+def test_a_checkpoint_round_trips_the_whole_scheduler_state(model_dir: Path) -> None:
+    trajectory = wan.WanTrajectory(model_dir)
+
+    def advance(scheduler: Any, x: torch.Tensor, steps: range) -> torch.Tensor:
+        for i in steps:  # any deterministic stand-in for the model's prediction
+            x = scheduler.step(torch.tanh(x) * (i + 1), scheduler.timesteps[i], x,
+                               return_dict=False)[0]
+        return x
+
+    scheduler, rng = trajectory.scheduler(5), torch.Generator().manual_seed(1)
+    halfway = advance(scheduler, torch.randn(1, 4, 2, 3, 3, generator=rng), range(3))
+    saved = Checkpoint.capture(3, halfway, scheduler, rng, torch.ones(2), 0.5).to_bytes()
+    expected = advance(scheduler, halfway, range(3, 5))
+
+    restored = Checkpoint.from_bytes(saved)
+    fresh_scheduler, fresh_rng = trajectory.scheduler(5), torch.Generator()
+    restored.restore(fresh_scheduler, fresh_rng)
+    assert torch.equal(advance(fresh_scheduler, restored.latents, range(3, 5)), expected)
+    assert torch.equal(fresh_rng.get_state(), rng.get_state())
+    assert restored.cfg_residual is not None and torch.equal(restored.cfg_residual,
+                                                             torch.ones(2))
+    assert (restored.step, restored.compute_s) == (3, 0.5)
+
+
+def test_resuming_from_every_checkpoint_is_bit_identical(
+        worker_settings: Settings, client: redis.Redis, pool: object, pipe: object) -> None:
+    spec = make_spec(seed=21, num_inference_steps=6)
+    expected = reference(pipe, spec)
+    assert np.array_equal(run_request(worker_settings, client, spec), expected)
+    record = wait_done(client, spec)
+    checkpoints = record.checkpoints()
+    assert sorted(checkpoints) == [1, 2, 3, 4, 5, 6]  # a tenth of 6 steps rounds up to 1
+    cache = open_cache(worker_settings)
+    try:
+        for k in range(5, 0, -1):
+            # Leave h(k) as the furthest checkpoint and drop the output, so the same
+            # trajectory under a new request id resumes at step k.
+            for step, key in checkpoints.items():
+                if step > k:
+                    cache.remove(StoreKey.parse(key))
+            assert record.output_key is not None
+            cache.remove(StoreKey.parse(record.output_key))
+            again = make_spec(seed=21, num_inference_steps=6)
+            frames = run_request(worker_settings, client, again)
+            resumed = wait_done(client, again)
+            assert resumed.counter("resumed_from") == k
+            assert np.array_equal(frames, expected), f"resumed from step {k}"
+    finally:
+        cache.close()
+
+
+def test_an_edited_schedule_branches_from_the_shared_prefix(
+        worker_settings: Settings, client: redis.Redis, pool: object) -> None:
+    base = make_spec(prompt="a red fox in the snow", seed=31, num_inference_steps=6)
+    run_request(worker_settings, client, base)
+    tail = (PromptSegment("a white owl at night", "blurry", 6),)
+    branch = base.branch(new_request_id(), 3, tail)
+    frames = run_request(worker_settings, client, branch)
+    record = wait_done(client, branch)
+    assert record.counter("resumed_from") == 3  # the first three steps were not computed
+    # The same schedule in another tenant shares no checkpoint: computed from step 0.
+    fresh = dataclasses.replace(branch, request_id=new_request_id(), tenant="other")
+    assert np.array_equal(run_request(worker_settings, client, fresh), frames)
+    assert wait_done(client, fresh).counter("resumed_from") == 0
+
+
+def test_a_killed_denoise_worker_resumes_from_its_latest_checkpoint(
+        worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
+        pipe: object, tmp_path: Path) -> None:
+    spec = make_spec(seed=78, num_inference_steps=40, width=64, height=64)
+    every = checkpoint_every(spec, worker_settings.workers.checkpoint_every)
+    submit(client, spec)
+    key = f"v1:{spec.tenant}:req:{spec.request_id}"
+    deadline = time.monotonic() + 120
+    while True:  # a moment past the second checkpoint, with no checkpoint write outstanding
+        step, saved = (int(v or 0) for v in client.hmget(key, "step", "checkpoint_step"))
+        if saved >= 2 * every and step - saved <= every:
+            break
+        assert time.monotonic() < deadline and step < spec.num_inference_steps
+        time.sleep(0.002)
+    owner = client.hget(key, "worker:denoise")
+    victim = next(c for c in pool[Stage.DENOISE]
+                  if c.alive() and consumer_name(c.pid).encode() == owner)
+    victim.kill()
+    pool[Stage.DENOISE].remove(victim)
+    pool[Stage.DENOISE].append(start_worker(worker_settings, Stage.DENOISE, tmp_path, client,
+                                            "denoise-after-kill"))
+    record = wait_done(client, spec)
+    assert record.state is State.DONE
+    resumed_from = record.counter("resumed_from")
+    assert resumed_from >= saved > 0  # not from step 0
+    assert step - resumed_from <= every  # at most one checkpoint interval redone
+    assert np.array_equal(read_frames(worker_settings, record), reference(pipe, spec))

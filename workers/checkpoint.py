@@ -1,0 +1,115 @@
+"""Step checkpoints: everything a denoising trajectory needs to continue bit-identically.
+
+A checkpoint after step k holds the latents, the scheduler's whole multistep state (UniPC keeps
+its last model outputs, their timesteps, the last sample and its order counters), the noise
+generator's state and, for the approximate CFG tier, the guidance residual in use. It is stored
+as safetensors (tensors plus string metadata, never pickle) under the chain link ``h(k)``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+FORMAT = "diffcache-checkpoint-1"
+# The stepping state of a multistep scheduler, by kind. A scheduler without one of them simply
+# has nothing to save there (Euler keeps only its step index).
+_HISTORIES = ("model_outputs", "timestep_list")
+_COUNTERS = ("lower_order_nums", "this_order", "_step_index")
+_SAMPLES = ("last_sample",)
+
+
+class CheckpointError(ValueError):
+    """A stored checkpoint cannot be read back, or does not fit this scheduler."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    step: int
+    latents: torch.Tensor
+    scheduler: dict[str, Any]  # attribute -> tensor, list of tensors or None, or int
+    rng: torch.Tensor  # torch.Generator.get_state()
+    cfg_residual: torch.Tensor | None
+    compute_s: float  # denoising seconds from step 0 to here: what resuming here saves
+
+    @staticmethod
+    def capture(step: int, latents: torch.Tensor, scheduler: Any, rng: torch.Generator,
+                cfg_residual: torch.Tensor | None, compute_s: float) -> Checkpoint:
+        """A snapshot that later steps cannot change (the loop goes on while it is written)."""
+        state: dict[str, Any] = {}
+        for name in _HISTORIES:
+            if hasattr(scheduler, name):
+                state[name] = [None if t is None else _clone(t) for t in getattr(scheduler, name)]
+        for name in _SAMPLES:
+            if hasattr(scheduler, name):
+                value = getattr(scheduler, name)
+                state[name] = None if value is None else _clone(value)
+        for name in _COUNTERS:
+            if hasattr(scheduler, name):
+                state[name] = getattr(scheduler, name)
+        return Checkpoint(step, latents.clone(), state, rng.get_state(),
+                          None if cfg_residual is None else cfg_residual.clone(), compute_s)
+
+    def restore(self, scheduler: Any, rng: torch.Generator) -> None:
+        """Put the scheduler and generator back in the state they had after ``step``."""
+        for name, value in self.scheduler.items():
+            if not hasattr(scheduler, name) and name != "this_order":
+                raise CheckpointError(f"scheduler {type(scheduler).__name__} has no {name}")
+            setattr(scheduler, name, list(value) if isinstance(value, list) else value)
+        rng.set_state(self.rng)
+
+    def to_bytes(self) -> bytes:
+        tensors: dict[str, torch.Tensor] = {"latents": self.latents, "rng": self.rng}
+        meta = {"format": FORMAT, "step": str(self.step), "compute_s": repr(self.compute_s)}
+        if self.cfg_residual is not None:
+            tensors["cfg_residual"] = self.cfg_residual
+        for name, value in self.scheduler.items():
+            if isinstance(value, list):
+                meta[f"len:{name}"] = str(len(value))
+                tensors.update({f"{name}.{i}": t for i, t in enumerate(value) if t is not None})
+            elif isinstance(value, torch.Tensor):
+                tensors[name] = value
+            elif value is None:
+                meta[f"none:{name}"] = ""
+            else:
+                meta[f"int:{name}"] = str(int(value))
+        return save_safetensors({k: t.contiguous() for k, t in tensors.items()}, metadata=meta)
+
+    @staticmethod
+    def from_bytes(data: bytes) -> Checkpoint:
+        try:
+            tensors = load_safetensors(data)
+            meta = _metadata(data)
+        except Exception as exc:  # safetensors raises its own error types for bad bytes
+            raise CheckpointError(f"not a safetensors checkpoint: {exc}") from exc
+        if meta.get("format") != FORMAT:
+            raise CheckpointError(f"checkpoint format {meta.get('format')!r} is not {FORMAT}")
+        state: dict[str, Any] = {}
+        for key, value in meta.items():
+            kind, _, name = key.partition(":")
+            if kind == "len":
+                state[name] = [tensors.get(f"{name}.{i}") for i in range(int(value))]
+            elif kind == "none":
+                state[name] = None
+            elif kind == "int":
+                state[name] = int(value)
+        state.update({n: tensors[n] for n in _SAMPLES if n in tensors})
+        return Checkpoint(int(meta["step"]), tensors["latents"], state, tensors["rng"],
+                          tensors.get("cfg_residual"), float(meta["compute_s"]))
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors buffer: its header is a little-endian u64 length,
+    then that many bytes of JSON (``load`` returns the tensors only)."""
+    (length,) = struct.unpack("<Q", data[:8])
+    return dict(json.loads(data[8:8 + length]).get("__metadata__") or {})

@@ -1,0 +1,121 @@
+"""Preemption and resume: the transitions that take a request off a worker and put it back.
+
+A preempted job writes a checkpoint and is re-queued under a new generation (or parked), which
+is not a failed delivery; ``resume`` puts a preempted, cancelled or failed request back at the
+encode stage, from where denoise continues at its latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from enum import IntEnum
+
+import redis
+
+from keys.names import consumer_group, decode_credits, request_record, stage_stream
+from workers.messages import Job, Stage, State
+from workers.records import CURRENT, PreemptMode, RequestRecord, field_pairs, timestamp
+from workers.streams import Delivery
+from workers.submit import run_durably
+
+# KEYS[1] record. ARGV: mode, now. 1 if asked, 0 if the request is not denoising, -1 if missing.
+_ASK = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return -1 end
+if state ~= 'DENOISING' then return 0 end
+redis.call('HSET', KEYS[1], 'preempt', ARGV[1], 'updated_at', ARGV[2])
+return 1
+"""
+
+# KEYS: record, the delivery's stream, the stream to re-queue on, decode credits.
+# ARGV: stage, token, group, entry id, new job ('' to park), new generation, now, field pairs.
+_REQUEUE = CURRENT + """
+if not current() then return 0 end
+redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])
+if redis.call('HGET', KEYS[1], 'state') == 'CANCELLED' then return 3 end
+redis.call('HDEL', KEYS[1], 'preempt')
+redis.call('HINCRBY', KEYS[1], 'preemptions', 1)
+redis.call('ZREM', KEYS[4], KEYS[1])
+local state = 'PREEMPTED'
+if ARGV[5] ~= '' then
+  redis.call('XADD', KEYS[3], '*', 'job', ARGV[5])
+  state = 'ENCODED'
+end
+redis.call('HSET', KEYS[1], 'state', state, 'generation', ARGV[6], 'updated_at', ARGV[7])
+for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+
+# KEYS: record, the encode stream. ARGV: new generation, job, now.
+_RESUME = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return -1 end
+if state ~= 'PREEMPTED' and state ~= 'FAILED' and state ~= 'CANCELLED' then return 0 end
+local generation = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
+if generation + 1 ~= tonumber(ARGV[1]) then return -2 end
+redis.call('HDEL', KEYS[1], 'done:encode', 'done:denoise', 'done:decode', 'error', 'output_key',
+           'preempt')
+redis.call('HINCRBY', KEYS[1], 'resumes', 1)
+redis.call('HSET', KEYS[1], 'state', 'QUEUED', 'generation', ARGV[1], 'updated_at', ARGV[3])
+redis.call('XADD', KEYS[2], '*', 'job', ARGV[2])
+return 1
+"""
+
+
+class Requeued(IntEnum):
+    STALE = 0  # a newer delivery owns the request: nothing written
+    DONE = 1
+    CANCELLED = 3  # cancelled meanwhile: acknowledged, not re-queued
+
+
+class ResumeError(RuntimeError):
+    """The request cannot be resumed as asked; names the request and why."""
+
+
+class Lifecycle:
+    def __init__(self, client: redis.Redis) -> None:
+        self.redis = client
+        self._ask = client.register_script(_ASK)
+        self._requeue = client.register_script(_REQUEUE)
+        self._resume = client.register_script(_RESUME)
+
+    def ask_preempt(self, tenant: str, request_id: str, mode: PreemptMode) -> bool:
+        """Ask the worker denoising the request to stop at its next step boundary; False if
+        the request is not denoising."""
+        code = int(self._ask(keys=[request_record(tenant, request_id)],
+                             args=[mode.value, timestamp()]))
+        if code < 0:
+            raise ResumeError(f"request {request_id} does not exist")
+        return code == 1
+
+    def requeue(self, job: Job, delivery: Delivery, mode: PreemptMode,
+                fields: dict[str, object]) -> Requeued:
+        """Hand a preempted job back: a new entry (or none, to park), the old one acked, its
+        decode credit released, all in one script fenced by the delivery's token."""
+        following = dataclasses.replace(job, generation=job.generation + 1)
+        record = request_record(job.tenant, job.request_id)
+        code = self._requeue(
+            keys=[record, delivery.stream, stage_stream(job.stage.value, job.priority.value),
+                  decode_credits()],
+            args=[job.stage.value, job.fence_token(delivery.attempt),
+                  consumer_group(job.stage.value), delivery.entry_id,
+                  following.to_json() if mode is PreemptMode.REQUEUE else "",
+                  following.generation, timestamp(), *field_pairs(fields)])
+        return Requeued(int(code))
+
+    def resume(self, record: RequestRecord) -> None:
+        """Put a preempted, cancelled or failed request back in the encode stream, durably."""
+        spec = record.spec
+        if not record.state.resumable:
+            raise ResumeError(f"request {spec.request_id} is {record.state.value}; only "
+                              f"{', '.join(s.value for s in State if s.resumable)} requests "
+                              "can be resumed")
+        job = Job(spec.request_id, spec.tenant, Stage.ENCODE, priority=spec.priority,
+                  generation=record.generation + 1)
+        (code,) = run_durably(self.redis, spec.request_id, lambda pipe: self._resume(
+            keys=[request_record(spec.tenant, spec.request_id),
+                  stage_stream(Stage.ENCODE.value, spec.priority.value)],
+            args=[job.generation, job.to_json(), timestamp()], client=pipe))
+        if int(code) != 1:
+            raise ResumeError(f"request {spec.request_id} changed while resuming it; "
+                              "read its state and try again")
