@@ -161,9 +161,11 @@ class TensorCache:
 
     def batch_get(self, keys: Sequence[StoreKey], *,
                   lookup: bool = True) -> list[torch.Tensor | None]:
-        """Copies of several entries in one data round trip; None for each miss."""
-        sizes = [self._size_of(k) for k in keys]
-        present = [(k, s) for k, s in zip(keys, sizes, strict=True) if s is not None]
+        """Copies of several entries in one data round trip; None for each miss. A key may
+        appear more than once (a prompt that is also the negative prompt): it is read once."""
+        unique = list(dict.fromkeys(keys))  # Mooncake's batch read of one key twice fails
+        sizes = [self._size_of(k) for k in unique]
+        present = [(k, s) for k, s in zip(unique, sizes, strict=True) if s is not None]
         found: dict[StoreKey, _Entry | None] = {}
         if present:
             offsets = _offsets_of([s for _, s in present])
@@ -174,10 +176,16 @@ class TensorCache:
                 for (key, _), off, n in zip(present, offsets, got, strict=False):
                     entry = None if n is None else self._open(key, buf, off, n)
                     found[key] = None if entry is None else entry.cloned()
-        entries = [found.get(k) for k in keys]
-        for key, entry in zip(keys, entries, strict=True):
-            self._count_read(key, entry, None, lookup)
-        return [None if e is None else e.tensor for e in entries]
+        for key in unique:
+            self._count_read(key, found.get(key), None, lookup)
+        out: list[torch.Tensor | None] = []
+        handed: set[StoreKey] = set()
+        for key in keys:  # a repeated key gets its own copy: callers may write to theirs
+            entry = found.get(key)
+            out.append(None if entry is None else
+                       entry.tensor.clone() if key in handed else entry.tensor)
+            handed.add(key)
+        return out
 
     def consume(self, key: StoreKey) -> torch.Tensor | None:
         """Read a single-consumer entry and delete it."""

@@ -136,6 +136,11 @@ def test_batch_operations(cache: TensorCache) -> None:
     assert got[1] is None
     for back, want in zip([got[2], got[3], got[0]], ts, strict=True):
         assert back is not None and torch.equal(back, want)
+    twice = cache.batch_get([ks[0], ks[1], ks[0]])  # a prompt that is its own negative prompt
+    assert all(t is not None for t in twice)
+    assert torch.equal(twice[0], ts[0]) and torch.equal(twice[2], ts[0])  # type: ignore[arg-type]
+    assert twice[0] is not twice[2]
+    assert cache.exists(ks[0])  # and nothing was taken for corrupt
 
 
 def test_zero_copy_put_from_and_get_into(cache: TensorCache) -> None:

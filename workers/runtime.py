@@ -7,6 +7,7 @@ request record, so the three stages share one implementation of the queue contra
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -170,8 +171,10 @@ class Worker:
             try:
                 deliveries = self.queue.next(self.settings.block_ms, idle_ms,
                                              self.settings.batch_size)
-                if deliveries:
-                    self.process(deliveries)
+                # One class at a time, interactive first: its results are published before
+                # any batch job of the same read starts.
+                for _, same_class in itertools.groupby(deliveries, key=lambda d: d.stream):
+                    self.process(list(same_class))
             except redis.RedisError as exc:
                 # Redis restarting or flushed: the unacknowledged job is redelivered later.
                 log.warning("Redis error in the %s loop (%s); retrying", self.handler.stage, exc)

@@ -56,8 +56,8 @@ class StageQueue:
                     raise
 
     def next(self, block_ms: int, idle_timeout_ms: int, count: int = 1) -> list[Delivery]:
-        """Stale entries of dead consumers if there are any, else new ones: up to ``count``
-        per priority class, interactive ones first.
+        """Stale entries of dead consumers if there are any, else up to ``count`` new ones,
+        interactive ones first.
 
         Stale entries are looked for at most every quarter of the idle timeout, which keeps
         the takeover delay within 1.25 idle timeouts and the hot path at one round trip.
@@ -72,11 +72,16 @@ class StageQueue:
                                 [e for e, _ in claimed])
                     return [self._delivery(stream, e, f, reclaimed=True) for e, f in claimed]
             self._next_reclaim = now + idle_timeout_ms / 4000
-        # One blocking read over every class: it returns what each class has, in the order
-        # asked, so a worker never sleeps on the batch stream while interactive work waits.
-        got: Any = self.redis.xreadgroup(self.group, self.consumer,
-                                         {s: ">" for s in self.streams},
-                                         count=count, block=block_ms)
+        # Interactive work without waiting; only when there is none, one blocking read over
+        # every class (which wakes on whichever class gets work first). Taking batch entries
+        # in the same read as interactive ones would commit this worker to them.
+        for stream in self.streams[:-1]:
+            got: Any = self.redis.xreadgroup(self.group, self.consumer, {stream: ">"},
+                                             count=count)
+            if got:
+                return [self._delivery(stream, e, f, reclaimed=False) for e, f in got[0][1]]
+        got = self.redis.xreadgroup(self.group, self.consumer, {s: ">" for s in self.streams},
+                                    count=count, block=block_ms)
         order = {s: i for i, s in enumerate(self.streams)}
         batches = sorted(((name.decode(), entries) for name, entries in got or []),
                          key=lambda item: order[item[0]])
