@@ -23,11 +23,11 @@ from tests.workers_harness import (
     run_request,
     start_worker,
     wait_done,
+    worker_named,
 )
 from workers.checkpoint import Checkpoint
 from workers.families import wan
 from workers.messages import Stage, State
-from workers.runtime import consumer_name
 from workers.submit import new_request_id, submit
 from workers.trajectory import checkpoint_every
 
@@ -78,6 +78,8 @@ def test_resuming_from_every_checkpoint_is_bit_identical(
             frames = run_request(worker_settings, client, again)
             resumed = wait_done(client, again)
             assert resumed.counter("resumed_from") == k
+            # Steps k..6 ran before on the same latents: the exact CFG tier serves them all.
+            assert resumed.counter("hits:cfg") == resumed.counter("lookups:cfg") == 6 - k
             assert np.array_equal(frames, expected), f"resumed from step {k}"
     finally:
         cache.close()
@@ -113,8 +115,7 @@ def test_a_killed_denoise_worker_resumes_from_its_latest_checkpoint(
         assert time.monotonic() < deadline and step < spec.num_inference_steps
         time.sleep(0.002)
     owner = client.hget(key, "worker:denoise")
-    victim = next(c for c in pool[Stage.DENOISE]
-                  if c.alive() and consumer_name(c.pid).encode() == owner)
+    victim = worker_named(pool[Stage.DENOISE], owner)
     victim.kill()
     pool[Stage.DENOISE].remove(victim)
     pool[Stage.DENOISE].append(start_worker(worker_settings, Stage.DENOISE, tmp_path, client,

@@ -16,12 +16,18 @@ from cachesvc.settings import Settings
 from cachesvc.stack import EmbeddedStack
 from keys import GenerationSpec, Priority, latents_key
 from keys.names import request_record, stage_stream
-from tests.workers_harness import make_spec, read_frames, reference, start_worker, wait_done
+from tests.workers_harness import (
+    make_spec,
+    read_frames,
+    reference,
+    start_worker,
+    wait_done,
+    worker_named,
+)
 from workers.credits import Credits
 from workers.lifecycle import Lifecycle
 from workers.messages import Job, Stage, State
 from workers.records import PreemptMode, Records
-from workers.runtime import consumer_name
 from workers.streams import StageQueue
 from workers.submit import submit
 
@@ -41,9 +47,13 @@ def wait_for(client: redis.Redis, spec: GenerationSpec, state: State, min_step: 
     raise TimeoutError(f"{spec.request_id} never reached {state} at step {min_step}")
 
 
-def owner_of(pool: dict[Stage, list[ChildProcess]], fields: dict[str, str]) -> ChildProcess:
-    return next(c for c in pool[Stage.DENOISE]
-                if c.alive() and consumer_name(c.pid) == fields["worker:denoise"])
+def denoising(client: redis.Redis, pool: dict[Stage, list[ChildProcess]], seed: int,
+              min_step: int) -> tuple[GenerationSpec, dict[str, str], ChildProcess]:
+    """A long request, once a worker is ``min_step`` steps into it: its record and worker."""
+    spec = make_spec(seed=seed, **LONG)
+    submit(client, spec)
+    running = wait_for(client, spec, State.DENOISING, min_step=min_step)
+    return spec, running, worker_named(pool[Stage.DENOISE], running["worker:denoise"])
 
 
 def decode_entries_for(client: redis.Redis, spec: GenerationSpec) -> int:
@@ -103,10 +113,7 @@ def test_waiting_interactive_work_preempts_one_batch_job(
 def test_a_parked_request_resumes_on_another_worker_bit_identically(
         worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
         pipe: object, tmp_path: Path) -> None:
-    spec = make_spec(seed=701, **LONG)
-    submit(client, spec)
-    running = wait_for(client, spec, State.DENOISING, min_step=5)
-    first = owner_of(pool, running)
+    spec, running, first = denoising(client, pool, seed=701, min_step=5)
     assert Lifecycle(client).ask_preempt(spec.tenant, spec.request_id, PreemptMode.PARK)
     parked = wait_for(client, spec, State.PREEMPTED)
     # The first worker leaves; whoever takes the resumed request is another one.
@@ -128,10 +135,7 @@ def test_a_parked_request_resumes_on_another_worker_bit_identically(
 def test_a_worker_paused_past_its_lease_writes_nothing_when_it_wakes(
         worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
         pipe: object, tmp_path: Path) -> None:
-    spec = make_spec(seed=801, **LONG)
-    submit(client, spec)
-    running = wait_for(client, spec, State.DENOISING, min_step=3)
-    paused = owner_of(pool, running)
+    spec, running, paused = denoising(client, pool, seed=801, min_step=3)
     assert paused.pid is not None
     os.kill(paused.pid, signal.SIGSTOP)
     try:

@@ -20,9 +20,9 @@ from tests.workers_harness import (
     run_request,
     start_worker,
     wait_done,
+    worker_named,
 )
 from workers.messages import Job, Stage, State
-from workers.runtime import consumer_name
 from workers.submit import submit
 
 
@@ -86,7 +86,7 @@ def test_kill_9_mid_request_completes_once_with_the_same_output(
         assert client.hget(key, "state") not in (b"DONE", b"FAILED"), "finished before the kill"
         time.sleep(0.002)
     owner = client.hget(key, f"worker:{stage.value}")
-    victim = next(c for c in pool[stage] if c.alive() and consumer_name(c.pid).encode() == owner)
+    victim = worker_named(pool[stage], owner)
     victim.kill()
     pool[stage].remove(victim)
     pool[stage].append(start_worker(worker_settings, stage, tmp_path, client, "replacement"))

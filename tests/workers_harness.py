@@ -22,6 +22,7 @@ from workers.launch import wait_joined, worker_argv
 from workers.media import decode_npy
 from workers.messages import Stage, State
 from workers.records import Records, RequestRecord
+from workers.runtime import consumer_name
 from workers.submit import new_request_id, submit
 
 
@@ -32,6 +33,13 @@ def start_worker(settings: Settings, stage: Stage, logs: Path, client: redis.Red
     child.start()
     wait_joined(child, client, stage)
     return child
+
+
+def worker_named(children: list[ChildProcess], name: str | bytes) -> ChildProcess:
+    """The live worker whose consumer name (as a record's ``worker:<stage>`` holds it) is
+    ``name``."""
+    text = name.decode() if isinstance(name, bytes) else name
+    return next(c for c in children if c.alive() and consumer_name(c.pid) == text)
 
 
 def make_spec(tenant: str = "acme", **changes: object) -> GenerationSpec:
