@@ -1,4 +1,5 @@
-"""``diffcache submit``: a request straight through the queue, with a progress bar."""
+"""The command line's requests: ``submit`` straight through the queue, and ``generate`` and
+``resume`` through the REST API, each with a progress bar."""
 
 from __future__ import annotations
 
@@ -50,16 +51,17 @@ def submit_and_wait(settings: Settings, prompt: str, negative_prompt: str, seed:
     console.print(f"wrote {out} ({len(data)} bytes); {timings}; cache hits {record.hits()}")
 
 
-def generate_via_api(api_url: str, api_key: str | None, body: Mapping[str, object], out: str,
-                     console: Console) -> None:
-    """POST /v1/generate, follow its events with a progress bar, then fetch the result."""
+def call_and_follow(api_url: str, api_key: str | None, path: str, body: Mapping[str, object],
+                    out: str, console: Console) -> None:
+    """POST a request (``/v1/generate`` or ``/v1/resume``), follow its events with a progress
+    bar, then fetch the result."""
     import json
 
     import httpx
 
     headers = {"X-API-Key": api_key} if api_key else {}
     with httpx.Client(base_url=api_url, headers=headers, timeout=30) as http:
-        accepted = http.post("/v1/generate", json=body)
+        accepted = http.post(path, json=body)
         if accepted.status_code != 202:
             raise SystemExit(f"rejected ({accepted.status_code}): {accepted.json()['error']}")
         request_id = accepted.json()["id"]

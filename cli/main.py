@@ -245,17 +245,58 @@ def generate(
     output_format: str = typer.Option("mp4", help="mp4, png or npy"),
     num_frames: int | None = None,
     steps: int | None = None,
+    priority: str = typer.Option("interactive", help="interactive or batch"),
     api_key: str | None = typer.Option(None, help="sent as X-API-Key"),
 ) -> None:
     """Generate through the REST API with a progress bar; prints cache hits and timings."""
-    from cli.client import generate_via_api
+    from cli.client import call_and_follow
 
-    url = _api_base()
     body = {k: v for k, v in {
         "prompt": prompt, "negative_prompt": negative_prompt, "seed": seed,
         "output_format": output_format, "num_frames": num_frames,
-        "num_inference_steps": steps}.items() if v is not None}
-    generate_via_api(url, api_key, body, out, console)
+        "num_inference_steps": steps, "priority": priority}.items() if v is not None}
+    call_and_follow(_api_base(), api_key, "/v1/generate", body, out, console)
+
+
+@app.command()
+def resume(
+    request_id: str,
+    out: str = typer.Option(..., help="file to write the output to"),
+    from_step: int | None = typer.Option(None, help="branch from this checkpoint (with edits)"),
+    prompt: str | None = typer.Option(None, help="edit: the prompt for the remaining steps"),
+    negative_prompt: str | None = None,
+    guidance_scale: float | None = None,
+    api_key: str | None = typer.Option(None, help="sent as X-API-Key"),
+) -> None:
+    """Resume a preempted, cancelled or failed request; with edits, branch a new one."""
+    from cli.client import call_and_follow
+
+    overrides = {k: v for k, v in {"prompt": prompt, "negative_prompt": negative_prompt,
+                                   "guidance_scale": guidance_scale}.items() if v is not None}
+    body: dict[str, object] = {"request_id": request_id}
+    if overrides:
+        body["overrides"] = overrides
+    if from_step is not None:
+        body["from_step"] = from_step
+    call_and_follow(_api_base(), api_key, "/v1/resume", body, out, console)
+
+
+@app.command()
+def preempt(
+    request_id: str,
+    park: bool = typer.Option(False, help="wait for `diffcache resume` instead of re-queueing"),
+    api_key: str | None = typer.Option(None, help="sent as X-API-Key"),
+) -> None:
+    """Checkpoint a denoising request and take it off its worker."""
+    import httpx
+
+    headers = {"X-API-Key": api_key} if api_key else {}
+    answer = httpx.post(f"{_api_base()}/v1/requests/{request_id}/preempt", headers=headers,
+                        json={"mode": "park" if park else "requeue"}, timeout=10)
+    if answer.status_code != 202:
+        errors.print(f"[red]error:[/red] {answer.json()['error']}")
+        raise typer.Exit(1)
+    console.print(f"request {request_id}: {answer.json()['state']}, preemption asked")
 
 
 @app.command()
@@ -273,7 +314,7 @@ def status(api_key: str | None = typer.Option(None, help="sent as X-API-Key")) -
         raise typer.Exit(1) from exc
     for check, ok in ready.items():
         console.print(f"{check:<16} {'ok' if ok else '[red]DOWN[/red]'}")
-    for stage, q in board["queues"].items():
-        lat = board["latency"][stage]
-        console.print(f"{stage:<8} waiting {q['waiting']:<4} in flight {q['in_flight']:<4} "
-                      f"p50 {lat['p50']} s  p95 {lat['p95']} s")
+    for q in board["queues"]:
+        lat = board["latency"][q["stage"]]
+        console.print(f"{q['stage']:<8} {q['priority']:<12} waiting {q['waiting']:<4} "
+                      f"in flight {q['in_flight']:<4} p50 {lat['p50']} s  p95 {lat['p95']} s")

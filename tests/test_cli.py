@@ -1,0 +1,48 @@
+"""The ``diffcache`` client commands against a served API and real workers."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+from typer.testing import CliRunner
+
+from cachesvc.settings import ApiSettings, Settings
+from cli.main import app
+from tests.workers_harness import serve_api
+from workers.media import decode_npy
+
+
+def test_generate_status_preempt_and_resume(worker_settings: Settings, pool: object,
+                                            tmp_path: Path) -> None:
+    runner = CliRunner()
+    with serve_api(worker_settings, ApiSettings()) as url:
+        env = {"DIFFCACHE_API__PORT": url.rsplit(":", 1)[1], "DIFFCACHE_DATA_DIR": str(tmp_path)}
+
+        def run(*args: str) -> str:
+            result = runner.invoke(app, list(args), env=env)
+            assert result.exit_code == 0, result.output
+            return result.output
+
+        first = tmp_path / "first.npy"
+        printed = run("generate", "a red kite over a hill", "--out", str(first),
+                      "--output-format", "npy", "--steps", "4", "--num-frames", "5",
+                      "--priority", "batch")
+        assert "cache hits" in printed
+        assert decode_npy(first.read_bytes()).shape[0] == 5
+        board = run("status")
+        assert "denoise" in board and "batch" in board and "interactive" in board
+
+        refused = runner.invoke(app, ["preempt", "no-such-request"], env=env)
+        assert refused.exit_code == 1 and "no request" in refused.output
+
+        body = {"prompt": "a slow river", "output_format": "npy", "num_frames": 5,
+                "num_inference_steps": 60}
+        request_id = httpx.post(f"{url}/v1/generate", json=body).json()["id"]
+        while httpx.get(f"{url}/v1/requests/{request_id}").json()["step"] < 2:
+            time.sleep(0.01)
+        assert httpx.delete(f"{url}/v1/requests/{request_id}").status_code == 202
+        resumed = tmp_path / "resumed.npy"
+        run("resume", request_id, "--out", str(resumed))
+        assert decode_npy(resumed.read_bytes()).shape[0] == 5
