@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import redis
 
+from cachesvc.counters import read_totals
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings
 from keys.names import dead_letter_stream, stage_stream
@@ -119,14 +120,21 @@ def test_submitting_a_request_id_twice_queues_it_once(client: redis.Redis) -> No
 
 def test_an_identical_seeded_request_is_answered_from_the_output_cache(
         worker_settings: Settings, client: redis.Redis, pool: object) -> None:
-    first = make_spec(prompt="a green train at night", seed=4242)
-    again = make_spec(prompt="a green train at night", seed=4242)
+    first = make_spec(tenant="repeats", prompt="a green train at night", seed=4242)
+    again = make_spec(tenant="repeats", prompt="a green train at night", seed=4242)
     frames = run_request(worker_settings, client, first)
     repeat = run_request(worker_settings, client, again)
     record = wait_done(client, again)
     assert record.hits()["output"] == 1
     assert "seconds:denoise" not in record.fields  # no denoising at all
+    # The hit counts the first request's denoise and decode seconds as saved.
+    spent = sum(wait_done(client, first).stage_seconds()[s] for s in ("denoise", "decode"))
+    deadline = time.monotonic() + 10
+    while not read_totals(client, "repeats").get("output.compute_seconds_saved"):
+        assert time.monotonic() < deadline, "no saving counted"
+        time.sleep(0.1)
+    assert 0 < read_totals(client, "repeats")["output.compute_seconds_saved"] <= spent
     assert np.array_equal(frames, repeat)
-    changed = make_spec(prompt="a green train at night", seed=4243)
+    changed = make_spec(tenant="repeats", prompt="a green train at night", seed=4243)
     run_request(worker_settings, client, changed)
     assert "seconds:denoise" in wait_done(client, changed).fields  # another seed: computed

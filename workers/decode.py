@@ -8,6 +8,8 @@ Feeds: nothing; the request is DONE and the API serves the output.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from cachesvc.tensor_cache import TensorCache
@@ -38,11 +40,15 @@ class DecodeHandler:
         # (the encode stage counts those).
         hit = self.cache.exists(out_key)
         if not hit:
+            start = time.perf_counter()
             latents = self.cache.get(StoreKey.parse(job.ref("latents").key), lookup=False)
             if latents is None:
                 raise StageError(job, "final latents are missing from the store")
             data = encode_frames(self.model.frames(latents), spec.output_format, self.fps)
-            self.cache.put(out_key, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            # What an identical request saves: the trajectory's denoising and this decode.
+            cost = job.compute_s + time.perf_counter() - start
+            self.cache.put(out_key, torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                           cost_s=cost)
         return Outcome(None, fields={"output_key": str(out_key), "hits:output": int(hit)})
 
     def after_publish(self, job: Job, outcome: Outcome) -> None:

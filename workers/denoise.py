@@ -103,7 +103,8 @@ class DenoiseHandler:
         head = run.links[-1]
         return Outcome(job.handoff(Stage.DECODE,
                                    (TensorRef("latents", str(key), "float32", shape),),
-                                   chain_index=head.index, chain_head=head.hex),
+                                   chain_index=head.index, chain_head=head.hex,
+                                   compute_s=run.compute_s),
                        fields=run.guidance.stats.as_fields())
 
     def discard(self, outcome: Outcome) -> None:

@@ -60,4 +60,6 @@ class EncodeHandler:
         head = chain_head(spec, {r.name: StoreKey.parse(r.key) for r in refs}, t.fingerprint,
                           t.scheduler_config, t.scheduler(spec.num_inference_steps).timesteps)
         key = output_key(head, t.decoder_fingerprint, spec.output_format.value)
-        return key if self.cache.contains(key) else None
+        # A counted lookup: a hit counts the compute recorded with the output as saved. The
+        # read is one small file, against the seconds of denoising it replaces.
+        return key if self.cache.get(key) is not None else None

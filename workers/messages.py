@@ -76,6 +76,9 @@ class Job:
     chain_index: int = 0
     chain_head: str = ""
     priority: Priority = Priority.INTERACTIVE
+    # Compute seconds already spent on this request's trajectory (denoise to decode): stored
+    # with the output, so a later identical request counts them as saved.
+    compute_s: float = 0.0
     # Raised each time the request is re-queued (preempted) or resumed, so every delivery of
     # the new entry outranks every delivery of the old one.
     generation: int = 0
@@ -87,10 +90,10 @@ class Job:
         return self.generation * ATTEMPTS_PER_GENERATION + attempt
 
     def handoff(self, stage: Stage, refs: tuple[TensorRef, ...], *, chain_index: int = 0,
-                chain_head: str = "") -> Job:
+                chain_head: str = "", compute_s: float = 0.0) -> Job:
         """The same request's job for the next stage, in the same class and generation."""
         return Job(self.request_id, self.tenant, stage, refs, chain_index, chain_head,
-                   self.priority, self.generation)
+                   self.priority, compute_s, self.generation)
 
     def ref(self, name: str) -> TensorRef:
         for ref in self.refs:
