@@ -269,6 +269,7 @@ def test_health_readiness_and_metrics(http: TestClient) -> None:
     assert ready.status_code == 200 and all(ready.json().values())
     text = http.get("/metrics").text
     assert 'diffcache_cache_lookups_total{kind="embed",tenant="default"}' in text
+    assert 'diffcache_cache_lookups_total{kind="cfg",tenant="default"}' in text
     assert 'diffcache_queue_depth{priority="batch",stage="denoise"}' in text
     assert 'diffcache_stage_seconds_bucket{le="+Inf",stage="denoise"}' in text
 

@@ -87,6 +87,30 @@ def test_credits_bound_trajectories_and_abandoned_ones_give_theirs_back(
     assert credits.holders() == 0
 
 
+def test_denoise_waits_for_a_decode_credit(worker_settings: Settings, client: redis.Redis,
+                                          pool: object) -> None:
+    credits = Credits(client, worker_settings.workers.decode_credits)
+    holders = [f"holder{n}" for n in range(credits.limit)]
+    for holder in holders:  # every credit taken by a trajectory still denoising
+        client.hset(request_record("acme", holder), "state", "DENOISING")
+        assert credits.acquire("acme", holder, 0)
+    spec = make_spec(seed=950)
+    submit(client, spec)
+    wait_for(client, spec, State.DENOISING)
+    deadline = time.monotonic() + 30
+    while client.hget(request_record(spec.tenant, spec.request_id), "waiting") != \
+            b"decode credit":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.5)  # it keeps waiting: no step runs without a credit
+    held = Records(client).get(spec.tenant, spec.request_id)
+    assert held is not None and held.state is State.DENOISING and held.step == 0
+    client.hset(request_record("acme", holders[0]), "state", "DONE")  # one decode finished
+    assert wait_done(client, spec).state is State.DONE
+    for holder in holders[1:]:
+        credits.release("acme", holder)
+
+
 def test_waiting_interactive_work_preempts_one_batch_job(
         worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
         pipe: object) -> None:
