@@ -75,24 +75,12 @@ class DenoiseHandler:
         run = self._start(ctx, spec, embeds)
         if not self._take_credit(ctx):
             return self._stopped(ctx, run)
-        segments = step_segments(spec)
         saves = checkpoint_steps(spec, self.settings.checkpoint_every)
-        timesteps = run.scheduler.timesteps
+        segments = step_segments(spec)
         while run.step < spec.num_inference_steps:
             if ctx.should_stop or ctx.preempt is not None:
                 return self._stopped(ctx, run)
-            i = run.step
-            segment = spec.schedule[segments[i]]
-            negative = embeds[f"negative:{segments[i]}"] if spec.segment_uses_cfg(segment) \
-                else None
-            start = time.perf_counter()
-            prediction = run.guidance.predict(i, run.latents, timesteps[i],
-                                              embeds[f"prompt:{segments[i]}"][1], negative,
-                                              spec.guidance_of(segment))
-            run.latents = run.scheduler.step(prediction, timesteps[i], run.latents,
-                                             return_dict=False)[0]
-            run.compute_s += time.perf_counter() - start
-            run.step += 1
+            self._step(run, embeds, segments)
             ctx.progress(step=run.step)
             if run.step in saves:
                 self._save(ctx, run)
@@ -113,6 +101,22 @@ class DenoiseHandler:
             self.cache.remove(StoreKey.parse(outcome.next_job.ref("latents").key))
 
     # --- the steps of ``handle`` -------------------------------------------------------------
+
+    @staticmethod
+    def _step(run: _Run, embeds: dict[str, tuple[StoreKey, torch.Tensor]],
+              segments: list[int]) -> None:
+        """Advance ``run`` by one denoising step."""
+        spec, i = run.spec, run.step
+        segment = spec.schedule[segments[i]]
+        cond = embeds[f"prompt:{segments[i]}"][1]
+        negative = embeds[f"negative:{segments[i]}"] if spec.segment_uses_cfg(segment) else None
+        t = run.scheduler.timesteps[i]
+        start = time.perf_counter()
+        prediction = run.guidance.predict(i, run.latents, t, cond, negative,
+                                          spec.guidance_of(segment))
+        run.latents = run.scheduler.step(prediction, t, run.latents, return_dict=False)[0]
+        run.compute_s += time.perf_counter() - start
+        run.step += 1
 
     def _embeddings(self, ctx: JobContext) -> dict[str, tuple[StoreKey, torch.Tensor]]:
         job = ctx.job
