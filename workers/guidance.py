@@ -40,6 +40,9 @@ class GuidanceStats:
 
 
 class Guidance:
+    """The guided prediction of each step of one request, skipping the unconditional forward
+    where the request's CFG mode allows."""
+
     def __init__(self, cache: TensorCache, forward: Forward, model: Fingerprint,
                  spec: GenerationSpec, *, lookup: bool, cond_pool: ThreadPoolExecutor | None,
                  write_behind: WriteBehind,

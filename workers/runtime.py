@@ -213,7 +213,10 @@ class Worker:
             if status is Published.STALE:
                 log.warning("request %s: result of stale attempt %d discarded",
                             result.job.request_id, result.attempt)
-            self.handler.discard(outcome)
+            # A duplicate's outputs are the ones already handed on: only a stale or cancelled
+            # result owns what it wrote.
+            if status in (Published.STALE, Published.CANCELLED):
+                self.handler.discard(outcome)
 
     def _requeue(self, result: StageResult, outcome: Outcome) -> None:
         assert outcome.preempted is not None
