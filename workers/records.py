@@ -79,6 +79,7 @@ if state == 'CANCELLED' then
 end
 if ARGV[5] ~= '' then redis.call('XADD', KEYS[3], '*', 'job', ARGV[5]) end
 redis.call('HSET', KEYS[1], 'done:' .. ARGV[1], '1', 'state', ARGV[6], 'updated_at', ARGV[7])
+redis.call('HDEL', KEYS[1], 'preempt')  -- a preemption asked too late has nothing to stop
 for i = 10, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])
 redis.call('HINCRBY', KEYS[4], ARGV[8], 1)
