@@ -23,6 +23,10 @@ from cachesvc.settings import StoreSettings
 OK = 0
 NO_AVAILABLE_HANDLE = -200  # no segment has room for the entry
 INVALID_PARAMS = -600  # among others: the buffer given to get_into is too small
+# The entry is being written by another client (which may be paused or dead mid-put). A reader
+# treats it as not there yet; a writer of the same key leaves it to the first writer, as it
+# does for an entry that exists (keys name content, so both write the same bytes).
+REPLICA_IS_NOT_READY = -703
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
 # Mooncake groups transport and RPC failures in the -900 range (RPC_FAIL is -900).
@@ -105,12 +109,14 @@ class MooncakeStore:
     # Single-key operations --------------------------------------------------------------------
 
     def put_from(self, key: str, ptr: int, size: int, config: Any) -> None:
-        check_code(self._client.put_from(key, ptr, size, config), op="put", key=key)
+        code = self._client.put_from(key, ptr, size, config)
+        if code != REPLICA_IS_NOT_READY:
+            check_code(code, op="put", key=key)
 
     def get_into(self, key: str, ptr: int, capacity: int) -> int | None:
         """Bytes read into the buffer, or None on a miss."""
         code = self._client.get_into(key, ptr, capacity)
-        if code == OBJECT_NOT_FOUND:
+        if code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
             return None
         if code == INVALID_PARAMS:
             raise EntryTooLargeError(f"entry does not fit {capacity} bytes", key=key, op="get")
@@ -118,7 +124,7 @@ class MooncakeStore:
 
     def size_of(self, key: str) -> int | None:
         code = self._client.get_size(key)
-        if code == OBJECT_NOT_FOUND:
+        if code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
             return None
         return check_code(code, op="get_size", key=key)
 
@@ -148,13 +154,14 @@ class MooncakeStore:
                        config: Any) -> None:
         codes = self._client.batch_put_from(keys, ptrs, sizes, config)
         for k, c in zip(keys, codes, strict=True):
-            check_code(c, op="batch_put", key=k)
+            if c != REPLICA_IS_NOT_READY:
+                check_code(c, op="batch_put", key=k)
 
     def batch_get_into(self, keys: list[str], ptrs: list[int],
                        capacities: list[int]) -> list[int | None]:
         codes = self._client.batch_get_into(keys, ptrs, capacities)
-        return [None if c == OBJECT_NOT_FOUND else check_code(c, op="batch_get", key=k)
-                for k, c in zip(keys, codes, strict=True)]
+        return [None if c in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY)
+                else check_code(c, op="batch_get", key=k) for k, c in zip(keys, codes, strict=True)]
 
 
 def replicate_config(*, soft_pin: bool) -> Any:
