@@ -66,7 +66,7 @@ def test_resuming_from_every_checkpoint_is_bit_identical(
     assert sorted(checkpoints) == [1, 2, 3, 4, 5, 6]  # a tenth of 6 steps rounds up to 1
     cache = open_cache(worker_settings)
     try:
-        for k in range(5, 0, -1):
+        for k in range(6, 0, -1):  # h(6): nothing left to compute but the decode
             # Leave h(k) as the furthest checkpoint and drop the output, so the same
             # trajectory under a new request id resumes at step k.
             for step, key in checkpoints.items():
