@@ -36,6 +36,17 @@ def stack_settings(embedded_stack: EmbeddedStack) -> Settings:
 
 
 @pytest.fixture(scope="session")
+def workerless_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    """A second, small stack that no session worker reads: for tests that drive streams and
+    workers by hand."""
+    settings = load_settings(data_dir=str(tmp_path_factory.mktemp("workerless")),
+                             store={"segment_mib": 16})
+    stack = EmbeddedStack(settings)
+    with stack as addresses:
+        yield stack.resolved(addresses)
+
+
+@pytest.fixture(scope="session")
 def _session_cache(stack_settings: Settings) -> Iterator[TensorCache]:
     cache = open_cache(stack_settings)
     yield cache

@@ -1,20 +1,17 @@
 """Workers that batch (``workers.batch_size`` > 1) keep the queue contract: every job is fenced,
-run and published exactly once, with its latency counted. Uses a stack of its own, so that the
-session's real workers do not take these jobs."""
+run and published exactly once, with its latency counted. Uses the stack without workers, so
+that the session's real workers do not take these jobs."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
-import pytest
 import redis
 
 from bench.dispatch import NoOp
 from cachesvc.connect import open_redis
-from cachesvc.settings import Settings, WorkerSettings, load_settings
-from cachesvc.stack import EmbeddedStack
+from cachesvc.settings import Settings, WorkerSettings
 from keys import GenerationSpec, OutputFormat
 from keys.names import stage_stream
 from workers import stage_metrics
@@ -24,24 +21,16 @@ from workers.runtime import Worker
 from workers.submit import new_request_id, submit
 
 
-@pytest.fixture(scope="module")
-def own_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    settings = load_settings(data_dir=str(tmp_path_factory.mktemp("batching")),
-                             store={"segment_mib": 16})
-    stack = EmbeddedStack(settings)
-    with stack as addresses:
-        yield stack.resolved(addresses)
-
-
-def test_batched_workers_publish_every_job_exactly_once(own_stack: Settings) -> None:
-    client: redis.Redis = open_redis(own_stack)
+def test_batched_workers_publish_every_job_exactly_once(workerless_stack: Settings) -> None:
+    client: redis.Redis = open_redis(workerless_stack)
+    client.flushall()
     specs = [GenerationSpec.create(request_id=new_request_id(), tenant="acme", prompt=f"p{i}",
                                    width=16, height=16, num_frames=1, num_inference_steps=1,
                                    guidance_scale=1.0, seed=i, output_format=OutputFormat.NPY)
              for i in range(40)]
     for spec in specs:
         submit(client, spec)
-    workers = [Worker(NoOp(stage), open_redis(own_stack),
+    workers = [Worker(NoOp(stage), open_redis(workerless_stack),
                       WorkerSettings(block_ms=50, batch_size=8)) for stage in Stage]
     threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
     for t in threads:

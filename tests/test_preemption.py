@@ -14,7 +14,7 @@ from cachesvc.connect import open_cache
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings
 from cachesvc.stack import EmbeddedStack
-from keys import GenerationSpec, Priority, latents_key
+from keys import GenerationSpec, latents_key
 from keys.names import request_record, stage_stream
 from tests.workers_harness import (
     make_spec,
@@ -28,7 +28,6 @@ from workers.credits import Credits
 from workers.lifecycle import Lifecycle
 from workers.messages import Job, Stage, State
 from workers.records import PreemptMode, Records
-from workers.streams import StageQueue
 from workers.submit import submit
 
 LONG = {"num_inference_steps": 40, "width": 64, "height": 64}
@@ -59,32 +58,6 @@ def denoising(client: redis.Redis, pool: dict[Stage, list[ChildProcess]], seed: 
 def decode_entries_for(client: redis.Redis, spec: GenerationSpec) -> int:
     entries = client.xrange(stage_stream(Stage.DECODE.value, spec.priority.value))
     return sum(Job.from_json(f[b"job"]).request_id == spec.request_id for _, f in entries)
-
-
-def test_workers_take_interactive_work_first(redis_client: redis.Redis) -> None:
-    queue = StageQueue(redis_client, Stage.DENOISE, "tester")
-    queue.ensure_group()
-    for n, priority in enumerate([Priority.BATCH, Priority.BATCH, Priority.INTERACTIVE]):
-        job = Job(f"r{n}", "acme", Stage.DENOISE, priority=priority)
-        redis_client.xadd(stage_stream(Stage.DENOISE.value, priority.value),
-                          {"job": job.to_json()})
-    taken = [[d.job.request_id for d in queue.next(block_ms=10, idle_timeout_ms=60_000,
-                                                   count=1) if d.job] for _ in range(3)]
-    assert taken == [["r2"], ["r0"], ["r1"]]  # the interactive job first, alone
-
-
-def test_credits_bound_trajectories_and_abandoned_ones_give_theirs_back(
-        redis_client: redis.Redis) -> None:
-    credits = Credits(redis_client, limit=1)
-    for request_id in ("a", "b"):
-        redis_client.hset(request_record("acme", request_id), "state", "DENOISING")
-    assert credits.acquire("acme", "a", 1)
-    assert credits.acquire("acme", "a", 2)  # a redelivery of the holder keeps its credit
-    assert not credits.acquire("acme", "b", 3)
-    redis_client.hset(request_record("acme", "a"), "state", "FAILED")  # abandoned
-    assert credits.acquire("acme", "b", 4)
-    credits.release("acme", "b")
-    assert credits.holders() == 0
 
 
 def test_denoise_waits_for_a_decode_credit(worker_settings: Settings, client: redis.Redis,
