@@ -20,7 +20,7 @@ from cachesvc.tensor_cache import TensorCache
 from keys import GenerationSpec, KeyKind, StoreKey
 from keys.names import KEY_VERSION, check_tenant
 from keys.spec import valid_request_id
-from workers.lifecycle import Lifecycle, ResumeError
+from workers.lifecycle import Lifecycle, LifecycleError
 from workers.messages import Stage, State
 from workers.records import PreemptMode, Records, RequestRecord
 from workers.streams import live_consumers, queue_counts
@@ -172,7 +172,7 @@ class Service:
                                  "continues from the latest checkpoint")
             try:
                 self.lifecycle.resume(record)
-            except ResumeError as exc:
+            except LifecycleError as exc:
                 raise NotReadyError(record, str(exc)) from exc
             return record.spec.request_id
         from_step, key = branch_point(record, body.from_step)

@@ -68,11 +68,13 @@ class Requeued(IntEnum):
     CANCELLED = 3  # cancelled meanwhile: acknowledged, not re-queued
 
 
-class ResumeError(RuntimeError):
-    """The request cannot be resumed as asked; names the request and why."""
+class LifecycleError(RuntimeError):
+    """The request cannot be preempted or resumed as asked; names the request and why."""
 
 
 class Lifecycle:
+    """The fenced scripts that take a request off a worker and put it back."""
+
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
         self._ask = client.register_script(_ASK)
@@ -85,7 +87,7 @@ class Lifecycle:
         code = int(self._ask(keys=[request_record(tenant, request_id)],
                              args=[mode.value, timestamp()]))
         if code < 0:
-            raise ResumeError(f"request {request_id} does not exist")
+            raise LifecycleError(f"request {request_id} does not exist")
         return code == 1
 
     def requeue(self, job: Job, delivery: Delivery, mode: PreemptMode,
@@ -107,7 +109,7 @@ class Lifecycle:
         """Put a preempted, cancelled or failed request back in the encode stream, durably."""
         spec = record.spec
         if not record.state.resumable:
-            raise ResumeError(f"request {spec.request_id} is {record.state.value}; only "
+            raise LifecycleError(f"request {spec.request_id} is {record.state.value}; only "
                               f"{', '.join(s.value for s in State if s.resumable)} requests "
                               "can be resumed")
         job = Job(spec.request_id, spec.tenant, Stage.ENCODE, priority=spec.priority,
@@ -117,5 +119,5 @@ class Lifecycle:
                   stage_stream(Stage.ENCODE.value, spec.priority.value)],
             args=[job.generation, job.to_json(), timestamp()], client=pipe))
         if int(code) != 1:
-            raise ResumeError(f"request {spec.request_id} changed while resuming it; "
+            raise LifecycleError(f"request {spec.request_id} changed while resuming it; "
                               "read its state and try again")

@@ -169,12 +169,15 @@ def spec_to_json(spec: GenerationSpec) -> str:
 
 
 def spec_from_json(raw: str | bytes) -> GenerationSpec:
+    """The spec a record holds. Records written before per-segment guidance and the CFG cache
+    existed read with their defaults, so requests in flight survive an upgrade."""
     d = json.loads(raw)
-    mode, interval = d["cfg_cache"]
+    mode, interval = d.get("cfg_cache", [CfgMode.EXACT.value, 1])
     return GenerationSpec(
         request_id=d["request_id"], tenant=d["tenant"],
-        schedule=tuple(PromptSegment(p, n, int(u), None if g is None else float(g))
-                       for p, n, u, g in d["schedule"]),
+        schedule=tuple(PromptSegment(p, n, int(u), None if not g or g[0] is None
+                                     else float(g[0]))
+                       for p, n, u, *g in d["schedule"]),
         width=int(d["width"]), height=int(d["height"]), num_frames=int(d["num_frames"]),
         num_inference_steps=int(d["num_inference_steps"]),
         guidance_scale=float(d["guidance_scale"]), seed=int(d["seed"]),
