@@ -51,6 +51,9 @@ def test_dashboard_shows_hit_rates(server: str, tmp_path: Path) -> None:
         r'<circle[^>]*data-kind="embed"[^>]*data-value="([0-9.eE+-]+)"', dom)]
     assert points and max(points) > 0, "no embed hit-rate point above zero"
     assert "DONE" in dom  # the recent-requests table
+    # The reuse table: every guided step of the workload looked up the CFG cache.
+    cfg = re.search(r"<tr><td>default</td><td>cfg</td><td>(\d+)</td><td>(\d+)</td>", dom)
+    assert cfg is not None and int(cfg.group(1)) >= 6, "no CFG lookups in the reuse table"
     shot = tmp_path / "dashboard.png"
     subprocess.run([CHROMIUM, *FLAGS, *profile, f"--screenshot={shot}", f"{server}/dashboard"],
                    capture_output=True, timeout=120, check=True)
