@@ -33,7 +33,8 @@ def dashboard_data(svc: Service) -> dict[str, Any]:
     minutes = range(now - WINDOW_MINUTES + 1, now + 1)
     totals: dict[int, dict[str, float]] = {m: {} for m in minutes}
     recent = []
-    for tenant in tenants(svc.redis):
+    known = tenants(svc.redis)
+    for tenant in known:
         for minute, fields in read_buckets(svc.redis, tenant, minutes).items():
             for field, value in fields.items():
                 totals[minute][field] = totals[minute].get(field, 0.0) + value
@@ -61,7 +62,7 @@ def dashboard_data(svc: Service) -> dict[str, Any]:
               for (stage, priority), (waiting, in_flight) in queue_counts(svc.redis).items()]
     # Lifetime reuse per tenant and kind: lookups, hits and the compute they saved.
     reuse = []
-    for tenant in tenants(svc.redis):
+    for tenant in known:
         lifetime = read_totals(svc.redis, tenant)
         reuse += [{"tenant": tenant, "kind": kind.value,
                    **{e: lifetime.get(f"{kind.value}.{e}", 0.0)

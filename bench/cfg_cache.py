@@ -16,13 +16,12 @@ import math
 
 import numpy as np
 
-from bench.common import bench_stack, report, wait_all, workers
+from bench.common import model_stack, report, wait_all, workers
 from bench.workload import NEGATIVE_PROMPTS, prompt_pool
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
 from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat, StoreKey
-from workers.main import ensure_model
 from workers.media import decode_npy
 from workers.records import Records, RequestRecord
 from workers.submit import new_request_id, submit
@@ -41,7 +40,7 @@ def workload(settings: Settings, tenant: str, cfg: CfgCache, count: int) -> list
         seed=SEED, output_format=OutputFormat.NPY, cfg_cache=cfg) for p, n in pairs]
 
 
-def run(settings: Settings, records: Records, cache: TensorCache,
+def run(records: Records, cache: TensorCache,
         specs: list[GenerationSpec]) -> tuple[int, list[np.ndarray]]:
     """Forward calls and output frames of ``specs``, submitted together."""
     client = records.redis
@@ -69,21 +68,20 @@ def main() -> None:
     parser.add_argument("--quality-requests", type=int, default=10)
     parser.add_argument("--intervals", type=int, nargs="+", default=[2, 3, 5])
     args = parser.parse_args()
-    with bench_stack(segment_mib=1024) as settings:
-        ensure_model(settings)
+    with model_stack() as settings:
         records = Records(open_redis(settings))
         cache = open_cache(settings)
         with workers(settings, settings.data_dir / "logs"):
-            off_forwards, exact = run(settings, records, cache, workload(
+            off_forwards, exact = run(records, cache, workload(
                 settings, "exact-off", CfgCache(CfgMode.OFF), args.requests))
-            on_forwards, cached = run(settings, records, cache, workload(
+            on_forwards, cached = run(records, cache, workload(
                 settings, "exact-on", CfgCache(CfgMode.EXACT), args.requests))
             identical = all(np.array_equal(a, b) for a, b in zip(exact, cached, strict=True))
             n = args.quality_requests
             base = off_forwards * n / args.requests  # every request runs the same forwards
             interval = []
             for k in args.intervals:
-                forwards, frames = run(settings, records, cache, workload(
+                forwards, frames = run(records, cache, workload(
                     settings, f"interval-{k}", CfgCache(CfgMode.INTERVAL, k), n))
                 scores = [psnr(a, b) for a, b in zip(exact[:n], frames, strict=True)]
                 interval.append({

@@ -35,6 +35,16 @@ def bench_stack(segment_mib: int) -> Iterator[Settings]:
             yield stack.resolved(addresses)
 
 
+@contextmanager
+def model_stack(segment_mib: int = 1024) -> Iterator[Settings]:
+    """``bench_stack`` with the built-in model built in it, for benchmarks that run workers."""
+    from workers.main import ensure_model
+
+    with bench_stack(segment_mib) as settings:
+        ensure_model(settings)
+        yield settings
+
+
 def median(samples: Sequence[float]) -> float:
     return statistics.median(samples)
 

@@ -16,15 +16,14 @@ import time
 import numpy as np
 import torch
 
-from bench.common import bench_stack, report, start_workers
+from bench.common import model_stack, report, seconds_to_done, wait_all, workers
 from bench.workload import Draw, zipf_requests
 from cachesvc.connect import open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat
 from workers.families import wan
-from workers.main import ensure_model
 from workers.media import encode_frames
-from workers.messages import Stage, State
+from workers.messages import Stage
 from workers.records import Records
 from workers.submit import new_request_id, submit
 
@@ -63,38 +62,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    with bench_stack(segment_mib=1024) as settings:
-        ensure_model(settings)
+    with model_stack() as settings:
         draws = zipf_requests(args.requests, seed=args.seed)
         baseline_s = run_baseline(settings, [spec_for(settings, d) for d in draws])
-
-        children = start_workers(settings, settings.data_dir / "logs")
-        try:
-            client = open_redis(settings)
-            records = Records(client)
-            specs = [spec_for(settings, d) for d in draws]
+        client = open_redis(settings)
+        records = Records(client)
+        specs = [spec_for(settings, d) for d in draws]
+        with workers(settings, settings.data_dir / "logs"):
             start = time.perf_counter()
             for spec in specs:
                 submit(client, spec)
-            pending = {s.request_id for s in specs}
-            while pending:
-                for request_id in list(pending):
-                    record = records.get("bench", request_id)
-                    if record is not None and record.state.terminal:
-                        if record.state is not State.DONE:
-                            raise SystemExit(f"request {request_id} ended {record.state}: "
-                                             f"{record.error}")
-                        pending.discard(request_id)
-                time.sleep(0.05)
+            done = wait_all(records, specs, poll_s=0.05)
             diffcache_s = time.perf_counter() - start
-            done = [records.get("bench", s.request_id) for s in specs]
-        finally:
-            for child in children:
-                child.stop()
 
-    finished = [r for r in done if r is not None]
-    latencies = [float(r.fields["updated_at"]) - float(r.fields["created_at"])
-                 for r in finished]
+    finished = [done[s.request_id] for s in specs]
+    latencies = [seconds_to_done(r) for r in finished]
     seconds = {stage.value: sum(r.stage_seconds().get(stage.value, 0.0) for r in finished)
                for stage in Stage}
     total = sum(seconds.values())

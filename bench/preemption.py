@@ -13,12 +13,11 @@ import time
 
 import numpy as np
 
-from bench.common import bench_stack, report, seconds_to_done, wait_all, workers
+from bench.common import model_stack, report, seconds_to_done, wait_all, workers
 from bench.workload import prompt_pool
 from cachesvc.connect import open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, Priority
-from workers.main import ensure_model
 from workers.records import Records
 from workers.submit import new_request_id, submit
 
@@ -75,8 +74,7 @@ def main() -> None:
     parser.add_argument("--every-s", type=float, default=3.0,
                         help="seconds between interactive arrivals")
     args = parser.parse_args()
-    with bench_stack(segment_mib=1024) as settings:
-        ensure_model(settings)
+    with model_stack() as settings:
         off = phase(settings, False, args)
         on = phase(settings, True, args)
     ratio = on["interactive_p99_s"] / off["interactive_p99_s"]

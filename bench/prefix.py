@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.common import bench_stack, report, wait_all, workers
+from bench.common import model_stack, report, wait_all, workers
 from bench.workload import ACTIONS, PLACES, SUBJECTS
 from cachesvc.connect import open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, PromptSegment
-from workers.main import ensure_model
 from workers.records import Records
 from workers.submit import new_request_id, submit
 
@@ -65,8 +64,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--variations", type=int, default=4)
     args = parser.parse_args()
-    with bench_stack(segment_mib=1024) as settings:
-        ensure_model(settings)
+    with model_stack() as settings:
         off = phase(settings, False, args)
         on = phase(settings, True, args)
     steps = settings.model.num_inference_steps

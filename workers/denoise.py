@@ -135,13 +135,15 @@ class DenoiseHandler:
         links = chain_links(spec, {name: key for name, (key, _) in embeds.items()},
                             self.model.fingerprint, self.model.scheduler_config,
                             scheduler.timesteps)
-        latents, rng = self.model.initial_latents(spec)
-        run = _Run(spec, links, scheduler, rng, latents, 0, 0.0, self._guidance(spec, None))
         found = self._latest_checkpoint(ctx, links)
-        if found is not None:
+        if found is None:
+            latents, rng = self.model.initial_latents(spec)
+            run = _Run(spec, links, scheduler, rng, latents, 0, 0.0, self._guidance(spec, None))
+        else:
+            rng = torch.Generator(device="cpu")
             found.restore(scheduler, rng)
-            run.latents, run.step, run.compute_s = found.latents, found.step, found.compute_s
-            run.guidance = self._guidance(spec, found.cfg_residual)
+            run = _Run(spec, links, scheduler, rng, found.latents, found.step, found.compute_s,
+                       self._guidance(spec, found.cfg_residual))
             ctx.progress(**{f"ckpt:{found.step}": str(links[found.step].checkpoint_key())})
         ctx.progress(step=run.step, resumed_from=run.step)
         return run
