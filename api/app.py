@@ -2,21 +2,79 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import compat, dashboard, errors, routes
-from api.metrics import ClusterCollector, registry_with
+from api.metrics import ClusterCollector, registry_with, tenant_labeller
 from api.schemas import ErrorBody
 from api.service import Service
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings
 
 ERRORS: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorBody} for code in (401, 404, 409, 410, 413, 422, 429, 503, 504)}
+    code: {"model": ErrorBody} for code in (401, 403, 404, 409, 410, 413, 422, 429, 503, 504)}
+
+
+class BodyTooLargeError(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"body is larger than {limit} bytes (api.max_body_bytes)")
+
+
+class BodyLimit:
+    """Answers 413 once a request body passes ``limit`` bytes, however it is framed.
+
+    A declared Content-Length is checked before the app runs. A chunked body declares nothing,
+    so its bytes are counted as the app receives them, and the read that passes the limit
+    raises, which the app's HTTPException handler turns into the error body.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise BodyTooLargeError(self.limit)
+            return message
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, sending)
+        except BodyTooLargeError:
+            # Read outside FastAPI's body parsing (its handlers never saw it): answer here.
+            if started:
+                raise
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = BodyTooLargeError(self.limit)
+        await JSONResponse({"error": error.detail}, status_code=413)(scope, receive, send)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -25,7 +83,8 @@ def create_app(settings: Settings) -> FastAPI:
         client = open_redis(settings)
         cache = open_cache(settings, client)
         app.state.service = Service(settings, client, cache)
-        app.state.registry = registry_with(ClusterCollector(client))
+        app.state.registry = registry_with(ClusterCollector(client,
+                                                            tenant_labeller(settings.api)))
         try:
             yield
         finally:
@@ -34,17 +93,7 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="diffcache", version="0.1.0", lifespan=lifespan, responses=ERRORS)
     app.state.settings = settings
     errors.install(app, settings.api.retry_after_s)
-    limit = settings.api.max_body_bytes
-
-    @app.middleware("http")
-    async def body_limit(request: Request,
-                         call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            return JSONResponse({"error": f"body is larger than {limit} bytes"},
-                                status_code=413)
-        return await call_next(request)
-
+    app.add_middleware(BodyLimit, limit=settings.api.max_body_bytes)
     app.include_router(routes.router)
     app.include_router(compat.router)
     app.include_router(dashboard.router)

@@ -1,7 +1,8 @@
 """``/dashboard``: one self-contained page (no CDN) fed by ``/v1/dashboard`` every few seconds.
 
-The JSON sums every tenant's per-minute cache counters from Redis, so it shows the whole
-cluster: hit rate per cache kind, compute saved, bytes served, queues, latency and requests.
+The JSON sums the per-minute cache counters of the tenants the caller may see (its own with a
+tenant key; all with an admin key or none configured): hit rate per cache kind, compute saved,
+bytes served and requests, plus the cluster's queues and latency. The page holds no data.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 
-from api.deps import Svc
+from api.deps import Svc, Viewer
 from api.service import Service, status_of
 from cachesvc.counters import read_buckets, read_totals, tenants
+from cachesvc.supervisor import read_published
 from keys import KeyKind
 from keys.names import request_index
 from workers import stage_metrics
@@ -28,12 +30,13 @@ KINDS = [KeyKind.EMBEDDING, KeyKind.CFG, KeyKind.CHECKPOINT, KeyKind.OUTPUT]
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
 
 
-def dashboard_data(svc: Service) -> dict[str, Any]:
+def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, Any]:
+    """The dashboard's figures over the ``visible`` tenants; None is every tenant."""
     now = int(time.time() // 60)
     minutes = range(now - WINDOW_MINUTES + 1, now + 1)
     totals: dict[int, dict[str, float]] = {m: {} for m in minutes}
     recent = []
-    known = tenants(svc.redis)
+    known = tenants(svc.redis) if visible is None else visible
     for tenant in known:
         for minute, fields in read_buckets(svc.redis, tenant, minutes).items():
             for field, value in fields.items():
@@ -73,10 +76,13 @@ def dashboard_data(svc: Service) -> dict[str, Any]:
         h = stage_metrics.read(svc.redis, stage)
         latency[stage.value] = {"p50": h.quantile(0.5), "p95": h.quantile(0.95),
                                 "count": h.count}
+    children = [{"name": c.name, "role": c.role, "alive": c.alive, "restarts": c.restarts,
+                 "last_exit": c.describe_exit(), "crash_looping": c.crash_looping}
+                for c in read_published(svc.redis)]
     recent.sort(key=lambda r: r["updated_at"], reverse=True)
     return {"minutes": [m * 60 for m in minutes], "hit_rate": hit_rate,
             "compute_saved_s": saved, "bytes_served": served, "queues": queues,
-            "latency": latency, "reuse": reuse, "recent": recent[:RECENT]}
+            "latency": latency, "children": children, "reuse": reuse, "recent": recent[:RECENT]}
 
 
 router = APIRouter()
@@ -88,6 +94,7 @@ def page() -> HTMLResponse:
 
 
 @router.get("/v1/dashboard")
-def data(svc: Svc) -> dict[str, Any]:
-    """Everything the dashboard draws, for the last 30 minutes."""
-    return dashboard_data(svc)
+def data(svc: Svc, visible: Viewer) -> dict[str, Any]:
+    """Everything the dashboard draws, for the last 30 minutes: the caller's own tenant, or
+    every tenant for an admin key."""
+    return dashboard_data(svc, visible)

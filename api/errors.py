@@ -1,11 +1,17 @@
-"""One error body for every failure: what went wrong and, for bad input, which field."""
+"""One error body for every failure, ``{"error": ..., "field": ...}``: what went wrong and, for
+bad input, which field. Routing errors, outages of Redis and the store, and unexpected errors
+get it too, so a client never has to parse plain text."""
 
 from __future__ import annotations
 
+from http import HTTPStatus
+
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from api.schemas import FieldError
 from api.service import (
@@ -13,6 +19,7 @@ from api.service import (
     NotFoundError,
     NotReadyError,
     QueueFullError,
+    RecomputingError,
     WaitTimeoutError,
 )
 from cachesvc.errors import StoreUnavailableError
@@ -33,25 +40,48 @@ def install(app: FastAPI, retry_after_s: int) -> None:
     async def invalid(_: Request, exc: RequestValidationError | ValidationError) -> JSONResponse:
         # ValidationError: a body that a compatibility endpoint maps onto GenerateBody.
         first = exc.errors()[0]
+        if first["type"] == "json_invalid":  # its loc holds a byte offset, not a field
+            return _body(422, f"body: is not valid JSON ({first['ctx']['error']} at byte "
+                         f"{first['loc'][-1]})", "body")
         field = ".".join(str(p) for p in first["loc"] if p not in ("body", "query", "path",
                                                                     "header"))
+        if not field and tuple(first["loc"][:1]) == ("body",):
+            field = "body"  # the body as a whole, e.g. none at all
         limit = first.get("ctx")
         detail = f"{field}: {first['msg']}" + (f" ({limit})" if limit else "")
         return _body(422, detail, field or None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # Routing raises these with the bare status phrase; say what was asked for instead.
+        error = str(exc.detail)
+        if error == HTTPStatus(exc.status_code).phrase:
+            error = f"{error}: {request.method} {request.url.path}"
+        return _body(exc.status_code, error, headers=dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette raises the exception again after this answer, so the server logs it.
+        return _body(500, f"internal error ({type(exc).__name__}); see the API's log")
 
     @app.exception_handler(FieldError)
     async def out_of_limits(_: Request, exc: FieldError) -> JSONResponse:
         return _body(422, str(exc), exc.field)
 
-    # Exception type -> status, and whether the client should retry after a pause.
+    # Exception type -> status, and whether the client should retry after a pause. Subclasses
+    # map as their base does: redis-py's BusyLoadingError is a ConnectionError, for one.
     table: dict[type[Exception], tuple[int, bool]] = {
         QueueFullError: (429, True), NotFoundError: (404, False), NotReadyError: (409, False),
-        GoneError: (410, False), WaitTimeoutError: (504, False),
-        StoreUnavailableError: (503, True), DurabilityError: (503, True)}
+        GoneError: (410, False), WaitTimeoutError: (504, False), RecomputingError: (503, True),
+        StoreUnavailableError: (503, True), DurabilityError: (503, True),
+        redis.ConnectionError: (503, True), redis.TimeoutError: (503, True)}
 
     async def mapped(_: Request, exc: Exception) -> JSONResponse:
-        status, retry = table[type(exc)]
-        return _body(status, str(exc),
+        status, retry = next(table[t] for t in type(exc).__mro__ if t in table)
+        error = str(exc)
+        if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+            error = f"Redis is unreachable ({exc}); retry later"
+        return _body(status, error,
                      headers={"Retry-After": str(retry_after_s)} if retry else None)
 
     for exc_type in table:

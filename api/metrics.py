@@ -2,26 +2,44 @@
 
 Cache counters (per kind and tenant) and stage latencies are written to Redis by every worker,
 so one scrape of the API covers the whole cluster; queue depths are read from the streams.
+A scrape needs no key, so tenant names are replaced by digests once tenants have keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import redis
+import xxhash
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from cachesvc.counters import Event, read_totals, tenants
+from cachesvc.settings import ApiSettings
+from cachesvc.supervisor import ChildStatus, read_published
 from workers import stage_metrics
 from workers.messages import Stage
 from workers.streams import queue_counts
 
 
+def hashed_tenant(tenant: str) -> str:
+    """A short, stable label for ``tenant`` that does not reveal its name."""
+    return "t-" + xxhash.xxh3_64_hexdigest(tenant.encode())[:12]
+
+
+def tenant_labeller(api: ApiSettings) -> Callable[[str], str]:
+    """How ``/metrics`` labels tenants: by name, or by digest (``auto``: once keys are set)."""
+    mode = api.metrics_tenant_labels
+    if mode == "auto":
+        mode = "hashed" if api.authenticated else "plain"
+    return hashed_tenant if mode == "hashed" else str
+
+
 class ClusterCollector(Collector):
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, label: Callable[[str], str] = str) -> None:
         self._redis = client
+        self._label = label
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily |
                                   HistogramMetricFamily]:
@@ -32,7 +50,7 @@ class ClusterCollector(Collector):
             for field, value in read_totals(self._redis, tenant).items():
                 kind, _, event = field.partition(".")
                 if event in Event.__members__.values():
-                    families[Event(event)].add_metric([kind, tenant], value)
+                    families[Event(event)].add_metric([kind, self._label(tenant)], value)
         yield from families.values()
 
         depth = GaugeMetricFamily("diffcache_queue_depth", "Jobs waiting or in progress",
@@ -48,6 +66,23 @@ class ClusterCollector(Collector):
             buckets = [("+Inf" if b == float("inf") else str(b), n) for b, n in h.cumulative]
             latency.add_metric([stage.value], buckets, h.total)
         yield latency
+        yield from children_families(read_published(self._redis))
+
+
+def children_families(children: list[ChildStatus]) -> Iterator[CounterMetricFamily |
+                                                                GaugeMetricFamily]:
+    """Restarts, liveness and crash loops of every supervised process."""
+    restarts = CounterMetricFamily("diffcache_child_restarts", "Times a supervisor restarted "
+                                   "a child that exited", labels=["role", "child"])
+    up = GaugeMetricFamily("diffcache_child_up", "1 while the child runs",
+                           labels=["role", "child"])
+    looping = GaugeMetricFamily("diffcache_child_crash_looping", "1 while the child keeps "
+                                "exiting soon after each start", labels=["role", "child"])
+    for c in children:
+        restarts.add_metric([c.role, c.name], c.restarts)
+        up.add_metric([c.role, c.name], int(c.alive))
+        looping.add_metric([c.role, c.name], int(c.crash_looping))
+    yield from (restarts, up, looping)
 
 
 def registry_with(collector: Collector) -> CollectorRegistry:

@@ -13,7 +13,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.deps import Svc, Tenant
-from api.schemas import Accepted, GenerateBody, PreemptBody, RequestStatus, ResumeBody
+from api.schemas import (
+    Accepted,
+    GenerateBody,
+    PreemptBody,
+    Readiness,
+    RequestStatus,
+    ResumeBody,
+)
 from api.service import status_of
 from workers.media import CONTENT_TYPES
 
@@ -97,11 +104,12 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", response_model=Readiness)
 def readyz(svc: Svc) -> JSONResponse:
-    """Store and Redis reachable, and every stage has a live worker."""
-    checks = svc.readiness()
-    return JSONResponse(checks, status_code=200 if all(checks.values()) else 503)
+    """Redis answers, the store takes a put and a get, every stage has a worker whose
+    heartbeat is recent, and no supervised process is crash-looping."""
+    ready = svc.readiness()
+    return JSONResponse(ready.model_dump(), status_code=200 if ready.ready else 503)
 
 
 @router.get("/metrics")

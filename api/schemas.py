@@ -188,9 +188,32 @@ class RequestStatus(BaseModel):
                               "resumed from a checkpoint (preemption, crash, shared prefix)")
     checkpoints: list[int] = Field(description="steps with a checkpoint to branch from")
     preemptions: int
+    recomputed: dict[str, int] = Field(description="kind -> times an entry of that kind was "
+                                       "lost from the cache and made again")
     error: str | None
     created_at: float
     updated_at: float
+
+
+class ChildState(BaseModel):
+    """One supervised process, as its supervisor last published it."""
+
+    name: str
+    role: str
+    pid: int | None
+    alive: bool
+    restarts: int
+    last_exit: str
+    last_error: str
+    crash_looping: bool
+
+
+class Readiness(BaseModel):
+    ready: bool
+    checks: dict[str, bool] = Field(description="redis, store (a real put and get), and a "
+                                    "worker heartbeat per stage")
+    children: list[ChildState] = Field(description="supervised processes; a crash-looping one "
+                                       "makes the service not ready")
 
 
 class ErrorBody(BaseModel):

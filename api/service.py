@@ -7,15 +7,28 @@ It holds the Redis client and the store connection, and talks to workers only th
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass, field
+from uuid import uuid4
 
 import redis
+import torch
 import xxhash
 
 from api.editing import branch_point, branched_spec, cfg_cache_from, segments_from
-from api.schemas import FieldError, GenerateBody, RequestStatus, ResumeBody, check_limits
-from cachesvc.errors import StoreUnavailableError
+from api.schemas import (
+    ChildState,
+    FieldError,
+    GenerateBody,
+    Readiness,
+    RequestStatus,
+    ResumeBody,
+    check_limits,
+)
+from cachesvc.errors import CacheError, StoreUnavailableError
+from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
+from cachesvc.supervisor import ChildStatus, read_published
 from cachesvc.tensor_cache import TensorCache
 from keys import GenerationSpec, KeyKind, StoreKey
 from keys.names import KEY_VERSION, check_tenant
@@ -23,14 +36,33 @@ from keys.spec import valid_request_id
 from workers.lifecycle import Lifecycle, LifecycleError
 from workers.messages import Stage, State
 from workers.records import PreemptMode, Records, RequestRecord
-from workers.streams import live_consumers, queue_counts
-from workers.submit import new_request_id, submit
+from workers.runtime import live_workers
+from workers.submit import AdmissionError, Bounds, new_request_id, readmit, submit
 
-IDEMPOTENCY_TTL_S = 24 * 3600
+# A worker beats every workers.heartbeat_s; one silent for this long is taken for gone.
+HEARTBEAT_WITHIN_S = 5.0
+# Drops an idempotency key only while it still names the request that was refused, so a
+# concurrent duplicate that won meanwhile keeps its key.
+_FORGET = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 class QueueFullError(RuntimeError):
-    """More work is queued than the configured bound; the client should retry later."""
+    """Admitting the request would exceed a bound; the client should retry later."""
+
+    def __init__(self, exc: AdmissionError) -> None:
+        setting = "api.max_jobs_per_tenant" if exc.bound == "tenant" else "api.max_queue_depth"
+        whose = f" for tenant {exc.tenant}" if exc.bound == "tenant" else ""
+        super().__init__(f"{exc.limit} or more jobs are queued or running{whose} "
+                         f"({setting}={exc.limit})")
+        self.setting = setting
+        self.limit = exc.limit
+
+
+class RecomputingError(RuntimeError):
+    """A DONE request's output was lost before its TTL; it is being made again."""
 
 
 class NotFoundError(LookupError):
@@ -66,7 +98,7 @@ def status_of(record: RequestRecord) -> RequestStatus:
         priority=spec.priority.value, stage_seconds=record.stage_seconds(),
         cache_hits=record.hits(), resumed_from=record.counter("resumed_from"),
         checkpoints=sorted(record.checkpoints()), preemptions=record.counter("preemptions"),
-        error=record.error,
+        recomputed=record.recomputed(), error=record.error,
         created_at=float(record.fields["created_at"]),
         updated_at=float(record.fields["updated_at"]))
 
@@ -78,11 +110,19 @@ class Service:
     cache: TensorCache
     records: Records = field(init=False)
     lifecycle: Lifecycle = field(init=False)
+    bounds: Bounds = field(init=False)
+    files: OutputFiles | None = field(init=False)
 
     def __post_init__(self) -> None:
         # Built once: both register their Lua scripts with the client.
         self.records = Records(self.redis)
         self.lifecycle = Lifecycle(self.redis)
+        self.bounds = Bounds(self.settings.api.max_queue_depth,
+                             self.settings.api.max_jobs_per_tenant)
+        self._forget = self.redis.register_script(_FORGET)
+        cache = self.settings.cache
+        self.files = (OutputFiles(self.settings.outputs_dir, cache.output_ttl_s)
+                      if cache.durable_outputs else None)
 
     def spec_for(self, tenant: str, body: GenerateBody) -> GenerationSpec:
         m = self.settings.model
@@ -110,13 +150,6 @@ class Service:
             output_format=body.output_format, priority=body.priority,
             cfg_cache=cfg_cache_from(body.cfg_cache))
 
-    def queue_depth(self) -> dict[str, int]:
-        """Jobs waiting or running per stage, over every priority class."""
-        depth = dict.fromkeys((stage.value for stage in Stage), 0)
-        for (stage, _), counts in queue_counts(self.redis).items():
-            depth[stage.value] += sum(counts)
-        return depth
-
     def generate(self, tenant: str, body: GenerateBody, idem: str | None = None) -> str:
         """Admit and submit; with an idempotency key, a repeat returns the first request."""
         if idem is not None:
@@ -124,16 +157,25 @@ class Service:
             if existing is not None:
                 return existing.decode()  # type: ignore[union-attr]
         spec = self.spec_for(tenant, body)
-        if sum(self.queue_depth().values()) >= self.settings.api.max_queue_depth:
-            raise QueueFullError(f"{self.settings.api.max_queue_depth} or more jobs are queued "
-                                 "or running (api.max_queue_depth)")
         # First writer wins; a concurrent duplicate gets the winner's id.
         if idem is not None and not self.redis.set(idempotency_key(tenant, idem),
                                                    spec.request_id, nx=True,
-                                                   ex=IDEMPOTENCY_TTL_S):
+                                                   ex=self.settings.retention.idempotency_s):
             winner = self.redis.get(idempotency_key(tenant, idem))
             return winner.decode()  # type: ignore[union-attr]
-        return submit(self.redis, spec)
+        try:
+            return self.submit(spec)
+        except QueueFullError:
+            if idem is not None:  # a retry after the 429 must be admitted afresh
+                self._forget(keys=[idempotency_key(tenant, idem)], args=[spec.request_id])
+            raise
+
+    def submit(self, spec: GenerationSpec) -> str:
+        """Admit and submit in one script, so concurrent submits cannot overshoot a bound."""
+        try:
+            return submit(self.redis, spec, bounds=self.bounds)
+        except AdmissionError as exc:
+            raise QueueFullError(exc) from exc
 
     def record(self, tenant: str, request_id: str) -> RequestRecord:
         record = self.records.get(tenant, request_id) if valid_request_id(request_id) else None
@@ -145,10 +187,27 @@ class Service:
         record = self.record(tenant, request_id)
         if record.state is not State.DONE or record.output_key is None:
             raise NotReadyError(record)
-        data = self.cache.get(StoreKey.parse(record.output_key), lookup=False)
-        if data is None:
-            raise GoneError(f"the output of {request_id} has expired from the cache")
-        return record, data.numpy().tobytes()
+        key = StoreKey.parse(record.output_key)
+        outage: StoreUnavailableError | None = None
+        try:
+            data = self.cache.get(key, lookup=False)
+        except StoreUnavailableError as exc:
+            data, outage = None, exc  # the output file may still be there
+        if data is not None:
+            return record, data.numpy().tobytes()
+        on_disk = self.files.read(key) if self.files is not None else None
+        if on_disk is not None:
+            return record, on_disk
+        if outage is not None:
+            raise outage  # whether the store still has it is unknown until it answers
+        if time.time() > float(record.fields["updated_at"]) + self.settings.cache.output_ttl_s:
+            raise GoneError(f"the output of {request_id} has expired (cache.output_ttl_s)")
+        # Lost before its time, with the store or its file: the request is seeded, so running
+        # it again gives the same output.
+        if not self.lifecycle.recompute_output(record):
+            raise NotReadyError(self.record(tenant, request_id))
+        raise RecomputingError(f"the output of {request_id} was lost from the cache and is "
+                               "being made again from the request; retry shortly")
 
     def cancel(self, tenant: str, request_id: str) -> RequestRecord:
         record = self.record(tenant, request_id)
@@ -170,10 +229,22 @@ class Service:
             if body.from_step is not None:
                 raise FieldError("from_step", "applies with overrides only: a plain resume "
                                  "continues from the latest checkpoint")
+            if not record.state.resumable:
+                raise NotReadyError(record, "only a PREEMPTED, FAILED or CANCELLED request "
+                                    "can be resumed")
+            # Counted before the resume, so it is refused like a new request when over a bound.
+            # Should the resume then fail, the next admission drops it again by its state.
+            try:
+                readmit(self.redis, record.spec, self.bounds)
+            except AdmissionError as exc:
+                raise QueueFullError(exc) from exc
             try:
                 self.lifecycle.resume(record)
             except LifecycleError as exc:
                 raise NotReadyError(record, str(exc)) from exc
+            # Until the resume, the request was PREEMPTED, FAILED or CANCELLED, and another
+            # admission may have dropped it from the count meanwhile: count it once more.
+            readmit(self.redis, record.spec)
             return record.spec.request_id
         from_step, key = branch_point(record, body.from_step)
         if not self.cache.exists(StoreKey.parse(key)):
@@ -181,21 +252,37 @@ class Service:
                             "expired from the cache; resume from another step")
         spec = branched_spec(record.spec, new_request_id(), from_step, body.overrides,
                              self.settings.api)
-        return submit(self.redis, spec)
+        return self.submit(spec)
 
-    def readiness(self) -> dict[str, bool]:
+    def readiness(self) -> Readiness:
         checks: dict[str, bool] = {}
+        children: list[ChildStatus] = []
         try:
             checks["redis"] = bool(self.redis.ping())
+            children = read_published(self.redis)
         except redis.RedisError:
             checks["redis"] = False
-        try:
-            self.cache.exists(StoreKey("default", KeyKind.SCRATCH, "readyz"))
-            checks["store"] = True
-        except StoreUnavailableError:
-            checks["store"] = False
+        checks["store"] = self._store_round_trip()
         for stage in Stage:
-            checks[f"{stage.value}_workers"] = (checks["redis"]
-                                                and bool(live_consumers(self.redis, stage)))
-        return checks
+            checks[f"{stage.value}_workers"] = checks["redis"] and bool(
+                live_workers(self.redis, stage, within_s=HEARTBEAT_WITHIN_S))
+        looping = any(c.crash_looping for c in children)
+        return Readiness(
+            ready=all(checks.values()) and not looping, checks=checks,
+            children=[ChildState(name=c.name, role=c.role, pid=c.pid, alive=c.alive,
+                                 restarts=c.restarts, last_exit=c.describe_exit(),
+                                 last_error=c.last_error, crash_looping=c.crash_looping)
+                      for c in children])
 
+    def _store_round_trip(self) -> bool:
+        """A real put and get through a storage node: a master that answers while every
+        storage node is gone is not a working store."""
+        key = StoreKey(self.settings.default_tenant, KeyKind.SCRATCH, f"readyz-{uuid4().hex}")
+        probe = torch.arange(16, dtype=torch.uint8)
+        try:
+            self.cache.put(key, probe)
+            back = self.cache.get(key, lookup=False)
+            self.cache.remove(key)
+        except CacheError:
+            return False
+        return back is not None and bool(torch.equal(back, probe))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from rich.console import Console
@@ -15,12 +17,13 @@ from rich.table import Table
 
 from cachesvc.connect import open_redis
 from cachesvc.processes import ChildProcess
-from cachesvc.settings import Settings, child_environ, load_settings
+from cachesvc.settings import Settings, WorkerSettings, child_environ, load_settings
 from cachesvc.stack import EmbeddedStack
 from keys import GenerationSpec
 from workers.launch import wait_joined, worker_argv
-from workers.messages import Stage, State
+from workers.messages import NEXT, Stage, State
 from workers.records import Records, RequestRecord
+from workers.runtime import JobContext, Outcome, Worker
 
 console = Console(soft_wrap=True)
 
@@ -106,3 +109,52 @@ def wait_all(records: Records, specs: Sequence[GenerationSpec],
 
 def seconds_to_done(record: RequestRecord) -> float:
     return float(record.fields["updated_at"]) - float(record.fields["created_at"])
+
+
+class NoOp:
+    """A stage body that does no work: it only hands the job on."""
+
+    def __init__(self, stage: Stage) -> None:
+        self.stage = stage
+
+    def handle(self, ctx: JobContext) -> Outcome:
+        following = NEXT[self.stage]
+        job = ctx.job
+        return Outcome(None if following is None else job.handoff(following, ()))
+
+    def discard(self, outcome: Outcome) -> None:
+        """Nothing was written."""
+
+
+NOOP_READY, NOOP_GO = "bench:noop:ready", "bench:noop:go"
+
+
+def run_noop(stage: Stage, settings: Settings, batch: int) -> None:
+    """A worker process whose stage body does nothing; it starts when the bench says go."""
+    client = open_redis(settings)
+    worker = Worker(NoOp(stage), client, WorkerSettings(block_ms=50, batch_size=batch))
+    client.incr(NOOP_READY)
+    while not client.exists(NOOP_GO):
+        time.sleep(0.001)
+    worker.run()
+
+
+def start_noop_workers(settings: Settings, batch: int) -> list[BaseProcess]:
+    """One no-op worker process per stage, as in a deployment (no stage waits on another's
+    GIL), each ready and waiting until ``NOOP_GO`` is set."""
+    client = open_redis(settings)
+    ctx = mp.get_context("spawn")
+    procs: list[BaseProcess] = [
+        ctx.Process(target=run_noop, args=(stage, settings, batch), daemon=True)
+        for stage in Stage]
+    for p in procs:
+        p.start()
+    while int(client.get(NOOP_READY) or 0) < len(procs):
+        time.sleep(0.01)
+    return procs
+
+
+def stop_processes(procs: Sequence[BaseProcess]) -> None:
+    for p in procs:
+        p.terminate()
+        p.join()

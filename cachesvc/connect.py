@@ -16,7 +16,8 @@ def store_endpoints(settings: Settings) -> StoreEndpoints:
         raise StoreUnavailableError(
             "no store configured: run `diffcache up`, or set DIFFCACHE_STORE__MASTER_ADDRESS "
             "and DIFFCACHE_STORE__METADATA_SERVER", op="connect")
-    return StoreEndpoints(store.master_address, store.metadata_server)
+    return StoreEndpoints(store.master_address, store.metadata_server,
+                          store.master_metrics_url)
 
 
 def open_redis(settings: Settings) -> redis.Redis:
@@ -29,4 +30,5 @@ def open_redis(settings: Settings) -> redis.Redis:
 def open_cache(settings: Settings, client: redis.Redis | None = None) -> TensorCache:
     """A TensorCache over the configured store; ``client`` shares an existing Redis pool."""
     store = MooncakeStore.connect(store_endpoints(settings), settings.store)
-    return TensorCache(store, client or open_redis(settings), settings.cache, settings.store)
+    return TensorCache(store, client or open_redis(settings), settings.cache, settings.store,
+                       stats_bucket_s=settings.retention.stats_bucket_s)

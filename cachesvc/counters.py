@@ -23,6 +23,7 @@ from keys.names import stats_bucket, stats_total, tenants_registry
 
 log = logging.getLogger(__name__)
 
+# The default of ``retention.stats_bucket_s``; the dashboard reads the last 30 minutes only.
 BUCKET_RETENTION_S = 7 * 24 * 3600
 _Child = Any  # a labelled prometheus Counter; the library exports no name for its type
 
@@ -50,8 +51,10 @@ _PROM = {
 class CacheCounters:
     """Thread-safe counters; ``flush`` moves pending increments into Redis."""
 
-    def __init__(self, redis_client: redis.Redis | None, flush_interval_s: float) -> None:
+    def __init__(self, redis_client: redis.Redis | None, flush_interval_s: float,
+                 bucket_retention_s: int = BUCKET_RETENTION_S) -> None:
         self._redis = redis_client
+        self._bucket_retention_s = bucket_retention_s
         self._lock = threading.Lock()
         # (tenant, minute) -> field -> amount, waiting for the next flush
         self._pending: dict[tuple[str, int], dict[str, float]] = defaultdict(
@@ -98,7 +101,7 @@ class CacheCounters:
                 for field, amount in fields.items():
                     pipe.hincrbyfloat(bucket, field, amount)
                     pipe.hincrbyfloat(stats_total(tenant), field, amount)
-                pipe.expire(bucket, BUCKET_RETENTION_S)
+                pipe.expire(bucket, self._bucket_retention_s)
                 pipe.sadd(tenants_registry(), tenant)
             pipe.execute()
         except redis.RedisError:

@@ -7,6 +7,7 @@ Every call here blocks; async callers go through ``cachesvc.async_cache``.
 
 from __future__ import annotations
 
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -29,16 +30,34 @@ INVALID_PARAMS = -600  # among others: the buffer given to get_into is too small
 REPLICA_IS_NOT_READY = -703
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
+# A storage node holding the replica did not answer the transfer: it died or restarts. The
+# master forgets its segment within seconds, after which the key reads as a miss.
+TRANSFER_FAIL = -800
 # Mooncake groups transport and RPC failures in the -900 range (RPC_FAIL is -900).
 _RPC_RANGE = range(-999, -899)
 
 
 @dataclass(frozen=True, slots=True)
 class StoreEndpoints:
-    """Where the master and its HTTP metadata server listen."""
+    """Where the master and its HTTP metadata server listen, and (if known) the master's
+    Prometheus endpoint, which tells a full store from one with no storage node."""
 
     master_address: str
     metadata_server: str
+    metrics_url: str | None = None
+
+
+def mounted_bytes(metrics_url: str) -> int | None:
+    """The memory every mounted storage node contributes, as the master reports it; None if
+    the master does not answer."""
+    import httpx
+
+    try:
+        text = httpx.get(metrics_url, timeout=2).text
+    except httpx.HTTPError:
+        return None
+    found = re.search(r"^master_total_capacity_bytes (\S+)$", text, re.MULTILINE)
+    return None if found is None else int(float(found.group(1)))
 
 
 def check_code(code: int, *, op: str, key: str | None = None) -> int:
@@ -47,6 +66,9 @@ def check_code(code: int, *, op: str, key: str | None = None) -> int:
         return code
     if code in _RPC_RANGE:
         raise StoreUnavailableError(f"store did not answer (code {code})", key=key, op=op)
+    if code == TRANSFER_FAIL:
+        raise StoreUnavailableError("the storage node holding the entry did not answer "
+                                    f"(code {code})", key=key, op=op)
     if code == NO_AVAILABLE_HANDLE:
         raise StoreFullError("no segment has room for the entry", key=key, op=op)
     raise StoreOperationError("store refused the operation", code=code, key=key, op=op)

@@ -86,7 +86,19 @@ class ChildProcess:
                 env=self._env)
 
     def alive(self) -> bool:
+        """Whether it runs; asking reaps it once it has exited, so no zombie is left."""
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once it has exited (negative: the signal that killed it)."""
+        return None if self._proc is None else self._proc.poll()
+
+    def terminate(self) -> None:
+        """SIGTERM without waiting: ``stop`` waits for it."""
+        if self.alive():
+            assert self._proc is not None
+            self._proc.terminate()
 
     def log_tail(self, lines: int = 5) -> str:
         try:
@@ -112,7 +124,7 @@ class ChildProcess:
         """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``."""
         if self._proc is None or self._proc.poll() is not None:
             return
-        self._proc.terminate()
+        self._proc.terminate()  # again, if ``terminate`` sent it already: harmless
         try:
             self._proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

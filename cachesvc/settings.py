@@ -32,6 +32,9 @@ class StoreSettings(_Section):
 
     master_address: str | None = Field(None, description="host:port of an external master")
     metadata_server: str | None = Field(None, description="http://host:port/metadata")
+    master_metrics_url: str | None = Field(None, description="http://host:port/metrics of the "
+                                           "master: tells a full store from one that lost "
+                                           "every storage node")
     protocol: Literal["tcp", "rdma"] = "tcp"
     rdma_devices: str = ""
     local_hostname: str = "127.0.0.1"
@@ -62,10 +65,33 @@ class CacheSettings(_Section):
     cfg_ttl_s: float = Field(600.0, gt=0)
     output_ttl_s: float = Field(86400.0, gt=0)
     latents_ttl_s: float = Field(3600.0, gt=0, description="safety net if never consumed")
-    single_flight_lease_s: float = Field(120.0, gt=0)
+    # The owner renews its lease every third of this while it computes, so a dead owner's
+    # waiters take over within this long, while a slow computation keeps its lease.
+    single_flight_lease_s: float = Field(5.0, gt=0)
     single_flight_wait_s: float = Field(60.0, gt=0)
+    # Outputs are also written to files under <data_dir>/outputs (for their TTL), so a DONE
+    # request's result outlives a restart of the whole service and the loss of the store.
+    durable_outputs: bool = True
     stats_flush_s: float = Field(1.0, gt=0)
     sweep_interval_s: float = Field(30.0, gt=0)
+
+
+class RetentionSettings(_Section):
+    """How long Redis keeps what served requests leave behind, so it stays bounded under load."""
+
+    finished_request_s: float = Field(7 * 24 * 3600.0, gt=0,
+                                      description="a DONE, FAILED or CANCELLED record stays "
+                                                  "readable this long after its last change")
+    dead_letter_s: float = Field(7 * 24 * 3600.0, gt=0)
+    # Whole seconds, because both are Redis EX values. An idempotency key that outlives its
+    # request's record answers a resubmission with an id that reads as 404.
+    idempotency_s: int = Field(24 * 3600, ge=1)
+    stats_bucket_s: int = Field(7 * 24 * 3600, ge=60, description="per-minute counter buckets")
+    # A consumer of a worker that exited stays in its group until it is forgotten; one with
+    # nothing pending that has not polled for this long is removed.
+    dead_consumer_s: float = Field(24 * 3600.0, gt=0)
+    sweep_batch: int = Field(10_000, ge=1, description="request records examined per tenant "
+                                                       "per sweep")
 
 
 class ModelSettings(_Section):
@@ -114,6 +140,17 @@ class WorkerSettings(_Section):
     # A job re-queued or resumed this many times is no longer preempted, so batch work always
     # finishes however much interactive work arrives.
     max_preemptions: int = Field(3, ge=0)
+    # A stage whose input was lost from the store sends the request back to the stage that
+    # produces it; past this many such recomputes the store keeps losing entries, and the
+    # request fails with that reason.
+    max_recomputes: int = Field(8, ge=0)
+    # While the store is unreachable a stage waits and retries rather than burning deliveries;
+    # past this long the delivery counts as failed.
+    outage_budget_s: float = Field(120.0, gt=0)
+    heartbeat_s: float = Field(1.0, gt=0, description="how often a worker says it is alive")
+    # On SIGTERM a worker takes no new job; a denoise job checkpoints and is re-queued, others
+    # finish. Past this long the supervisor kills what is left.
+    shutdown_grace_s: float = Field(30.0, gt=0)
 
 
 class ApiSettings(_Section):
@@ -121,10 +158,18 @@ class ApiSettings(_Section):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    # API key -> tenant. Empty: no authentication, every request is the default tenant.
+    # API key -> tenant. With no api_keys and no admin_keys there is no authentication, and
+    # every request is the default tenant.
     api_keys: dict[str, str] = Field(default_factory=dict)
+    # Keys that read every tenant's dashboard. They map to no tenant, so they cannot generate.
+    admin_keys: list[str] = Field(default_factory=list)
+    # A scrape of /metrics is unauthenticated and a tenant's name may name a customer: "auto"
+    # labels plain names without keys and a short digest (t-<12 hex>) once keys are set.
+    metrics_tenant_labels: Literal["auto", "plain", "hashed"] = "auto"
     max_body_bytes: int = Field(65536, ge=1024)
     max_queue_depth: int = Field(1000, ge=1, description="deeper than this answers 429")
+    max_jobs_per_tenant: int = Field(200, ge=1, description="one tenant's queued plus running "
+                                     "requests; more answers 429")
     retry_after_s: int = Field(5, ge=1)
     max_prompt_chars: int = Field(2000, ge=1)
     max_prompt_tokens: int = Field(511, ge=1, description="the text encoder's limit less EOS")
@@ -134,6 +179,17 @@ class ApiSettings(_Section):
     max_steps: int = Field(100, ge=1)
     spatial_multiple: int = Field(16, ge=1, description="VAE factor times DiT patch size")
     sync_timeout_s: float = Field(300.0, gt=0, description="synchronous endpoints wait this")
+
+    def model_post_init(self, context: object, /) -> None:
+        # A key that is both would be a tenant that can read every other tenant's rows.
+        if shared := set(self.admin_keys) & set(self.api_keys):
+            raise SettingsError(f"api.admin_keys and api.api_keys share {len(shared)} key(s); "
+                                "an admin key must map to no tenant")
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether callers must send a key: any tenant or admin key is configured."""
+        return bool(self.api_keys or self.admin_keys)
 
 
 class Settings(BaseSettings):
@@ -147,6 +203,7 @@ class Settings(BaseSettings):
     store: StoreSettings = StoreSettings()
     redis: RedisSettings = RedisSettings()
     cache: CacheSettings = CacheSettings()
+    retention: RetentionSettings = RetentionSettings()
     model: ModelSettings = ModelSettings()
     workers: WorkerSettings = WorkerSettings()
     api: ApiSettings = ApiSettings()
@@ -154,6 +211,14 @@ class Settings(BaseSettings):
     @property
     def model_dir(self) -> Path:
         return self.model.dir or self.data_dir / "model"
+
+    @property
+    def outputs_dir(self) -> Path:
+        return self.data_dir / "outputs"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.data_dir / "logs"
 
 
 def _known_variables() -> set[str]:

@@ -1,16 +1,20 @@
 """Cross-process single-flight: of N concurrent misses on one key, one computes.
 
-The first caller takes a lease in Redis (``SET NX PX``) and computes; the others poll the lease
-and, once it is gone, look the key up again. A waiter whose wait runs out, or whose owner died
-without writing (its lease expires), computes itself: the store's writes are idempotent, so a
-rare duplicate computation is harmless while a lost one would stall a request.
+The first caller takes a lease in Redis (``SET NX PX``) and computes, renewing the lease
+while it does; the others poll the lease and, once it is gone, look the key up again. A waiter
+whose wait runs out, or whose owner died without writing (its short lease then expires within
+seconds), computes itself: the store's writes are idempotent, so a rare duplicate computation
+is harmless while a lost one would stall a request.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -18,11 +22,18 @@ from typing import Generic, TypeVar
 import redis
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # Delete the lease only if we still own it: a lease that expired and was taken by another caller
 # must not be released by the slow first owner.
 _RELEASE = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+# Extend the lease only if we still own it. ARGV: token, lease ms.
+_RENEW = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
 return 0
 """
 
@@ -49,6 +60,7 @@ class SingleFlight:
         self._poll_s = poll_s
         self._max_poll_s = max_poll_s
         self._release = client.register_script(_RELEASE)
+        self._renew = client.register_script(_RENEW)
 
     def run(self, lock_key: str, lookup: Callable[[], T | None],
             compute: Callable[[], T]) -> FlightResult[T]:
@@ -65,13 +77,35 @@ class SingleFlight:
                 return FlightResult(found, Outcome.WAITED if waited else Outcome.HIT)
             token = uuid.uuid4().hex
             if self._redis.set(lock_key, token, nx=True, px=self._lease_ms):
-                try:
-                    return FlightResult(compute(), Outcome.COMPUTED)
-                finally:
-                    self._release(keys=[lock_key], args=[token])
+                with self._renewing(lock_key, token):
+                    try:
+                        return FlightResult(compute(), Outcome.COMPUTED)
+                    finally:
+                        self._release(keys=[lock_key], args=[token])
             waited = True
             while self._redis.exists(lock_key):
                 if time.monotonic() >= deadline:
                     return FlightResult(compute(), Outcome.COMPUTED_AFTER_TIMEOUT)
                 time.sleep(delay)
                 delay = min(delay * 2, self._max_poll_s)
+
+    @contextmanager
+    def _renewing(self, lock_key: str, token: str) -> Iterator[None]:
+        """Renew the lease every third of its length until the block ends, so a slow
+        computation keeps it and a dead owner loses it quickly."""
+        done = threading.Event()
+
+        def renew() -> None:
+            while not done.wait(self._lease_ms / 3000):
+                try:
+                    self._renew(keys=[lock_key], args=[token, self._lease_ms])
+                except redis.RedisError as exc:  # the lease may lapse: a waiter recomputes
+                    log.warning("could not renew the lease %s (%s)", lock_key, exc)
+
+        thread = threading.Thread(target=renew, name="flight-lease", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()

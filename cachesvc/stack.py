@@ -109,7 +109,8 @@ class EmbeddedStack:
                                "Check DIFFCACHE_REDIS__URL")
         store = self.settings.store
         if store.master_address and store.metadata_server:
-            endpoints = StoreEndpoints(store.master_address, store.metadata_server)
+            endpoints = StoreEndpoints(store.master_address, store.metadata_server,
+                                       store.master_metrics_url)
         else:
             endpoints = self._start_mooncake()
         deadline = time.monotonic() + 20
@@ -125,7 +126,8 @@ class EmbeddedStack:
         """The settings a worker or the API needs to reach this stack."""
         store = self.settings.store.model_copy(update={
             "master_address": addresses.store.master_address,
-            "metadata_server": addresses.store.metadata_server})
+            "metadata_server": addresses.store.metadata_server,
+            "master_metrics_url": addresses.store.metrics_url})
         redis_settings = self.settings.redis.model_copy(update={"url": addresses.redis_url})
         return self.settings.model_copy(update={"store": store, "redis": redis_settings})
 
@@ -175,7 +177,8 @@ class EmbeddedStack:
                                "DIFFCACHE_STORE__METRICS_PORT")
         storage = require_free("mooncake_client", host, cfg.storage_port,
                                "DIFFCACHE_STORE__STORAGE_PORT")
-        endpoints = StoreEndpoints(f"{host}:{rpc}", f"http://{host}:{meta}/metadata")
+        endpoints = StoreEndpoints(f"{host}:{rpc}", f"http://{host}:{meta}/metadata",
+                                   f"http://{host}:{metrics}/metrics")
         master = self.spawn("mooncake_master", [
             str(_mooncake_binary("mooncake_master")),
             f"--rpc_port={rpc}", f"--rpc_address={host}",

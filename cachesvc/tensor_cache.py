@@ -21,14 +21,14 @@ import torch
 from cachesvc import codec
 from cachesvc.buffers import BufferPool, RegisteredBuffer
 from cachesvc.codec import TensorSpec
-from cachesvc.counters import CacheCounters, Event
+from cachesvc.counters import BUCKET_RETENTION_S, CacheCounters, Event
 from cachesvc.errors import (
     CodecError,
     EntryTooLargeError,
     StoreFullError,
     StoreUnavailableError,
 )
-from cachesvc.mooncake_store import MooncakeStore, replicate_config
+from cachesvc.mooncake_store import MooncakeStore, mounted_bytes, replicate_config
 from cachesvc.policy import KindPolicy, policies
 from cachesvc.settings import CacheSettings, StoreSettings
 from cachesvc.single_flight import Outcome, SingleFlight
@@ -77,9 +77,11 @@ class _Entry:
 
 class TensorCache:
     def __init__(self, store: MooncakeStore, client: redis.Redis, settings: CacheSettings,
-                 store_settings: StoreSettings) -> None:
+                 store_settings: StoreSettings, *,
+                 stats_bucket_s: int = BUCKET_RETENTION_S) -> None:
         self.store = store
-        self.counters = CacheCounters(client, settings.stats_flush_s)
+        self.counters = CacheCounters(client, settings.stats_flush_s,
+                                      bucket_retention_s=stats_bucket_s)
         self.ttl_index = TtlIndex(client)
         self._policies = policies(settings)
         self._pool = BufferPool(store, store_settings.buffer_slab_mib << 20,
@@ -327,11 +329,20 @@ class TensorCache:
         while True:
             try:
                 return self._call(key, op)
-            except StoreFullError:
+            except StoreFullError as exc:
                 if time.monotonic() + delay > deadline:
+                    self._raise_if_no_storage_node(key, exc)
                     raise
                 time.sleep(delay)
                 delay = min(delay * 2, 0.2)
+
+    def _raise_if_no_storage_node(self, key: StoreKey, full: StoreFullError) -> None:
+        """A store without storage nodes answers a put as a full one would: name the cause."""
+        url = self.store.endpoints.metrics_url
+        if url is not None and mounted_bytes(url) == 0:
+            self.counters.add(key.tenant, key.kind, Event.STORE_UNAVAILABLE)
+            raise StoreUnavailableError("no storage node is mounted (every one is down or "
+                                        "restarting)", key=str(key), op="put") from full
 
     def _size_of(self, key: StoreKey) -> int | None:
         return self._call(key, lambda: self.store.size_of(str(key)))

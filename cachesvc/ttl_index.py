@@ -33,20 +33,24 @@ class TtlIndex:
             pipe.sadd(tenants_registry(), key.tenant)
         pipe.execute()
 
-    def sweep(self, store: MooncakeStore, limit: int = 1000) -> int:
-        """Remove up to ``limit`` expired entries per tenant; returns how many were removed."""
+    def sweep(self, store: MooncakeStore, page: int = 1000) -> int:
+        """Remove every expired entry, ``page`` at a time per tenant; returns how many were
+        removed. Pages repeat until none is left, so the index never outgrows the sweep."""
         removed = 0
         now = now_ms()
         tenants: set[bytes] = self._redis.smembers(tenants_registry())  # type: ignore[assignment]
         for tenant in tenants:
             index = ttl_index(tenant.decode())
-            expired: list[bytes] = self._redis.zrangebyscore(  # type: ignore[assignment]
-                index, 0, now, start=0, num=limit)
-            for raw_key in expired:
-                if store.remove(raw_key.decode()):
-                    removed += 1
-            if expired:
-                self._redis.zrem(index, *expired)
+            while True:
+                expired: list[bytes] = self._redis.zrangebyscore(  # type: ignore[assignment]
+                    index, 0, now, start=0, num=page)
+                for raw_key in expired:
+                    if store.remove(raw_key.decode()):
+                        removed += 1
+                if expired:
+                    self._redis.zrem(index, *expired)
+                if len(expired) < page:
+                    break
         if removed:
             log.info("swept %d expired cache entries", removed)
         return removed

@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import logging
-import signal
-import threading
-from types import FrameType
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from cachesvc.errors import CacheError
-from cachesvc.mooncake_store import MooncakeStore
 from cachesvc.processes import StartupError
-from cachesvc.settings import Settings, SettingsError, child_environ, load_settings
-from cachesvc.stack import EmbeddedStack, StackAddresses
-from cachesvc.ttl_index import TtlIndex
+from cachesvc.settings import Settings, SettingsError, load_settings
+from cli.console import detach_native_stderr
+from cli.up import ServiceTree, api_url, endpoints_path
 
 app = typer.Typer(help="Cache-centric disaggregated diffusion serving.", no_args_is_help=True)
 console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)
-log = logging.getLogger("diffcache")
+# The level is in every line, so `diffcache up` can echo each child's warnings and errors.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 def _settings(**overrides: object) -> Settings:
@@ -31,14 +29,9 @@ def _settings(**overrides: object) -> Settings:
         raise typer.Exit(2) from exc
 
 
-ENDPOINTS_FILE = "endpoints.json"
-
-
 def _discovered(settings: Settings) -> dict[str, str]:
     """The addresses a running ``diffcache up`` wrote down in the data dir, if any."""
-    import json
-
-    path = settings.data_dir / ENDPOINTS_FILE
+    path = endpoints_path(settings.data_dir)
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -53,73 +46,8 @@ def _client_settings() -> Settings:
         "redis": settings.redis.model_copy(update={"url": found["redis_url"]}),
         "store": settings.store.model_copy(update={
             "master_address": found["master_address"],
-            "metadata_server": found["metadata_server"]})})
-
-
-def _write_endpoints(settings: Settings, addresses: StackAddresses) -> None:
-    import json
-
-    (settings.data_dir / ENDPOINTS_FILE).write_text(json.dumps({
-        "redis_url": addresses.redis_url, "master_address": addresses.store.master_address,
-        "metadata_server": addresses.store.metadata_server,
-        "api_url": _api_url(settings)}))
-
-
-def _api_url(settings: Settings) -> str:
-    return f"http://{settings.api.host}:{settings.api.port}"
-
-
-def _start_api(stack: EmbeddedStack, settings: Settings) -> None:
-    import sys
-
-    import httpx
-
-    from cachesvc.processes import require_free
-
-    require_free("api", settings.api.host, settings.api.port, "DIFFCACHE_API__PORT")
-    child = stack.spawn("api", [sys.executable, "-m", "api"], child_environ(settings))
-    url = _api_url(settings)
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    child.wait_healthy(healthy, 60, f"See {child.log_path}")
-    console.print(f"api             {url}")
-    console.print(f"dashboard       {url}/dashboard")
-
-
-def _print_addresses(addresses: StackAddresses) -> None:
-    console.print(f"redis           {addresses.redis_url}")
-    console.print(f"mooncake master {addresses.store.master_address}")
-    console.print(f"metadata server {addresses.store.metadata_server}")
-
-
-def _wait_for_signal(stop: threading.Event) -> None:
-    def handler(signum: int, _frame: FrameType | None) -> None:
-        console.print(f"\n{signal.Signals(signum).name}: stopping")
-        stop.set()
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-
-
-def _sweep_until(stop: threading.Event, settings: Settings) -> None:
-    """Remove expired TTL'd entries that nobody reads, until ``stop`` is set."""
-    from cachesvc.connect import open_redis, store_endpoints
-
-    store = MooncakeStore.connect(store_endpoints(settings), settings.store)
-    index = TtlIndex(open_redis(settings))
-    try:
-        while not stop.wait(settings.cache.sweep_interval_s):
-            try:
-                index.sweep(store)
-            except CacheError:
-                log.warning("TTL sweep failed; retrying next interval", exc_info=True)
-    finally:
-        store.close()
+            "metadata_server": found["metadata_server"],
+            "master_metrics_url": found.get("master_metrics_url")})})
 
 
 @app.callback()
@@ -127,55 +55,45 @@ def main() -> None:
     """Cache-centric disaggregated diffusion serving."""
 
 
-def _start_workers(stack: EmbeddedStack, settings: Settings) -> None:
-    """One child per configured worker; waits until each has joined its consumer group."""
-    from cachesvc.connect import open_redis
-    from workers.launch import wait_joined, worker_argv
-    from workers.main import ensure_model
-    from workers.messages import Stage
-
-    counts = {Stage.ENCODE: settings.workers.encode_workers,
-              Stage.DENOISE: settings.workers.denoise_workers,
-              Stage.DECODE: settings.workers.decode_workers}
-    if any(counts.values()):
-        ensure_model(settings)
-    env = child_environ(settings)
-    client = open_redis(settings)
-    for stage, count in counts.items():
-        for i in range(count):
-            wait_joined(stack.spawn(f"worker-{stage.value}-{i}", worker_argv(stage), env),
-                        client, stage)
-        console.print(f"{stage.value:<8} workers {count}")
-
-
 @app.command()
 def up(
     data_dir: str | None = typer.Option(None, help="where logs and Valkey's AOF live"),
     segment_mib: int | None = typer.Option(None, help="memory the storage node contributes"),
 ) -> None:
-    """Start the whole service on embedded defaults; Ctrl-C stops everything."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    """Start the whole service on embedded defaults and keep it running; Ctrl-C stops it."""
     overrides: dict[str, object] = {"data_dir": data_dir}
     if segment_mib is not None:
         overrides["store"] = {"segment_mib": segment_mib}
     settings = _settings(**overrides)
-    stop = threading.Event()
-    _wait_for_signal(stop)
-    stack = EmbeddedStack(settings)
+    terminal = detach_native_stderr(settings.logs_dir / "up.log")
+    console = Console(file=terminal, soft_wrap=True)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=terminal)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe
     try:
-        with stack as addresses:
-            _print_addresses(addresses)
-            resolved = stack.resolved(addresses)
-            _write_endpoints(settings, addresses)
-            _start_workers(stack, resolved)
-            _start_api(stack, resolved)
-            console.print("[green]diffcache is up[/green]; Ctrl-C to stop")
-            _sweep_until(stop, resolved)
-        (settings.data_dir / ENDPOINTS_FILE).unlink(missing_ok=True)
+        ServiceTree(settings, console).run()
     except StartupError as exc:
-        errors.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from exc
     console.print("stopped")
+
+
+@app.command()
+def logs(
+    role: str = typer.Argument(..., help="a child (worker-denoise-0, api, valkey, "
+                               "mooncake_master, mooncake_client) or a role (worker-denoise)"),
+    lines: int = typer.Option(50, "--lines", "-n", help="how many of the last lines"),
+) -> None:
+    """Print the end of a child's log file under <data_dir>/logs."""
+    directory = _settings().logs_dir
+    found = sorted(directory.glob(f"{role}.log")) or sorted(directory.glob(f"{role}-*.log"))
+    if not found:
+        known = sorted(p.stem for p in directory.glob("*.log"))
+        errors.print(f"[red]error:[/red] no log for {role!r} in {directory}; known: {known}")
+        raise typer.Exit(2)
+    for path in found:
+        console.print(f"[bold]==> {path} <==[/bold]")
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        console.print("\n".join(tail), markup=False, highlight=False)
 
 
 @app.command()
@@ -184,7 +102,7 @@ def worker(stage: str = typer.Argument(..., help="encode, denoise or decode")) -
     from workers.main import run
     from workers.messages import Stage
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
         chosen = Stage(stage)
     except ValueError:
@@ -226,14 +144,16 @@ def submit(
     from cli.client import submit_and_wait
 
     settings = _client_settings()
+    # The store client's own logging goes to a file, not between the progress bar's lines.
+    terminal = detach_native_stderr(settings.logs_dir / "cli.log")
     submit_and_wait(settings, prompt, negative_prompt, seed, output_format,
-                    tenant or settings.default_tenant, out, console)
+                    tenant or settings.default_tenant, out, Console(file=terminal))
 
 
 def _api_base() -> str:
     """The API's URL: what ``diffcache up`` wrote down, else the configured host and port."""
     settings = _settings()
-    return _discovered(settings).get("api_url", _api_url(settings))
+    return _discovered(settings).get("api_url", api_url(settings))
 
 
 @app.command()
@@ -312,8 +232,15 @@ def status(api_key: str | None = typer.Option(None, help="sent as X-API-Key")) -
     except httpx.HTTPError as exc:
         errors.print(f"[red]error:[/red] no API at {url} ({exc}); is `diffcache up` running?")
         raise typer.Exit(1) from exc
-    for check, ok in ready.items():
+    for check, ok in ready["checks"].items():
         console.print(f"{check:<16} {'ok' if ok else '[red]DOWN[/red]'}")
+    for child in ready["children"]:
+        health = ("[red]CRASH LOOP[/red]" if child["crash_looping"]
+                  else "up" if child["alive"] else "[yellow]restarting[/yellow]")
+        line = f"{child['name']:<20} {health:<12} restarts {child['restarts']}"
+        if child["restarts"]:
+            line += f", last {child['last_exit']}: {escape(child['last_error'][-200:])}"
+        console.print(line, markup=True, highlight=False)
     for q in board["queues"]:
         lat = board["latency"][q["stage"]]
         console.print(f"{q['stage']:<8} {q['priority']:<12} waiting {q['waiting']:<4} "

@@ -116,6 +116,19 @@ def request_index(tenant: str) -> str:
     return f"{KEY_VERSION}:{check_tenant(tenant)}:requests"
 
 
+def active_requests() -> str:
+    """Sorted set: record keys (``request_record``) of every tenant's queued or running
+    requests, scored by admission time in unix ms. Members whose request finished, was parked or
+    is gone are dropped lazily at the next admission (``workers.submit``)."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:active"
+
+
+def tenant_active_requests(tenant: str) -> str:
+    """Sorted set: record keys of ``tenant``'s queued or running requests, kept as
+    ``active_requests`` is."""
+    return f"{KEY_VERSION}:{check_tenant(tenant)}:active"
+
+
 def stage_stream(stage: str, priority: str) -> str:
     """Stream: jobs of one priority class for one stage's worker pool. Shared by tenants; each
     job names its tenant."""
@@ -136,6 +149,16 @@ def preempt_ticket(entry_id: str) -> str:
 def dead_letter_stream() -> str:
     """Stream: jobs that failed more deliveries than allowed, with the reason."""
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:stream:dead"
+
+
+def supervised_children() -> str:
+    """Hash: ``<host>/<child>`` -> JSON status of each child a supervisor keeps running."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:children"
+
+
+def worker_heartbeats(stage: str) -> str:
+    """Sorted set: consumer names of ``stage``'s workers scored by their last heartbeat (ms)."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:heartbeats:{stage}"
 
 
 def consumer_group(stage: str) -> str:

@@ -266,7 +266,8 @@ def test_openai_images_and_sglang_videos(http: TestClient) -> None:
 def test_health_readiness_and_metrics(http: TestClient) -> None:
     assert http.get("/healthz").json() == {"status": "ok"}
     ready = http.get("/readyz")
-    assert ready.status_code == 200 and all(ready.json().values())
+    assert ready.status_code == 200 and ready.json()["ready"]
+    assert all(ready.json()["checks"].values())
     text = http.get("/metrics").text
     assert 'diffcache_cache_lookups_total{kind="embed",tenant="default"}' in text
     assert 'diffcache_cache_lookups_total{kind="cfg",tenant="default"}' in text

@@ -9,7 +9,7 @@ import time
 
 import redis
 
-from bench.dispatch import NoOp
+from bench.common import NoOp
 from cachesvc.connect import open_redis
 from cachesvc.settings import Settings, WorkerSettings
 from keys import GenerationSpec, OutputFormat

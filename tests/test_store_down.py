@@ -11,7 +11,7 @@ import torch
 
 from cachesvc.connect import open_cache, open_redis, store_endpoints
 from cachesvc.errors import StoreUnavailableError
-from cachesvc.mooncake_store import MooncakeStore
+from cachesvc.mooncake_store import MooncakeStore, mounted_bytes
 from cachesvc.settings import Settings, load_settings
 from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
@@ -58,3 +58,19 @@ def test_connecting_to_no_store_fails_fast(doomed: tuple[EmbeddedStack, Settings
     with pytest.raises(StoreUnavailableError, match="nothing answers"):
         MooncakeStore.connect(endpoints, dead)
     assert time.monotonic() - start < 10
+
+
+def test_a_store_without_storage_nodes_is_unavailable_not_full(
+        doomed: tuple[EmbeddedStack, Settings]) -> None:
+    stack, settings = doomed
+    cache: TensorCache = open_cache(settings)
+    stack.child("mooncake_client").kill()
+    url = settings.store.master_metrics_url
+    assert url is not None
+    deadline = time.monotonic() + 60
+    while mounted_bytes(url) != 0:  # the master forgets the node once its lease runs out
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    with pytest.raises(StoreUnavailableError, match="no storage node is mounted"):
+        cache.put(StoreKey("acme", KeyKind.SCRATCH, "after"), torch.ones(4))
+    cache.close()

@@ -7,5 +7,6 @@ from cachesvc.settings import load_settings
 from workers.main import run
 from workers.messages import Stage
 
-logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+# The level is in every line: `diffcache up` echoes its children's warnings and errors.
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
 run(Stage(sys.argv[1]), load_settings())

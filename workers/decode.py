@@ -1,9 +1,10 @@
 """Decode stage: the VAE, frame chunk by frame chunk, into the requested output file.
 
 Reads: the decode stream; the request record; the final latents named by the job.
-Writes: the output file (``output`` entry keyed by chain head, decoder and format, with a TTL),
-then deletes the final latents once the result is published.
-Feeds: nothing; the request is DONE and the API serves the output.
+Writes: the output file (``output`` entry keyed by chain head, decoder and format, with a TTL,
+and the same bytes on disk), then deletes the final latents once the result is published.
+Feeds: nothing; the request is DONE and the API serves the output. Latents lost from the store
+send the request back to denoise, which continues from its latest checkpoint.
 """
 
 from __future__ import annotations
@@ -12,24 +13,26 @@ import time
 
 import torch
 
+from cachesvc.output_files import OutputFiles
 from cachesvc.tensor_cache import TensorCache
-from keys import ChainLink, StoreKey, output_key
+from keys import ChainLink, KeyKind, StoreKey, output_key
 from workers.credits import Credits
 from workers.families.wan import WanDecoder
 from workers.media import encode_frames
 from workers.messages import Job, Stage
-from workers.runtime import JobContext, Outcome, StageError
+from workers.runtime import InputLostError, JobContext, Outcome
 
 
 class DecodeHandler:
     stage = Stage.DECODE
 
     def __init__(self, cache: TensorCache, model: WanDecoder, fps: int,
-                 credits: Credits) -> None:
+                 credits: Credits, files: OutputFiles | None) -> None:
         self.cache = cache
         self.model = model
         self.fps = fps
         self.credits = credits
+        self.files = files
 
     def handle(self, ctx: JobContext) -> Outcome:
         job = ctx.job
@@ -41,15 +44,27 @@ class DecodeHandler:
         hit = self.cache.exists(out_key)
         if not hit:
             start = time.perf_counter()
-            latents = self.cache.get(StoreKey.parse(job.ref("latents").key), lookup=False)
+            latents_ref = job.ref("latents")
+            latents = self.cache.get(StoreKey.parse(latents_ref.key), lookup=False)
             if latents is None:
-                raise StageError(job, "final latents are missing from the store")
+                raise InputLostError(job, KeyKind.LATENTS, self._redo(job), [latents_ref.key])
             data = encode_frames(self.model.frames(latents), spec.output_format, self.fps)
             # What an identical request saves: the trajectory's denoising and this decode.
             cost = job.compute_s + time.perf_counter() - start
+            if self.files is not None:
+                self.files.write(out_key, data)
             self.cache.put(out_key, torch.frombuffer(bytearray(data), dtype=torch.uint8),
                            cost_s=cost)
         return Outcome(None, fields={"output_key": str(out_key), "hits:output": int(hit)})
+
+    @staticmethod
+    def _redo(job: Job) -> Job:
+        """The job that makes the latents again: denoise with the same embeddings (from its
+        latest checkpoint), or encode for a job written before decode jobs carried them."""
+        embeddings = tuple(r for r in job.refs if r.name != "latents")
+        if not embeddings:
+            return Job(job.request_id, job.tenant, Stage.ENCODE, priority=job.priority)
+        return job.handoff(Stage.DENOISE, embeddings)
 
     def after_publish(self, job: Job, outcome: Outcome) -> None:
         """Final latents have one consumer: delete them once the output is published, and

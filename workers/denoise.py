@@ -21,13 +21,13 @@ import torch
 
 from cachesvc.settings import WorkerSettings
 from cachesvc.tensor_cache import TensorCache
-from keys import ChainLink, GenerationSpec, StoreKey, latents_key
+from keys import ChainLink, GenerationSpec, KeyKind, StoreKey, latents_key
 from workers.checkpoint import Checkpoint, CheckpointError
 from workers.credits import Credits
 from workers.families.wan import WanDenoiser
 from workers.guidance import Guidance
-from workers.messages import Stage, State, TensorRef
-from workers.runtime import JobContext, Outcome, StageError
+from workers.messages import Job, Stage, State, TensorRef
+from workers.runtime import InputLostError, JobContext, Outcome
 from workers.trajectory import chain_links, checkpoint_steps, step_segments
 from workers.write_behind import WriteBehind
 
@@ -89,8 +89,10 @@ class DenoiseHandler:
         self.cache.put(key, run.latents)
         shape = (1, *self.model.latent_shape(spec))
         head = run.links[-1]
+        # The embeddings travel on, so a decode that finds the latents lost can send the
+        # request straight back here.
         return Outcome(job.handoff(Stage.DECODE,
-                                   (TensorRef("latents", str(key), "float32", shape),),
+                                   (*job.refs, TensorRef("latents", str(key), "float32", shape)),
                                    chain_index=head.index, chain_head=head.hex,
                                    compute_s=run.compute_s),
                        fields=run.guidance.stats.as_fields())
@@ -124,7 +126,9 @@ class DenoiseHandler:
         tensors = self.cache.batch_get(keys, lookup=False)  # a handoff, not reuse
         missing = [r.key for r, t in zip(job.refs, tensors, strict=True) if t is None]
         if missing:
-            raise StageError(job, f"condition embeddings missing from the store: {missing}")
+            raise InputLostError(job, KeyKind.EMBEDDING, Job(job.request_id, job.tenant,
+                                                        Stage.ENCODE, priority=job.priority),
+                            missing)
         return {r.name: (k, t) for r, k, t in zip(job.refs, keys, tensors, strict=True)
                 if t is not None}
 

@@ -8,10 +8,10 @@ import redis
 
 from cachesvc.processes import ChildProcess
 from workers.messages import Stage
-from workers.runtime import consumer_name
-from workers.streams import live_consumers
+from workers.runtime import consumer_name, live_workers
 
 STARTUP_TIMEOUT_S = 180.0  # imports and model loading, on a busy 2-core machine
+JOINED_WITHIN_S = 5.0
 
 
 def worker_argv(stage: Stage) -> list[str]:
@@ -19,10 +19,10 @@ def worker_argv(stage: Stage) -> list[str]:
 
 
 def wait_joined(child: ChildProcess, client: redis.Redis, stage: Stage) -> None:
-    """Block until ``child`` polls its stage's stream; StartupError if it dies first."""
+    """Block until ``child`` beats as a worker of its stage; StartupError if it dies first."""
     name = consumer_name(child.pid)
 
     def joined() -> bool:
-        return name in live_consumers(client, stage)
+        return name in live_workers(client, stage, within_s=JOINED_WITHIN_S)
 
     child.wait_healthy(joined, STARTUP_TIMEOUT_S, f"See {child.log_path}")

@@ -9,6 +9,7 @@ from types import FrameType
 import torch
 
 from cachesvc.connect import open_cache, open_redis
+from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from workers.credits import Credits
 from workers.messages import Stage
@@ -55,7 +56,10 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
                       preemption=waiting.check_for if settings.workers.preempt else None), handler
     from workers.decode import DecodeHandler
 
-    decode = DecodeHandler(cache, wan.WanDecoder(directory), settings.workers.fps, credits)
+    files = (OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
+             if settings.cache.durable_outputs else None)
+    decode = DecodeHandler(cache, wan.WanDecoder(directory), settings.workers.fps, credits,
+                           files)
     return Worker(decode, client, settings.workers, after_publish=decode.after_publish), decode
 
 

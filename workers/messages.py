@@ -52,6 +52,7 @@ RUNNING = {Stage.ENCODE: State.ENCODING, Stage.DENOISE: State.DENOISING,
            Stage.DECODE: State.DECODING}
 FINISHED = {Stage.ENCODE: State.ENCODED, Stage.DENOISE: State.DENOISED, Stage.DECODE: State.DONE}
 NEXT = {Stage.ENCODE: Stage.DENOISE, Stage.DENOISE: Stage.DECODE, Stage.DECODE: None}
+PREVIOUS = {Stage.DENOISE: Stage.ENCODE, Stage.DECODE: Stage.DENOISE}
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,7 +79,8 @@ if state == 'CANCELLED' then
 end
 if ARGV[5] ~= '' then redis.call('XADD', KEYS[3], '*', 'job', ARGV[5]) end
 redis.call('HSET', KEYS[1], 'done:' .. ARGV[1], '1', 'state', ARGV[6], 'updated_at', ARGV[7])
-redis.call('HDEL', KEYS[1], 'preempt')  -- a preemption asked too late has nothing to stop
+-- A preemption asked too late has nothing to stop; an earlier attempt's error or wait is over.
+redis.call('HDEL', KEYS[1], 'preempt', 'error', 'waiting')
 for i = 10, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])
 redis.call('HINCRBY', KEYS[4], ARGV[8], 1)
@@ -207,6 +208,11 @@ class RequestRecord:
     @property
     def generation(self) -> int:
         return int(self.fields.get("generation", "0"))
+
+    def recomputed(self) -> dict[str, int]:
+        """Kind -> how many times a lost entry of that kind was made again for this request."""
+        return {k.removeprefix("recomputed:"): int(v) for k, v in self.fields.items()
+                if k.startswith("recomputed:")}
 
     def checkpoints(self) -> dict[int, str]:
         """Step -> store key of every checkpoint this request wrote or started from."""

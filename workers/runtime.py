@@ -13,20 +13,26 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import redis
 
+from cachesvc.errors import StoreFullError, StoreUnavailableError
 from cachesvc.settings import WorkerSettings
-from keys import GenerationSpec
+from keys import GenerationSpec, KeyKind
+from keys.names import worker_heartbeats
 from workers.lifecycle import Lifecycle, Requeued
 from workers.messages import Job, Stage, State
 from workers.records import Claim, PreemptMode, Published, Records, StageResult
 from workers.streams import Delivery, LeaseKeeper, StageQueue
 
 log = logging.getLogger(__name__)
+
+OUTAGE_FIRST_RETRY_S = 0.5
+OUTAGE_MAX_RETRY_S = 8.0
+HEARTBEAT_FORGET_MS = 3_600_000
 
 
 class StageError(RuntimeError):
@@ -35,6 +41,18 @@ class StageError(RuntimeError):
     def __init__(self, job: Job, message: str) -> None:
         super().__init__(f"{job.stage} of request {job.request_id}: {message}")
         self.job = job
+
+
+class InputLostError(StageError):
+    """A stage's input is not in the store (evicted, expired, or lost with a storage node).
+    The store is a cache: this is not a failure but a recompute, by the job ``redo`` of the
+    stage that produces the input."""
+
+    def __init__(self, job: Job, kind: KeyKind, redo: Job, keys: Sequence[str]) -> None:
+        super().__init__(job, f"{kind.value} input missing from the store ({', '.join(keys)}); "
+                         f"recomputing it at {redo.stage.value}")
+        self.kind = kind
+        self.redo = redo
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +79,14 @@ class JobContext:
     """
 
     def __init__(self, records: Records, job: Job, attempt: int,
-                 preempt_check: PreemptCheck | None = None) -> None:
+                 preempt_check: PreemptCheck | None = None,
+                 stopping: threading.Event | None = None) -> None:
         self.job = job
         self.attempt = attempt
         self._records = records
         self._preempt_check = preempt_check
-        self.preempt: PreemptMode | None = None
+        self._asked: PreemptMode | None = None
+        self._stopping = stopping
         self._pending: dict[str, object] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -75,6 +95,14 @@ class JobContext:
         self.stale = threading.Event()
         # Started by the first progress report: a stage that reports nothing costs nothing.
         self._thread: threading.Thread | None = None
+
+    @property
+    def preempt(self) -> PreemptMode | None:
+        """Whether the job should step aside at its next step boundary, and how. A worker
+        shutting down re-queues its job, so nothing in hand waits for it to come back."""
+        if self._asked is None and self._stopping is not None and self._stopping.is_set():
+            return PreemptMode.REQUEUE
+        return self._asked
 
     def spec(self) -> GenerationSpec:
         """The request this job belongs to, from its record."""
@@ -96,8 +124,8 @@ class JobContext:
             fields, self._pending = self._pending, {}
         try:
             progress = self._records.update(self.job, self.attempt, **fields)
-            if self.preempt is None and progress.preempt is None and self._preempt_check:
-                self.preempt = self._preempt_check()
+            if self._asked is None and progress.preempt is None and self._preempt_check:
+                self._asked = self._preempt_check()
         except redis.RedisError:
             log.warning("progress of %s not written", self.job.request_id, exc_info=True)
             with self._lock:
@@ -108,7 +136,7 @@ class JobContext:
         elif progress.state is State.CANCELLED:
             self.cancelled.set()
         if progress.preempt is not None:
-            self.preempt = progress.preempt
+            self._asked = progress.preempt
 
     def _run(self) -> None:
         while not self._done.is_set():
@@ -143,6 +171,49 @@ def consumer_name(pid: int | None = None) -> str:
     return f"{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
+class Heartbeat:
+    """A thread that says every ``interval_s`` that this worker lives, busy or idle, so
+    readiness never mistakes a long job for a dead worker."""
+
+    def __init__(self, client: redis.Redis, stage: Stage, consumer: str,
+                 interval_s: float) -> None:
+        self._redis = client
+        self._key = worker_heartbeats(stage.value)
+        self._consumer = consumer
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            now = int(time.time() * 1000)
+            try:
+                pipe = self._redis.pipeline(transaction=False)
+                pipe.zadd(self._key, {self._consumer: now})
+                # Workers that stopped beating long ago leave the set: it stays bounded.
+                pipe.zremrangebyscore(self._key, 0, now - HEARTBEAT_FORGET_MS)
+                pipe.execute()
+            except redis.RedisError as exc:
+                log.warning("heartbeat not written (%s); retrying", exc)
+            if self._stop.wait(self._interval_s):
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        with contextlib.suppress(redis.RedisError):  # a stopped worker just ages out
+            self._redis.zrem(self._key, self._consumer)
+
+
+def live_workers(client: redis.Redis, stage: Stage, within_s: float) -> set[str]:
+    """Consumer names of ``stage``'s workers whose heartbeat is at most ``within_s`` old."""
+    since = int((time.time() - within_s) * 1000)
+    names: list[bytes] = client.zrangebyscore(  # type: ignore[assignment]
+        worker_heartbeats(stage.value), since, "+inf")
+    return {n.decode() for n in names}
+
+
 class Worker:
     def __init__(self, handler: Handler, client: redis.Redis, settings: WorkerSettings,
                  after_publish: Callable[[Job, Outcome], None] | None = None,
@@ -159,25 +230,35 @@ class Worker:
 
     def run(self) -> None:
         self.queue.ensure_group()
+        heartbeat = Heartbeat(self.queue.redis, self.handler.stage, self.queue.consumer,
+                              self.settings.heartbeat_s)
         log.info("%s worker %s ready", self.handler.stage, self.queue.consumer)
         idle_ms = int(self.settings.idle_timeout_s * 1000)
         try:
             self._loop(idle_ms)
         finally:
+            heartbeat.close()
             self.leases.close()
 
     def _loop(self, idle_ms: int) -> None:
+        recovering = False
         while not self.stop.is_set():
             try:
-                deliveries = self.queue.next(self.settings.block_ms, idle_ms,
-                                             self.settings.batch_size)
+                if recovering:
+                    # What this worker had in hand when Redis went away is still pending
+                    # under its name: take it up again now, not after the idle timeout.
+                    deliveries = self.queue.own_pending(self.settings.batch_size)
+                    recovering = bool(deliveries)
+                else:
+                    deliveries = self.queue.next(self.settings.block_ms, idle_ms,
+                                                 self.settings.batch_size)
                 # One class at a time, interactive first: its results are published before
                 # any batch job of the same read starts.
                 for _, same_class in itertools.groupby(deliveries, key=lambda d: d.stream):
                     self.process(list(same_class))
             except redis.RedisError as exc:
-                # Redis restarting or flushed: the unacknowledged job is redelivered later.
                 log.warning("Redis error in the %s loop (%s); retrying", self.handler.stage, exc)
+                recovering = True
                 self.stop.wait(1.0)
                 with contextlib.suppress(redis.RedisError):  # logged above; retried next turn
                     self.queue.ensure_group()
@@ -227,6 +308,29 @@ class Worker:
         if status is Requeued.STALE:
             self.handler.discard(outcome)
 
+    def _handle_through_outages(self, ctx: JobContext) -> Outcome:
+        """``handle``, run again with back-off while the store is unreachable: an outage
+        costs time, not deliveries, until ``outage_budget_s`` has passed. Stages are
+        idempotent, and denoise continues from its latest checkpoint."""
+        deadline = time.monotonic() + self.settings.outage_budget_s
+        delay = OUTAGE_FIRST_RETRY_S
+        while True:
+            try:
+                return self.handler.handle(ctx)
+            except (StoreUnavailableError, StoreFullError) as exc:
+                if time.monotonic() + delay > deadline or self.stop.is_set():
+                    raise
+                log.warning("request %s: %s; retrying %s in %.1f s", ctx.job.request_id, exc,
+                            ctx.job.stage, delay)
+                ctx.progress(waiting=f"store: {exc}")
+                self.stop.wait(delay)
+                delay = min(delay * 2, OUTAGE_MAX_RETRY_S)
+
+    def _recompute(self, job: Job, delivery: Delivery, lost: InputLostError) -> None:
+        status = self.lifecycle.recompute(job, delivery, lost.redo, lost.kind,
+                                          self.settings.max_recomputes)
+        log.warning("request %s: %s (%s)", job.request_id, lost, status.name)
+
     def _admissible(self, delivery: Delivery) -> Job | None:
         """The delivery's job, or None if it is dropped or dead-lettered instead of run."""
         job = delivery.job
@@ -243,12 +347,17 @@ class Worker:
         return job
 
     def _run(self, job: Job, delivery: Delivery) -> tuple[StageResult, Outcome] | None:
-        """Run the stage for one job; None if it failed (it stays unacknowledged)."""
+        """Run the stage for one job; None if it failed (it stays unacknowledged) or went
+        back to the stage that produces a lost input."""
         check = self._preemption(job) if self._preemption is not None else None
-        ctx = JobContext(self.records, job, delivery.attempt, check)
+        ctx = JobContext(self.records, job, delivery.attempt, check, self.stop)
         start = time.perf_counter()
         try:
-            outcome = self.handler.handle(ctx)
+            outcome = self._handle_through_outages(ctx)
+        except InputLostError as lost:
+            ctx.close()
+            self._recompute(job, delivery, lost)
+            return None
         except Exception as exc:
             # Left unacknowledged: redelivered after the idle timeout, dead-lettered after
             # max_deliveries. The error is on the record meanwhile.

@@ -88,6 +88,19 @@ class StageQueue:
         return [self._delivery(stream, e, f, reclaimed=False)
                 for stream, entries in batches for e, f in entries]
 
+    def own_pending(self, count: int) -> list[Delivery]:
+        """Up to ``count`` entries still pending under this consumer's own name, claimed
+        again (a new delivery attempt, so the fence moves on from the one that was cut off)."""
+        for stream in self.streams:
+            pending = self.redis.xpending_range(stream, self.group, min="-", max="+",
+                                                count=count, consumername=self.consumer)
+            ids: list[Any] = [p["message_id"] for p in pending]
+            if ids:
+                claimed: Any = self.redis.xclaim(stream, self.group, self.consumer,
+                                                 min_idle_time=0, message_ids=ids)
+                return [self._delivery(stream, e, f, reclaimed=True) for e, f in claimed]
+        return []
+
     def _delivery(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes],
                   reclaimed: bool) -> Delivery:
         eid = entry_id.decode()

@@ -1,0 +1,129 @@
+"""A ``diffcache up`` in a subprocess, driven as an operator and a client would: through the
+REST API, ``/readyz`` and signals. Shared by the fault-injection benchmark and tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from keys import GenerationSpec
+
+DIFFCACHE = [sys.executable, "-c", "from cli.main import app; app()"]
+DEADLINE_S = 240.0
+TERMINAL = {"DONE", "FAILED", "CANCELLED"}
+
+
+@dataclass
+class RunningService:
+    proc: subprocess.Popen[str]
+    url: str
+    data_dir: Path
+
+    @classmethod
+    def start(cls, data_dir: Path, model_dir: Path, port: int,
+              **settings: str) -> RunningService:
+        """``diffcache up`` with the test-sized model in ``model_dir``; returns once it is up.
+        ``settings`` are extra DIFFCACHE_* variables."""
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
+        environ.update({
+            "DIFFCACHE_DATA_DIR": str(data_dir), "DIFFCACHE_MODEL__DIR": str(model_dir),
+            "DIFFCACHE_MODEL__PRESET": "test", "DIFFCACHE_STORE__SEGMENT_MIB": "64",
+            "DIFFCACHE_API__PORT": str(port),
+            # A killed worker's entries are taken over quickly, and workers poll often.
+            "DIFFCACHE_WORKERS__IDLE_TIMEOUT_S": "3", "DIFFCACHE_WORKERS__BLOCK_MS": "200",
+            **settings})
+        proc = subprocess.Popen([*DIFFCACHE, "up"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=environ)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "is up" in line:
+                break
+            if "error" in line:
+                proc.kill()
+                raise RuntimeError(f"diffcache up failed: {line.strip()}")
+        return cls(proc, f"http://127.0.0.1:{port}", data_dir)
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def stop(self) -> int:
+        """SIGTERM, as an operator stops it; the exit status."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(120)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """An API call that waits out the API or Redis restarting (refused, or 503)."""
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            try:
+                answer = httpx.request(method, f"{self.url}{path}", timeout=10, **kwargs)
+                if answer.status_code != 503:
+                    return answer
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{method} {path} never answered")
+            time.sleep(0.2)
+
+    def generate(self, spec: GenerationSpec) -> str:
+        """Submit ``spec`` (its prompt, size, steps and seed) as an npy request; its id."""
+        segment = spec.schedule[0]
+        answer = self.call("POST", "/v1/generate", json={
+            "prompt": segment.prompt, "negative_prompt": segment.negative_prompt,
+            "width": spec.width, "height": spec.height, "num_frames": spec.num_frames,
+            "num_inference_steps": spec.num_inference_steps,
+            "guidance_scale": spec.guidance_scale, "seed": spec.seed, "output_format": "npy"})
+        if answer.status_code != 202:
+            raise RuntimeError(f"generate answered {answer.status_code}: {answer.text}")
+        request_id: str = answer.json()["id"]
+        return request_id
+
+    def status(self, request_id: str) -> dict[str, Any]:
+        found: dict[str, Any] = self.call("GET", f"/v1/requests/{request_id}").json()
+        return found
+
+    def wait(self, request_id: str, states: set[str] = TERMINAL) -> dict[str, Any]:
+        deadline = time.monotonic() + DEADLINE_S
+        while (now := self.status(request_id))["state"] not in states:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"request {request_id} is still {now['state']}")
+            time.sleep(0.1)
+        return now
+
+    def result(self, request_id: str) -> bytes:
+        answer = self.call("GET", f"/v1/requests/{request_id}/result")
+        if answer.status_code != 200:
+            raise RuntimeError(f"result of {request_id}: {answer.status_code} {answer.text}")
+        return answer.content
+
+    def children(self) -> dict[str, dict[str, Any]]:
+        """Every supervised child by name, as ``/readyz`` reports it."""
+        ready = self.call("GET", "/readyz").json()
+        return {c["name"]: c for c in ready["children"]}
+
+    def kill_child(self, name: str) -> None:
+        """SIGKILL one child and wait until the supervisor has it running again."""
+        before = self.children()[name]
+        os.kill(before["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            now = self.children()[name]
+            if now["restarts"] > before["restarts"] and now["alive"]:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} was not restarted: {now}")
+            time.sleep(0.2)

@@ -1,0 +1,216 @@
+"""``diffcache up``: the whole service on one machine, as a tree of supervised processes.
+
+It takes the data directory's lock, checks every fixed port, starts the store, Valkey, the
+workers and the API, then keeps them running: a child that exits is restarted with back-off.
+On SIGTERM the workers stop taking jobs first (denoise checkpoints), then the API, the store
+and Valkey stop, so nothing made during shutdown is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+import httpx
+import redis
+from rich.console import Console
+
+from cachesvc.connect import open_redis, store_endpoints
+from cachesvc.errors import CacheError
+from cachesvc.instance_lock import InstanceLock
+from cachesvc.mooncake_store import MooncakeStore
+from cachesvc.output_files import OutputFiles
+from cachesvc.processes import require_free
+from cachesvc.settings import Settings, child_environ
+from cachesvc.stack import EmbeddedStack, StackAddresses
+from cachesvc.supervisor import Supervisor, publish
+from cachesvc.ttl_index import TtlIndex
+from cli.console import LogEcho
+
+log = logging.getLogger("diffcache")
+
+ENDPOINTS_FILE = "endpoints.json"
+TICK_S = 0.2
+PUBLISH_EVERY_S = 1.0
+WORKER_ROLES = ("worker-encode", "worker-denoise", "worker-decode")
+# Stopped in this order once the workers are: readers of the store before the store.
+INFRA_ORDER = (("api",), ("mooncake_client",), ("mooncake_master",), ("valkey",))
+
+
+def api_url(settings: Settings) -> str:
+    return f"http://{settings.api.host}:{settings.api.port}"
+
+
+def role_of(child_name: str) -> str:
+    """``worker-denoise-1`` -> ``worker-denoise``; infrastructure children are their role."""
+    head, _, index = child_name.rpartition("-")
+    return head if head.startswith("worker-") and index.isdigit() else child_name
+
+
+def check_fixed_ports(settings: Settings) -> None:
+    """Fail before starting anything if a configured (non-zero) port is taken."""
+    host, store = settings.bind_host, settings.store
+    for component, port, setting in (
+            ("valkey", settings.redis.port if not settings.redis.url else 0,
+             "DIFFCACHE_REDIS__PORT"),
+            ("mooncake_master", store.master_port, "DIFFCACHE_STORE__MASTER_PORT"),
+            ("mooncake_master", store.metadata_port, "DIFFCACHE_STORE__METADATA_PORT"),
+            ("mooncake_master", store.metrics_port, "DIFFCACHE_STORE__METRICS_PORT"),
+            ("mooncake_client", store.storage_port, "DIFFCACHE_STORE__STORAGE_PORT")):
+        if port:
+            require_free(component, host, port, setting)
+    require_free("api", settings.api.host, settings.api.port, "DIFFCACHE_API__PORT")
+
+
+class ServiceTree:
+    """The processes of one ``diffcache up``, from start to an orderly stop."""
+
+    def __init__(self, settings: Settings, console: Console) -> None:
+        self.settings = settings
+        self.console = console
+        self.stack = EmbeddedStack(settings)
+        self.supervisor = Supervisor()
+        self.stop_event = threading.Event()
+        self._lock = InstanceLock(settings.data_dir)
+        self._echo = LogEcho(console)
+
+    def run(self) -> None:
+        """Start everything, supervise until SIGTERM or SIGINT, then stop in order."""
+        self._lock.acquire(api_url(self.settings))
+        try:
+            check_fixed_ports(self.settings)
+            self._catch_signals()
+            addresses = self.stack.start()
+            resolved = self.stack.resolved(addresses)
+            self._print_addresses(addresses)
+            self._write_endpoints(addresses)
+            self._start_workers(resolved)
+            self._start_api(resolved)
+            for child in self.stack.children:
+                self.supervisor.adopt(child, role_of(child.name))
+                self._echo.follow(child.name, child.log_path)
+            client = open_redis(resolved)
+            publish(client, self.supervisor.status())
+            self.console.print("[green]diffcache is up[/green]; Ctrl-C to stop")
+            sweeper = threading.Thread(target=sweep_until, args=(self.stop_event, resolved),
+                                       name="sweeper", daemon=True)
+            sweeper.start()
+            self._supervise(client)
+            self._shut_down()
+            sweeper.join(5)
+        finally:
+            self.stack.stop()  # whatever is left, e.g. after a start-up failure
+            self._echo.close()
+            (self.settings.data_dir / ENDPOINTS_FILE).unlink(missing_ok=True)
+            self._lock.release()
+
+    def _supervise(self, client: redis.Redis) -> None:
+        """Restart what exits until asked to stop; children are (re)started from this
+        thread, the one their parent-death signal is tied to."""
+        next_publish = 0.0
+        while not self.stop_event.wait(TICK_S):
+            self.supervisor.tick()
+            if time.monotonic() >= next_publish:
+                publish(client, self.supervisor.status())
+                next_publish = time.monotonic() + PUBLISH_EVERY_S
+
+    def _shut_down(self) -> None:
+        grace = self.settings.workers.shutdown_grace_s
+        self.console.print(f"stopping workers (up to {grace:.0f} s for jobs in hand)")
+        self.supervisor.stop(WORKER_ROLES, timeout_s=grace)
+        for roles in INFRA_ORDER:
+            self.supervisor.stop(roles)
+
+    def _catch_signals(self) -> None:
+        def handler(signum: int, _frame: FrameType | None) -> None:
+            self.console.print(f"\n{signal.Signals(signum).name}: stopping")
+            self.stop_event.set()
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+    def _print_addresses(self, addresses: StackAddresses) -> None:
+        self.console.print(f"redis           {addresses.redis_url}")
+        self.console.print(f"mooncake master {addresses.store.master_address}")
+        self.console.print(f"metadata server {addresses.store.metadata_server}")
+        self.console.print(f"logs            {self.settings.logs_dir} "
+                           "(`diffcache logs <role>`)")
+
+    def _write_endpoints(self, addresses: StackAddresses) -> None:
+        (self.settings.data_dir / ENDPOINTS_FILE).write_text(json.dumps({
+            "redis_url": addresses.redis_url,
+            "master_address": addresses.store.master_address,
+            "metadata_server": addresses.store.metadata_server,
+            "master_metrics_url": addresses.store.metrics_url,
+            "api_url": api_url(self.settings)}))
+
+    def _start_workers(self, settings: Settings) -> None:
+        """One child per configured worker; waits until each has joined its stage."""
+        from workers.launch import wait_joined, worker_argv
+        from workers.main import ensure_model
+        from workers.messages import Stage
+
+        counts = {Stage.ENCODE: settings.workers.encode_workers,
+                  Stage.DENOISE: settings.workers.denoise_workers,
+                  Stage.DECODE: settings.workers.decode_workers}
+        if any(counts.values()):
+            ensure_model(settings)
+        env = child_environ(settings)
+        client = open_redis(settings)
+        for stage, count in counts.items():
+            for i in range(count):
+                child = self.stack.spawn(f"worker-{stage.value}-{i}", worker_argv(stage), env)
+                wait_joined(child, client, stage)
+            self.console.print(f"{stage.value:<8} workers {count}")
+
+    def _start_api(self, settings: Settings) -> None:
+        child = self.stack.spawn("api", [sys.executable, "-m", "api"], child_environ(settings))
+        url = api_url(settings)
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        child.wait_healthy(healthy, 60, f"See {child.log_path}")
+        self.console.print(f"api             {url}")
+        self.console.print(f"dashboard       {url}/dashboard")
+
+
+def sweep_until(stop: threading.Event, settings: Settings) -> None:
+    """Remove expired cache entries, output files and old Redis state until ``stop`` is set.
+    Every pass survives the store or Redis restarting under it."""
+    from workers.retention import Retention, RetentionError
+
+    client = open_redis(settings)
+    index = TtlIndex(client)
+    retention = Retention(client, settings.retention)
+    files = OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
+    store: MooncakeStore | None = None
+    while not stop.wait(settings.cache.sweep_interval_s):
+        try:
+            store = store or MooncakeStore.connect(store_endpoints(settings), settings.store)
+            index.sweep(store)
+        except CacheError as exc:
+            log.warning("cache sweep failed (%s); retrying next interval", exc)
+        except redis.RedisError as exc:
+            log.warning("cache sweep could not read Redis (%s); retrying", exc)
+        try:
+            while retention.sweep().backlog and not stop.is_set():
+                pass  # more finished records than one pass takes: keep up with the load
+        except RetentionError as exc:
+            log.warning("retention sweep failed (%s); retrying next interval", exc)
+        files.sweep()
+    if store is not None:
+        store.close()
+
+
+def endpoints_path(data_dir: Path) -> Path:
+    return data_dir / ENDPOINTS_FILE

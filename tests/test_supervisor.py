@@ -1,0 +1,94 @@
+"""The supervisor over real processes: a killed child is reaped and started again with
+back-off, a crash loop is reported with its exit status and last log lines, and one data
+directory runs one stack."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from cachesvc.instance_lock import InstanceLock
+from cachesvc.processes import ChildProcess, StartupError
+from cachesvc.supervisor import Backoff, ChildStatus, Supervisor, publish, read_published
+from tests.test_stack import alive, diffcache_up
+
+FAST = Backoff(initial_s=0.01, cap_s=0.05, healthy_after_s=60, crash_loop_after=3)
+
+
+def tick_until(supervisor: Supervisor, done: object, timeout_s: float = 10) -> ChildStatus:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        supervisor.tick()
+        (status,) = supervisor.status()
+        if done(status):  # type: ignore[operator]
+            return status
+        assert time.monotonic() < deadline, status
+        time.sleep(0.01)
+
+
+def test_a_killed_child_is_reaped_and_restarted(tmp_path: Path) -> None:
+    child = ChildProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"],
+                         tmp_path / "sleeper.log")
+    child.start()
+    supervisor = Supervisor(FAST)
+    supervisor.adopt(child, "sleeper")
+    first = child.pid
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    status = tick_until(supervisor, lambda s: s.alive and s.pid != first)
+    assert not alive(first)  # reaped: no zombie left behind
+    assert status.restarts == 1 and status.last_exit == -signal.SIGKILL
+    assert status.describe_exit() == "killed by SIGKILL" and not status.crash_looping
+    supervisor.stop()
+    assert not child.alive()
+    supervisor.tick()  # a child stopped on purpose is not started again
+    assert not child.alive()
+
+
+def test_a_crash_loop_is_reported_with_its_status_and_last_words(tmp_path: Path) -> None:
+    child = ChildProcess("doomed", ["sh", "-c", "echo 'cannot open the model' >&2; exit 3"],
+                         tmp_path / "doomed.log")
+    child.start()
+    supervisor = Supervisor(FAST)
+    supervisor.adopt(child, "doomed")
+    status = tick_until(supervisor, lambda s: s.crash_looping)
+    assert status.restarts >= FAST.crash_loop_after and status.last_exit == 3
+    assert "cannot open the model" in status.last_error
+    assert status.describe_exit() == "exited with status 3"
+    supervisor.stop()
+
+
+def test_back_off_doubles_up_to_its_cap() -> None:
+    backoff = Backoff(initial_s=0.25, cap_s=2.0)
+    assert [backoff.delay(n) for n in range(1, 6)] == [0.25, 0.5, 1.0, 2.0, 2.0]
+
+
+def test_child_status_round_trips_through_redis(redis_client: redis.Redis) -> None:
+    status = ChildStatus("worker-denoise-0", "worker-denoise", 42, False, 3, -9, "boom", True)
+    publish(redis_client, [status])
+    assert read_published(redis_client) == [status]
+
+
+def test_one_data_directory_runs_one_stack(tmp_path: Path) -> None:
+    first = InstanceLock(tmp_path)
+    first.acquire("http://127.0.0.1:8123")
+    with pytest.raises(StartupError, match=rf"pid {os.getpid()}, API http://127.0.0.1:8123"):
+        InstanceLock(tmp_path).acquire("http://127.0.0.1:9999")
+    first.release()
+    InstanceLock(tmp_path).acquire("http://127.0.0.1:9999")  # free once released
+
+
+def test_a_second_up_on_the_same_data_dir_fails_at_once_naming_the_first(
+        tmp_path: Path) -> None:
+    with diffcache_up(tmp_path) as (proc, out):
+        assert "is up" in out
+        with diffcache_up(tmp_path) as (second, said):
+            assert second.wait(30) == 1
+            assert f"pid {proc.pid}" in said and "already running" in said
+            assert "redis" not in said  # it started nothing
