@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from cachesvc.settings import ApiSettings
 from keys import CfgMode, OutputFormat, Priority
 from workers.records import PreemptMode
+from workers.served_model import ServedModel
 
 # How the built-in word-level tokenizer splits text (tokenizers' Whitespace pre-tokenizer).
 _PRETOKEN = re.compile(r"\w+|[^\w\s]+")
@@ -75,7 +76,8 @@ class GenerateBody(BaseModel):
                                               "schedule's last until_step")
     guidance_scale: Guidance | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="default: random")
-    output_format: OutputFormat = OutputFormat.MP4
+    output_format: OutputFormat | None = Field(None, description="default: mp4 for a video "
+                                               "model, png for an image model")
     priority: Priority = Priority.INTERACTIVE
     cfg_cache: CfgCacheBody = CfgCacheBody()
 
@@ -151,21 +153,30 @@ def segment_texts(prefix: str, segments: list[Segment] | None) -> list[tuple[str
 
 
 def check_limits(body: GenerateBody, width: int, height: int, frames: int, steps: int,
-                 limits: ApiSettings) -> None:
-    """Raise FieldError for the first field outside the limits of this deployment."""
+                 output_format: OutputFormat, limits: ApiSettings, model: ServedModel) -> None:
+    """Raise FieldError for the first field outside the limits of this deployment and of the
+    model family it serves."""
     check_texts([("prompt", body.prompt), ("negative_prompt", body.negative_prompt),
                  *segment_texts("schedule", body.schedule)], limits)
-    m = limits.spatial_multiple
+    m = max(limits.spatial_multiple, model.limits.spatial_multiple)
     for name, value, top in (("width", width, limits.max_width),
                              ("height", height, limits.max_height)):
         if not m <= value <= top or value % m:
             raise FieldError(name, f"must be a multiple of {m} from {m} to {top}, got {value}")
-    if not 1 <= frames <= limits.max_frames or (frames - 1) % 4:
-        raise FieldError("num_frames", f"must be 4k+1 from 1 to {limits.max_frames}, got {frames}")
+    if not model.limits.video:
+        if frames != 1:
+            raise FieldError("num_frames", f"{model.family} makes images: num_frames must be "
+                             f"1, got {frames}")
+        if output_format is OutputFormat.MP4:
+            raise FieldError("output_format", f"{model.family} makes images: use png or npy")
+    k = model.limits.frame_multiple
+    if not 1 <= frames <= limits.max_frames or (frames - 1) % k:
+        raise FieldError("num_frames", f"must be {k}k+1 from 1 to {limits.max_frames}, "
+                         f"got {frames}")
     if not 1 <= steps <= limits.max_steps:
         raise FieldError("num_inference_steps", f"must be from 1 to {limits.max_steps}, "
                          f"got {steps}")
-    if body.output_format is OutputFormat.PNG and frames != 1:
+    if output_format is OutputFormat.PNG and frames != 1:
         raise FieldError("output_format", f"png holds one frame; set num_frames=1 (got {frames})")
 
 
@@ -188,6 +199,8 @@ class RequestStatus(BaseModel):
                               "resumed from a checkpoint (preemption, crash, shared prefix)")
     checkpoints: list[int] = Field(description="steps with a checkpoint to branch from")
     preemptions: int
+    model: dict[str, str] | None = Field(description="the family and model folder that serve "
+                                         "the request")
     recomputed: dict[str, int] = Field(description="kind -> times an entry of that kind was "
                                        "lost from the cache and made again")
     error: str | None

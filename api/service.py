@@ -30,13 +30,14 @@ from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from cachesvc.supervisor import ChildStatus, read_published
 from cachesvc.tensor_cache import TensorCache
-from keys import GenerationSpec, KeyKind, StoreKey
+from keys import GenerationSpec, KeyKind, OutputFormat, StoreKey
 from keys.names import KEY_VERSION, check_tenant
 from keys.spec import valid_request_id
 from workers.lifecycle import Lifecycle, LifecycleError
 from workers.messages import Stage, State
 from workers.records import PreemptMode, Records, RequestRecord
 from workers.runtime import live_workers
+from workers.served_model import DEFAULT_FAMILY, ServedModel, read_served
 from workers.submit import AdmissionError, Bounds, new_request_id, readmit, submit
 
 # A worker beats every workers.heartbeat_s; one silent for this long is taken for gone.
@@ -90,6 +91,11 @@ def idempotency_key(tenant: str, key: str) -> str:
     return f"{KEY_VERSION}:{check_tenant(tenant)}:idem:{xxhash.xxh3_128_hexdigest(key.encode())}"
 
 
+def model_of(record: RequestRecord) -> dict[str, str] | None:
+    family, _, name = record.fields.get("model", "").partition("/")
+    return {"family": family, "name": name} if name else None
+
+
 def status_of(record: RequestRecord) -> RequestStatus:
     spec = record.spec
     return RequestStatus(
@@ -98,7 +104,7 @@ def status_of(record: RequestRecord) -> RequestStatus:
         priority=spec.priority.value, stage_seconds=record.stage_seconds(),
         cache_hits=record.hits(), resumed_from=record.counter("resumed_from"),
         checkpoints=sorted(record.checkpoints()), preemptions=record.counter("preemptions"),
-        recomputed=record.recomputed(), error=record.error,
+        model=model_of(record), recomputed=record.recomputed(), error=record.error,
         created_at=float(record.fields["created_at"]),
         updated_at=float(record.fields["updated_at"]))
 
@@ -132,11 +138,15 @@ class Service:
 
         if (body.prompt is None) == (body.schedule is None):
             raise FieldError("prompt", "give either prompt or schedule (exactly one)")
+        served = self.served()
+        video = served.limits.video
         width, height = given(body.width, m.width), given(body.height, m.height)
-        frames = given(body.num_frames, m.num_frames)
+        frames = given(body.num_frames, m.num_frames if video else 1)
         default_steps = body.schedule[-1].until_step if body.schedule else m.num_inference_steps
         steps = given(body.num_inference_steps, default_steps)
-        check_limits(body, width, height, frames, steps, self.settings.api)
+        output_format = body.output_format or (OutputFormat.MP4 if video else OutputFormat.PNG)
+        check_limits(body, width, height, frames, steps, output_format, self.settings.api,
+                     served)
         schedule = None
         if body.schedule is not None:
             schedule = segments_from(body.schedule, body.negative_prompt, "schedule", 0, steps)
@@ -147,8 +157,18 @@ class Service:
             guidance_scale=m.guidance_scale if body.guidance_scale is None
             else body.guidance_scale,
             seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
-            output_format=body.output_format, priority=body.priority,
+            output_format=output_format, priority=body.priority,
             cfg_cache=cfg_cache_from(body.cfg_cache))
+
+    def served(self) -> ServedModel:
+        """The model the workers said they serve, or, before any has started, the family the
+        settings name (the default family for ``auto``)."""
+        found = read_served(self.redis)
+        if found is not None:
+            return found
+        family = self.settings.model.family
+        return ServedModel(DEFAULT_FAMILY if family == "auto" else family,
+                           self.settings.model_dir.name)
 
     def generate(self, tenant: str, body: GenerateBody, idem: str | None = None) -> str:
         """Admit and submit; with an idempotency key, a repeat returns the first request."""
@@ -173,7 +193,9 @@ class Service:
     def submit(self, spec: GenerationSpec) -> str:
         """Admit and submit in one script, so concurrent submits cannot overshoot a bound."""
         try:
-            return submit(self.redis, spec, bounds=self.bounds)
+            served = self.served()
+            return submit(self.redis, spec, bounds=self.bounds,
+                          fields={"model": f"{served.family}/{served.name}"})
         except AdmissionError as exc:
             raise QueueFullError(exc) from exc
 

@@ -29,21 +29,22 @@ console = Console(soft_wrap=True)
 
 
 @contextmanager
-def bench_stack(segment_mib: int) -> Iterator[Settings]:
+def bench_stack(segment_mib: int, family: str = "auto") -> Iterator[Settings]:
     """A private embedded stack in a temporary directory; resolved settings to reach it."""
     with tempfile.TemporaryDirectory(prefix="diffcache-bench-") as data_dir:
-        settings = load_settings(data_dir=data_dir, store={"segment_mib": segment_mib})
+        settings = load_settings(data_dir=data_dir, store={"segment_mib": segment_mib},
+                                 model={"family": family})
         stack = EmbeddedStack(settings)
         with stack as addresses:
             yield stack.resolved(addresses)
 
 
 @contextmanager
-def model_stack(segment_mib: int = 1024) -> Iterator[Settings]:
+def model_stack(segment_mib: int = 1024, family: str = "auto") -> Iterator[Settings]:
     """``bench_stack`` with the built-in model built in it, for benchmarks that run workers."""
     from workers.main import ensure_model
 
-    with bench_stack(segment_mib) as settings:
+    with bench_stack(segment_mib, family) as settings:
         ensure_model(settings)
         yield settings
 
@@ -158,3 +159,4 @@ def stop_processes(procs: Sequence[BaseProcess]) -> None:
     for p in procs:
         p.terminate()
         p.join()
+

@@ -21,8 +21,9 @@ from bench.common import report
 from bench.running_service import RunningService
 from cachesvc.processes import free_port
 from keys import GenerationSpec, OutputFormat
-from workers.families import wan
+from workers.families import family_named
 from workers.media import decode_npy
+from workers.served_model import DEFAULT_FAMILY
 from workers.submit import new_request_id
 
 ROLES = ("worker-encode-0", "worker-denoise-0", "worker-decode-0", "api", "valkey",
@@ -34,38 +35,29 @@ PROMPTS = ("a red fox in the snow", "a lighthouse at dawn", "two dogs running on
 def specs(count: int) -> list[GenerationSpec]:
     return [GenerationSpec.create(
         request_id=new_request_id(), tenant="default", prompt=PROMPTS[n % len(PROMPTS)],
-        negative_prompt="blurry", width=32, height=32, num_frames=5, num_inference_steps=12,
+        negative_prompt="blurry", width=64, height=64, num_frames=5, num_inference_steps=20,
         guidance_scale=5.0, seed=7000 + n, output_format=OutputFormat.NPY)
         for n in range(count)]
 
 
 def kill_on_schedule(service: RunningService, seed: int, every_s: float,
                      stop: threading.Event, killed: list[str]) -> None:
-    """One SIGKILL every ``every_s``, in an order drawn from ``seed``, until ``stop``."""
+    """One SIGKILL every ``every_s`` until ``stop``: rounds over every role, each round in
+    an order drawn from ``seed``, so every role is hit as often as the run allows."""
     draw = random.Random(seed)
-    while not stop.wait(every_s):
-        name = draw.choice(ROLES)
-        service.kill_child(name)
-        killed.append(name)
+    while True:
+        for name in draw.sample(ROLES, len(ROLES)):
+            if stop.wait(every_s):
+                return
+            service.kill_child(name)
+            killed.append(name)
 
 
 def references(model_dir: Path, wanted: list[GenerationSpec]) -> list[np.ndarray]:
     """The monolithic pipeline's frames for each spec, run quietly in this process."""
-    from diffusers import WanPipeline
-
     torch.set_num_threads(1)  # the workers' condition for bit-identity
-    pipe = WanPipeline.from_pretrained(model_dir)
-    out = []
-    for spec in wanted:
-        segment = spec.schedule[0]
-        frames = pipe(segment.prompt, negative_prompt=segment.negative_prompt,
-                      height=spec.height, width=spec.width, num_frames=spec.num_frames,
-                      num_inference_steps=spec.num_inference_steps,
-                      guidance_scale=spec.guidance_scale,
-                      generator=torch.Generator().manual_seed(spec.seed),
-                      output_type="np").frames
-        out.append(wan.to_uint8(frames[0]))
-    return out
+    pipeline = family_named(DEFAULT_FAMILY).reference(model_dir)
+    return [pipeline(spec) for spec in wanted]
 
 
 def main() -> None:
@@ -73,10 +65,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--every", type=float, default=4.0, help="seconds between kills")
     parser.add_argument("--seed", type=int, default=0, help="seeds the kill schedule")
+    parser.add_argument("--spacing", type=float, default=1.0, help="seconds between arrivals")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="diffcache-faults-") as tmp:
         model_dir = Path(tmp) / "model"
-        wan.build(model_dir, "test")
+        family_named(DEFAULT_FAMILY).build(model_dir, "test", 0)
         service = RunningService.start(Path(tmp) / "data", model_dir, free_port("127.0.0.1"))
         stop, killed = threading.Event(), list[str]()
         killer = threading.Thread(target=kill_on_schedule,
@@ -87,7 +80,7 @@ def main() -> None:
             accepted: dict[str, GenerationSpec] = {}
             for spec in specs(args.requests):
                 accepted[service.generate(spec)] = spec
-                time.sleep(0.3)  # arrivals spread over the kills
+                time.sleep(args.spacing)  # arrivals spread over the kills
             finals = {rid: service.wait(rid) for rid in accepted}
             stop.set()
             killer.join()

@@ -97,7 +97,9 @@ class RetentionSettings(_Section):
 class ModelSettings(_Section):
     """The model every worker loads: a local folder, built on first start if it is missing."""
 
-    family: Literal["wan"] = "wan"
+    # "auto": the family whose pipeline class the model folder's model_index.json names (a
+    # folder still to be built gets the default, video family).
+    family: Literal["auto", "wan", "qwen-image"] = "auto"
     dir: Path | None = Field(None, description="default: <data_dir>/model")
     preset: Literal["default", "test"] = Field("default", description="size of the built-in model")
     build_seed: int = 0

@@ -119,16 +119,27 @@ app.add_typer(model_app, name="model")
 def model_init(
     dir: str | None = typer.Option(None, "--dir", help="default: <data_dir>/model"),
     preset: str | None = typer.Option(None, help="default or test"),
+    family: str | None = typer.Option(None, help="a model family, e.g. qwen-image; default: "
+                                      "the video family"),
 ) -> None:
-    """Build the tiny Wan2.1-architecture model and save it with save_pretrained."""
-    from workers.families import wan
+    """Build a tiny random model of a family and save it with save_pretrained."""
+    from workers.families import UnknownFamilyError, family_named, is_built
+    from workers.served_model import DEFAULT_FAMILY
 
-    settings = _settings(model={k: v for k, v in {"dir": dir, "preset": preset}.items() if v})
-    if wan.is_built(settings.model_dir):
-        console.print(f"model already built in {settings.model_dir}")
+    settings = _settings(model={k: v for k, v in {"dir": dir, "preset": preset,
+                                                   "family": family}.items() if v})
+    if is_built(settings.model_dir):
+        console.print(f"a model is already built in {settings.model_dir}")
         return
-    wan.build(settings.model_dir, settings.model.preset, settings.model.build_seed)
-    console.print(f"built the {settings.model.preset} model in {settings.model_dir}")
+    try:
+        chosen = family_named(DEFAULT_FAMILY if settings.model.family == "auto"
+                              else settings.model.family)
+    except UnknownFamilyError as exc:
+        errors.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    chosen.build(settings.model_dir, settings.model.preset, settings.model.build_seed)
+    console.print(f"built the {settings.model.preset} {chosen.name} model in "
+                  f"{settings.model_dir}")
 
 
 @app.command()

@@ -156,6 +156,11 @@ def supervised_children() -> str:
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:children"
 
 
+def served_model() -> str:
+    """String: JSON naming the model family and folder the workers serve."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:served-model"
+
+
 def worker_heartbeats(stage: str) -> str:
     """Sorted set: consumer names of ``stage``'s workers scored by their last heartbeat (ms)."""
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:heartbeats:{stage}"

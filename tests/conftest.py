@@ -15,7 +15,7 @@ from cachesvc.settings import ModelSettings, Settings, WorkerSettings, load_sett
 from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
 from tests.workers_harness import start_worker
-from workers.families import wan
+from workers.families import qwen_image, wan
 from workers.messages import Stage
 
 
@@ -74,6 +74,13 @@ def cache(_session_cache: TensorCache, redis_client: redis.Redis) -> TensorCache
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("model")
     wan.build(directory, "test")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def qwen_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("qwen-model")
+    qwen_image.build(directory, "test")
     return directory
 
 

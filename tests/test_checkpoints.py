@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import redis
 import torch
 
@@ -26,14 +27,18 @@ from tests.workers_harness import (
     worker_named,
 )
 from workers.checkpoint import Checkpoint
-from workers.families import wan
+from workers.families import family_named
 from workers.messages import Stage, State
 from workers.submit import new_request_id, submit
 from workers.trajectory import checkpoint_every
 
 
-def test_a_checkpoint_round_trips_the_whole_scheduler_state(model_dir: Path) -> None:
-    trajectory = wan.WanTrajectory(model_dir)
+@pytest.mark.parametrize("family", ["wan", "qwen-image"])
+def test_a_checkpoint_round_trips_the_whole_scheduler_state(
+        family: str, model_dir: Path, qwen_model_dir: Path) -> None:
+    directory = model_dir if family == "wan" else qwen_model_dir
+    trajectory = family_named(family).trajectory(directory)
+    spec = make_spec(num_inference_steps=5)
 
     def advance(scheduler: Any, x: torch.Tensor, steps: range) -> torch.Tensor:
         for i in steps:  # any deterministic stand-in for the model's prediction
@@ -41,13 +46,13 @@ def test_a_checkpoint_round_trips_the_whole_scheduler_state(model_dir: Path) -> 
                                return_dict=False)[0]
         return x
 
-    scheduler, rng = trajectory.scheduler(5), torch.Generator().manual_seed(1)
+    scheduler, rng = trajectory.scheduler(spec), torch.Generator().manual_seed(1)
     halfway = advance(scheduler, torch.randn(1, 4, 2, 3, 3, generator=rng), range(3))
     saved = Checkpoint.capture(3, halfway, scheduler, rng, torch.ones(2), 0.5).to_bytes()
     expected = advance(scheduler, halfway, range(3, 5))
 
     restored = Checkpoint.from_bytes(saved)
-    fresh_scheduler, fresh_rng = trajectory.scheduler(5), torch.Generator()
+    fresh_scheduler, fresh_rng = trajectory.scheduler(spec), torch.Generator()
     restored.restore(fresh_scheduler, fresh_rng)
     assert torch.equal(advance(fresh_scheduler, restored.latents, range(3, 5)), expected)
     assert torch.equal(fresh_rng.get_state(), rng.get_state())

@@ -47,27 +47,28 @@ def test_denoise_without_its_embeddings_sends_the_request_back_to_encode(
 @contextmanager
 def paused(children: list[ChildProcess]) -> Iterator[None]:
     """Every live worker of a stage held with SIGSTOP for the block: its stream waits."""
-    held = [c.pid for c in children if c.alive() and c.pid is not None]
-    for pid in held:
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with signalled(children, signal.SIGSTOP, signal.SIGCONT):
         yield
-    finally:
-        for pid in held:
-            os.kill(pid, signal.SIGCONT)
 
 
 @contextmanager
 def running(children: list[ChildProcess]) -> Iterator[None]:
     """Workers held by ``paused`` let go for the block."""
+    with signalled(children, signal.SIGCONT, signal.SIGSTOP):
+        yield
+
+
+@contextmanager
+def signalled(children: list[ChildProcess], first: signal.Signals,
+              then: signal.Signals) -> Iterator[None]:
     held = [c.pid for c in children if c.alive() and c.pid is not None]
     for pid in held:
-        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, first)
     try:
         yield
     finally:
         for pid in held:
-            os.kill(pid, signal.SIGSTOP)
+            os.kill(pid, then)
 
 
 def lose(settings: Settings, keys: list[StoreKey]) -> None:

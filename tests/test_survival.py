@@ -51,10 +51,11 @@ def test_every_kind_of_child_killed_under_load_is_restarted_and_nothing_is_lost(
         assert service.children()[name]["last_exit"] == "killed by SIGKILL"
     check_all_done(service, pipe, accepted)
     assert not any(c["crash_looping"] for c in service.children().values())
-    restarts = [line for line in service.call("GET", "/metrics").text.splitlines()
-                if line.startswith("diffcache_child_restarts_total")]
-    for name in CHILDREN:
-        assert any(f'child="{name}"' in line and line.endswith(" 1.0") for line in restarts)
+    restarts = {line.split('child="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                for line in service.call("GET", "/metrics").text.splitlines()
+                if line.startswith("diffcache_child_restarts_total")}
+    # At least the kill; a storage node may also exit on its own while its master restarts.
+    assert all(restarts[name] >= 1 for name in CHILDREN), restarts
 
 
 def test_a_restart_of_the_whole_service_loses_nothing(service: RunningService, pipe: object,

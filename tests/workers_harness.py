@@ -17,7 +17,7 @@ from cachesvc.connect import open_cache
 from cachesvc.processes import ChildProcess, free_port
 from cachesvc.settings import ApiSettings, Settings, child_environ
 from keys import GenerationSpec, StoreKey
-from workers.families import wan
+from workers.families.base import to_uint8
 from workers.launch import wait_joined, worker_argv
 from workers.media import decode_npy
 from workers.messages import Stage, State
@@ -89,7 +89,7 @@ def reference(pipe: object, spec: GenerationSpec) -> np.ndarray:
                height=spec.height, width=spec.width, num_frames=spec.num_frames,
                num_inference_steps=spec.num_inference_steps, guidance_scale=spec.guidance_scale,
                generator=torch.Generator().manual_seed(spec.seed), output_type="np").frames
-    return wan.to_uint8(out[0])
+    return to_uint8(out[0])
 
 
 @contextmanager

@@ -1,9 +1,10 @@
 """Step checkpoints: everything a denoising trajectory needs to continue bit-identically.
 
-A checkpoint after step k holds the latents, the scheduler's whole multistep state (UniPC keeps
-its last model outputs, their timesteps, the last sample and its order counters), the noise
-generator's state and, for the approximate CFG tier, the guidance residual in use. It is stored
-as safetensors (tensors plus string metadata, never pickle) under the chain link ``h(k)``.
+A checkpoint after step k holds the latents, the scheduler's whole stepping state (a multistep
+scheduler keeps its last model outputs, their timesteps, the last sample and its order counters;
+a first-order one only its step index), the noise generator's state and, for the approximate CFG
+tier, the guidance residual in use. It is stored as safetensors (tensors plus string metadata,
+never pickle) under the chain link ``h(k)``.
 """
 
 from __future__ import annotations

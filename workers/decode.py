@@ -17,7 +17,7 @@ from cachesvc.output_files import OutputFiles
 from cachesvc.tensor_cache import TensorCache
 from keys import ChainLink, KeyKind, StoreKey, output_key
 from workers.credits import Credits
-from workers.families.wan import WanDecoder
+from workers.families.base import Decoder
 from workers.media import encode_frames
 from workers.messages import Job, Stage
 from workers.runtime import InputLostError, JobContext, Outcome
@@ -26,7 +26,7 @@ from workers.runtime import InputLostError, JobContext, Outcome
 class DecodeHandler:
     stage = Stage.DECODE
 
-    def __init__(self, cache: TensorCache, model: WanDecoder, fps: int,
+    def __init__(self, cache: TensorCache, model: Decoder, fps: int,
                  credits: Credits, files: OutputFiles | None) -> None:
         self.cache = cache
         self.model = model
@@ -48,7 +48,7 @@ class DecodeHandler:
             latents = self.cache.get(StoreKey.parse(latents_ref.key), lookup=False)
             if latents is None:
                 raise InputLostError(job, KeyKind.LATENTS, self._redo(job), [latents_ref.key])
-            data = encode_frames(self.model.frames(latents), spec.output_format, self.fps)
+            data = encode_frames(self.model.frames(latents, spec), spec.output_format, self.fps)
             # What an identical request saves: the trajectory's denoising and this decode.
             cost = job.compute_s + time.perf_counter() - start
             if self.files is not None:

@@ -11,6 +11,7 @@ Checks cancel and preempt requests at every step boundary (through the progress 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from cachesvc.tensor_cache import TensorCache
 from keys import ChainLink, GenerationSpec, KeyKind, StoreKey, latents_key
 from workers.checkpoint import Checkpoint, CheckpointError
 from workers.credits import Credits
-from workers.families.wan import WanDenoiser
+from workers.families.base import Denoiser
 from workers.guidance import Guidance
 from workers.messages import Job, Stage, State, TensorRef
 from workers.runtime import InputLostError, JobContext, Outcome
@@ -57,7 +58,7 @@ class _Run:
 class DenoiseHandler:
     stage = Stage.DENOISE
 
-    def __init__(self, cache: TensorCache, model: WanDenoiser, settings: WorkerSettings,
+    def __init__(self, cache: TensorCache, model: Denoiser, settings: WorkerSettings,
                  credits: Credits) -> None:
         self.cache = cache
         self.model = model
@@ -65,7 +66,11 @@ class DenoiseHandler:
         self.credits = credits
         # The two CFG branches are independent forwards of one model. Run concurrently, each
         # with its own single-threaded kernels, they compute exactly what they compute in turn.
-        self._cond_pool = ThreadPoolExecutor(1, "cfg-cond") if settings.cfg_parallel else None
+        # The intra-op thread count is per thread: the pool's thread gets this one's, or its
+        # kernels split work differently and results differ in the last bits.
+        self._cond_pool = (ThreadPoolExecutor(1, "cfg-cond", initializer=torch.set_num_threads,
+                                              initargs=(torch.get_num_threads(),))
+                           if settings.cfg_parallel else None)
         self._writes = WriteBehind()
 
     def handle(self, ctx: JobContext) -> Outcome:
@@ -87,7 +92,7 @@ class DenoiseHandler:
         self._writes.drain()
         key = latents_key(spec.tenant, spec.request_id, job.fence_token(ctx.attempt))
         self.cache.put(key, run.latents)
-        shape = (1, *self.model.latent_shape(spec))
+        shape = self.model.latent_shape(spec)
         head = run.links[-1]
         # The embeddings travel on, so a decode that finds the latents lost can send the
         # request straight back here.
@@ -135,7 +140,7 @@ class DenoiseHandler:
     def _start(self, ctx: JobContext, spec: GenerationSpec,
                embeds: dict[str, tuple[StoreKey, torch.Tensor]]) -> _Run:
         """The trajectory at its latest cached checkpoint, or at step 0."""
-        scheduler = self.model.scheduler(spec.num_inference_steps)
+        scheduler = self.model.scheduler(spec)
         links = chain_links(spec, {name: key for name, (key, _) in embeds.items()},
                             self.model.fingerprint, self.model.scheduler_config,
                             scheduler.timesteps)
@@ -153,7 +158,8 @@ class DenoiseHandler:
         return run
 
     def _guidance(self, spec: GenerationSpec, residual: torch.Tensor | None) -> Guidance:
-        return Guidance(self.cache, self.model.predict, self.model.fingerprint, spec,
+        forward = functools.partial(_forward, self.model, spec)
+        return Guidance(self.cache, forward, self.model.guide, self.model.fingerprint, spec,
                         lookup=self.settings.cfg_cache, cond_pool=self._cond_pool,
                         write_behind=self._writes, residual=residual)
 
@@ -212,3 +218,8 @@ class DenoiseHandler:
         if ctx.preempt is not None and not ctx.should_stop:
             return Outcome(None, fields=fields, preempted=ctx.preempt)
         return Outcome(None, State.CANCELLED, fields)
+
+
+def _forward(model: Denoiser, spec: GenerationSpec, latents: torch.Tensor, t: torch.Tensor,
+             embeds: torch.Tensor) -> torch.Tensor:
+    return model.predict(latents, t, embeds, spec)

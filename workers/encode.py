@@ -14,7 +14,7 @@ from cachesvc.codec import TensorSpec
 from cachesvc.tensor_cache import TensorCache
 from encoders.text import TextModel, encode_texts
 from keys import GenerationSpec, StoreKey, output_key
-from workers.families.wan import WanTrajectory
+from workers.families.base import Trajectory
 from workers.messages import Stage, State, TensorRef
 from workers.runtime import JobContext, Outcome
 from workers.trajectory import chain_head
@@ -23,7 +23,7 @@ from workers.trajectory import chain_head
 class EncodeHandler:
     stage = Stage.ENCODE
 
-    def __init__(self, cache: TensorCache, model: TextModel, trajectory: WanTrajectory) -> None:
+    def __init__(self, cache: TensorCache, model: TextModel, trajectory: Trajectory) -> None:
         self.cache = cache
         self.model = model
         self.trajectory = trajectory
@@ -58,7 +58,7 @@ class EncodeHandler:
         """The output entry of this exact trajectory, if another request already made it."""
         t = self.trajectory
         head = chain_head(spec, {r.name: StoreKey.parse(r.key) for r in refs}, t.fingerprint,
-                          t.scheduler_config, t.scheduler(spec.num_inference_steps).timesteps)
+                          t.scheduler_config, t.scheduler(spec).timesteps)
         key = output_key(head, t.decoder_fingerprint, spec.output_format.value)
         # A counted lookup: a hit counts the compute recorded with the output as saved. The
         # read is one small file, against the seconds of denoising it replaces.

@@ -18,11 +18,12 @@ import torch
 from cachesvc.counters import Event
 from cachesvc.tensor_cache import TensorCache
 from keys import CfgMode, Fingerprint, GenerationSpec, KeyKind, StoreKey, cfg_key, tensor_digest
-from workers.families.wan import guide
 from workers.write_behind import WriteBehind
 
 # (latents, timestep, embeddings) -> prediction: one transformer forward.
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (cond, uncond, scale) -> guided prediction, in the family's operation order.
+Combine = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 @dataclass
@@ -43,12 +44,13 @@ class Guidance:
     """The guided prediction of each step of one request, skipping the unconditional forward
     where the request's CFG mode allows."""
 
-    def __init__(self, cache: TensorCache, forward: Forward, model: Fingerprint,
-                 spec: GenerationSpec, *, lookup: bool, cond_pool: ThreadPoolExecutor | None,
-                 write_behind: WriteBehind,
+    def __init__(self, cache: TensorCache, forward: Forward, combine: Combine,
+                 model: Fingerprint, spec: GenerationSpec, *, lookup: bool,
+                 cond_pool: ThreadPoolExecutor | None, write_behind: WriteBehind,
                  residual: torch.Tensor | None = None) -> None:
         self.cache = cache
         self.forward = forward
+        self.combine = combine
         self.model = model
         self.spec = spec
         self.lookup = lookup and spec.cfg_cache.mode is not CfgMode.OFF
@@ -71,14 +73,14 @@ class Guidance:
             self.cache.counters.add(self.spec.tenant, KeyKind.CFG, Event.COMPUTE_SECONDS_SAVED,
                                     self._uncond_s)
             prediction = self.forward(latents, t, cond)
-            return guide(prediction, prediction - self.residual, scale)
+            return self.combine(prediction, prediction - self.residual, scale)
         pending = self.cond_pool.submit(self.forward, latents, t, cond) if self.cond_pool else None
         uncond = self._unconditional(latents, t, negative)
         prediction = pending.result() if pending else self.forward(latents, t, cond)
         self.stats.forwards += 1
         if self.spec.cfg_cache.approximate:
             self.residual = prediction - uncond
-        return guide(prediction, uncond, scale)
+        return self.combine(prediction, uncond, scale)
 
     def _unconditional(self, latents: torch.Tensor, t: torch.Tensor,
                        negative: tuple[StoreKey, torch.Tensor]) -> torch.Tensor:

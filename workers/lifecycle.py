@@ -11,6 +11,7 @@ import dataclasses
 from enum import IntEnum
 
 import redis
+from redis.commands.core import Script
 
 from keys import KeyKind
 from keys.names import consumer_group, decode_credits, request_record, stage_stream
@@ -156,13 +157,7 @@ class Lifecycle:
             raise LifecycleError(f"request {spec.request_id} is {record.state.value}; only "
                               f"{', '.join(s.value for s in State if s.resumable)} requests "
                               "can be resumed")
-        job = Job(spec.request_id, spec.tenant, Stage.ENCODE, priority=spec.priority,
-                  generation=record.generation + 1)
-        (code,) = run_durably(self.redis, spec.request_id, lambda pipe: self._resume(
-            keys=[request_record(spec.tenant, spec.request_id),
-                  stage_stream(Stage.ENCODE.value, spec.priority.value)],
-            args=[job.generation, job.to_json(), timestamp()], client=pipe))
-        if int(code) != 1:
+        if self._back_to_encode(record, self._resume) != 1:
             raise LifecycleError(f"request {spec.request_id} changed while resuming it; "
                               "read its state and try again")
 
@@ -188,11 +183,16 @@ class Lifecycle:
     def recompute_output(self, record: RequestRecord) -> bool:
         """Run a DONE request whose output was lost through the pipeline again (it is seeded,
         so the output is the same); False if it changed meanwhile."""
+        return self._back_to_encode(record, self._redo_output) == 1
+
+    def _back_to_encode(self, record: RequestRecord, script: Script) -> int:
+        """Run ``script`` (KEYS: record, encode stream; ARGV: new generation, job, now),
+        which puts the request at encode under its next generation, durably."""
         spec = record.spec
         job = Job(spec.request_id, spec.tenant, Stage.ENCODE, priority=spec.priority,
                   generation=record.generation + 1)
-        (code,) = run_durably(self.redis, spec.request_id, lambda pipe: self._redo_output(
+        (code,) = run_durably(self.redis, spec.request_id, lambda pipe: script(
             keys=[request_record(spec.tenant, spec.request_id),
                   stage_stream(Stage.ENCODE.value, spec.priority.value)],
             args=[job.generation, job.to_json(), timestamp()], client=pipe))
-        return int(code) == 1
+        return int(code)

@@ -12,25 +12,29 @@ from cachesvc.connect import open_cache, open_redis
 from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from workers.credits import Credits
+from workers.families import is_built, resolve
+from workers.families.base import Family
 from workers.messages import Stage
 from workers.preemption import InteractiveWaiting
 from workers.runtime import Handler, Worker, consumer_name
+from workers.served_model import ServedModel, publish_served
 
 log = logging.getLogger(__name__)
 
 
-def ensure_model(settings: Settings) -> None:
-    """Build the embedded model on first start; later starts load what was saved."""
-    from workers.families import wan
-
-    if not wan.is_built(settings.model_dir):
-        log.info("building the %s model in %s", settings.model.preset, settings.model_dir)
-        wan.build(settings.model_dir, settings.model.preset, settings.model.build_seed)
+def ensure_model(settings: Settings) -> Family:
+    """The family to serve; its tiny model is built on first start, later starts load what
+    was saved (or the real checkpoint ``model.dir`` names)."""
+    family = resolve(settings.model.family, settings.model_dir)
+    if not is_built(settings.model_dir):
+        log.info("building the %s %s model in %s", settings.model.preset, family.name,
+                 settings.model_dir)
+        family.build(settings.model_dir, settings.model.preset, settings.model.build_seed)
+    return family
 
 
 def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
-    from workers.families import wan
-
+    family = resolve(settings.model.family, settings.model_dir)
     threads = {Stage.ENCODE: settings.workers.encode_threads,
                Stage.DENOISE: settings.workers.denoise_threads,
                Stage.DECODE: settings.workers.decode_threads}[stage]
@@ -39,18 +43,19 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
     client = open_redis(settings)
     cache = open_cache(settings, client)
     directory = settings.model_dir
+    publish_served(client, ServedModel(family.name, directory.resolve().name))
     handler: Handler
     if stage is Stage.ENCODE:
         from workers.encode import EncodeHandler
 
-        handler = EncodeHandler(cache, wan.WanTextEncoder(directory),
-                                wan.WanTrajectory(directory))
+        handler = EncodeHandler(cache, family.text_encoder(directory),
+                                family.trajectory(directory))
         return Worker(handler, client, settings.workers), handler
     credits = Credits(client, settings.workers.decode_credits)
     if stage is Stage.DENOISE:
         from workers.denoise import DenoiseHandler
 
-        handler = DenoiseHandler(cache, wan.WanDenoiser(directory), settings.workers, credits)
+        handler = DenoiseHandler(cache, family.denoiser(directory), settings.workers, credits)
         waiting = InteractiveWaiting(client, stage, consumer_name(), settings.workers)
         return Worker(handler, client, settings.workers,
                       preemption=waiting.check_for if settings.workers.preempt else None), handler
@@ -58,7 +63,7 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
 
     files = (OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
              if settings.cache.durable_outputs else None)
-    decode = DecodeHandler(cache, wan.WanDecoder(directory), settings.workers.fps, credits,
+    decode = DecodeHandler(cache, family.decoder(directory), settings.workers.fps, credits,
                            files)
     return Worker(decode, client, settings.workers, after_publish=decode.after_publish), decode
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -124,16 +124,17 @@ def _admission_keys(tenant: str, request_id: str) -> list[str]:
 
 
 def submit(client: redis.Redis, spec: GenerationSpec, *, durable_timeout_ms: int = 2000,
-           bounds: Bounds = UNBOUNDED) -> str:
+           bounds: Bounds = UNBOUNDED, fields: Mapping[str, str] | None = None) -> str:
     """Accept ``spec`` and return its request id; a request id seen before is not re-queued.
 
     Raises AdmissionError, having written nothing, when ``bounds`` would be exceeded.
+    ``fields`` go into the record too (the model that serves it).
     """
-    fields = initial_fields(spec)
+    record = {**initial_fields(spec), **(fields or {})}
     job = Job(spec.request_id, spec.tenant, Stage.ENCODE, priority=spec.priority)
     args: list[str | int] = [int(time.time() * 1000), *bounds.args(), job.to_json(),
                              spec.request_id]
-    for k, v in fields.items():
+    for k, v in record.items():
         args += [k, v]
     script = client.register_script(_SUBMIT)
     (code, *_) = run_durably(client, spec.request_id, lambda pipe: script(

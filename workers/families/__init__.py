@@ -1,2 +1,54 @@
-"""Model families. Everything specific to one architecture lives in one module here, so a
-second family (an SD3-style image model, Qwen-Image) is a new file, not edits across the tree."""
+"""Model families. Everything specific to one architecture lives in one module here, behind
+``base.Family``; this registry picks the family from the settings or, by default, from the
+model folder's ``model_index.json`` ``_class_name``, as SGLang does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from workers.families import qwen_image, wan
+from workers.families.base import Family
+from workers.served_model import DEFAULT_FAMILY
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (wan.FAMILY, qwen_image.FAMILY)}
+
+
+class UnknownFamilyError(ValueError):
+    """A model folder or setting names a family this build does not serve."""
+
+
+def is_built(directory: Path) -> bool:
+    return (directory / "model_index.json").exists()
+
+
+def family_named(name: str) -> Family:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise UnknownFamilyError(f"model family {name!r} is not supported; supported: "
+                                 f"{sorted(FAMILIES)}") from None
+
+
+def family_of(directory: Path) -> Family:
+    """The family whose pipeline class the folder's ``model_index.json`` names."""
+    index = directory / "model_index.json"
+    class_name = json.loads(index.read_text()).get("_class_name")
+    for family in FAMILIES.values():
+        if family.pipeline_class == class_name:
+            return family
+    raise UnknownFamilyError(
+        f"{index} names pipeline class {class_name!r}, which no family serves; supported: "
+        f"{sorted(f.pipeline_class for f in FAMILIES.values())}")
+
+
+def resolve(setting: str, directory: Path) -> Family:
+    """The family to serve: the one the setting names, or (``auto``) the folder's, or the
+    default family for a folder still to be built. A folder of another family is an error."""
+    if is_built(directory):
+        found = family_of(directory)
+        if setting not in ("auto", found.name):
+            raise UnknownFamilyError(f"model.family is {setting!r} but {directory} holds a "
+                                     f"{found.name} model ({found.pipeline_class})")
+        return found
+    return family_named(DEFAULT_FAMILY if setting == "auto" else setting)

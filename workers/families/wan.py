@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from encoders.text import TokenizedText
-from keys import Fingerprint, GenerationSpec, file_digest, model_fingerprint
+from keys import GenerationSpec
+from workers.families.base import Family, Tokens, component_fingerprint, to_uint8
+from workers.served_model import LIMITS
 
 MAX_SEQUENCE_LENGTH = 512  # what WanPipeline.__call__ uses (encode_prompt defaults to 226)
 PRESET_FILE = "diffcache-preset.json"
@@ -109,23 +110,11 @@ def build(directory: Path, preset_name: str, seed: int = 0) -> None:
                                                      **asdict(preset)}))
 
 
-def is_built(directory: Path) -> bool:
-    return (directory / "model_index.json").exists()
-
-
-def _fingerprint(role: str, component_dir: Path, dtype: torch.dtype) -> Fingerprint:
-    config = json.loads((component_dir / "config.json").read_text())
-    config.pop("_diffusers_version", None)
-    config.pop("transformers_version", None)
-    weights = {p.name: file_digest(p) for p in sorted(component_dir.glob("*.safetensors"))}
-    return model_fingerprint(role, config, weights, str(dtype), "cpu")
-
-
 # --- Encode ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
-class Tokens:
+class WanTokens:
     ids: tuple[int, ...]
     mask: tuple[int, ...]
 
@@ -140,20 +129,20 @@ class WanTextEncoder:
 
         self.tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
         self.model = UMT5EncoderModel.from_pretrained(directory / "text_encoder").eval()
-        self.fingerprint = _fingerprint("text_encoder", directory / "text_encoder",
-                                        self.model.dtype)
+        self.fingerprint = component_fingerprint(directory, "text_encoder", self.model.dtype)
 
-    def tokenize(self, text: str) -> Tokens:
+    def tokenize(self, text: str) -> WanTokens:
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
         out = self.tokenizer([prompt_clean(text)], padding="max_length",
                              max_length=self.max_length, truncation=True,
                              add_special_tokens=True, return_attention_mask=True,
                              return_tensors="pt")
-        return Tokens(tuple(out.input_ids[0].tolist()), tuple(out.attention_mask[0].tolist()))
+        return WanTokens(tuple(out.input_ids[0].tolist()),
+                         tuple(out.attention_mask[0].tolist()))
 
     @torch.no_grad()
-    def encode(self, tokens: TokenizedText) -> torch.Tensor:
+    def encode(self, tokens: Tokens) -> torch.Tensor:
         ids = torch.tensor([tokens.ids])
         mask = torch.tensor([tokens.mask])
         hidden = self.model(ids, mask).last_hidden_state
@@ -178,12 +167,12 @@ class WanTrajectory:
             UniPCMultistepScheduler.load_config(directory / "scheduler"))
         self._scheduler_cls = UniPCMultistepScheduler
         # Components load in float32: from_pretrained is never given another dtype here.
-        self.fingerprint = _fingerprint("transformer", directory / "transformer", torch.float32)
-        self.decoder_fingerprint = _fingerprint("vae", directory / "vae", torch.float32)
+        self.fingerprint = component_fingerprint(directory, "transformer", torch.float32)
+        self.decoder_fingerprint = component_fingerprint(directory, "vae", torch.float32)
 
-    def scheduler(self, steps: int) -> Any:
+    def scheduler(self, spec: GenerationSpec) -> Any:
         scheduler = self._scheduler_cls.from_config(self.scheduler_config)
-        scheduler.set_timesteps(steps, device="cpu")
+        scheduler.set_timesteps(spec.num_inference_steps, device="cpu")
         scheduler.set_begin_index(0)
         return scheduler
 
@@ -200,9 +189,9 @@ class WanDenoiser(WanTrajectory):
         self.temporal_factor = 2 ** sum(vae_config["temperal_downsample"])
         self.spatial_factor = 2 ** (len(vae_config["dim_mult"]) - 1)
 
-    def latent_shape(self, spec: GenerationSpec) -> tuple[int, int, int, int]:
-        """(channels, latent frames, latent height, latent width) of one video."""
-        return (self.transformer.config.in_channels,
+    def latent_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
+        """(1, channels, latent frames, latent height, latent width) of one video."""
+        return (1, self.transformer.config.in_channels,
                 (spec.num_frames - 1) // self.temporal_factor + 1,
                 spec.height // self.spatial_factor, spec.width // self.spatial_factor)
 
@@ -213,23 +202,23 @@ class WanDenoiser(WanTrajectory):
         from diffusers.utils.torch_utils import randn_tensor
 
         generator = torch.Generator(device="cpu").manual_seed(spec.seed)
-        latents = randn_tensor((1, *self.latent_shape(spec)), generator=generator,
+        latents = randn_tensor(self.latent_shape(spec), generator=generator,
                                device=torch.device("cpu"), dtype=torch.float32)
         return latents, generator
 
     @torch.no_grad()
-    def predict(self, latents: torch.Tensor, t: torch.Tensor,
-                embeds: torch.Tensor) -> torch.Tensor:
+    def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
+                spec: GenerationSpec) -> torch.Tensor:
         """One transformer forward: the model's prediction for ``latents`` at timestep ``t``."""
         model_input = latents.to(self.transformer.dtype)
         return self.transformer(hidden_states=model_input, timestep=t.expand(latents.shape[0]),
                                 encoder_hidden_states=embeds.to(self.transformer.dtype),
                                 return_dict=False)[0]
 
-
-def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """Classifier-free guidance, in the pipeline's exact operation order."""
-    return uncond + scale * (cond - uncond)
+    @staticmethod
+    def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """Classifier-free guidance, in the pipeline's exact operation order."""
+        return uncond + scale * (cond - uncond)
 
 
 # --- Decode ---------------------------------------------------------------------------------
@@ -244,10 +233,10 @@ class WanDecoder:
 
         self.vae = AutoencoderKLWan.from_pretrained(directory / "vae").eval()
         self.processor = VideoProcessor(vae_scale_factor=self.vae.config.scale_factor_spatial)
-        self.fingerprint = _fingerprint("vae", directory / "vae", self.vae.dtype)
+        self.fingerprint = component_fingerprint(directory, "vae", self.vae.dtype)
 
     @torch.no_grad()
-    def frames(self, latents: torch.Tensor) -> Iterator[np.ndarray]:
+    def frames(self, latents: torch.Tensor, spec: GenerationSpec) -> Iterator[np.ndarray]:
         """uint8 frames (F, H, W, 3) chunk by chunk, equal to the pipeline's whole decode.
 
         This is ``AutoencoderKLWan._decode`` with its frame loop opened up: the causal feature
@@ -274,6 +263,28 @@ class WanDecoder:
             vae.clear_cache()
 
 
-def to_uint8(frames: np.ndarray) -> np.ndarray:
-    """Float frames in [0, 1] to uint8, as ``diffusers`` does for PIL output."""
-    return (frames * 255).round().astype(np.uint8)
+
+class WanReference:
+    """The monolithic ``WanPipeline``: what the three stages must equal."""
+
+    def __init__(self, directory: Path) -> None:
+        from diffusers import WanPipeline
+
+        self.pipe: Any = WanPipeline.from_pretrained(directory)
+        self.pipe.set_progress_bar_config(disable=True)
+
+    def __call__(self, spec: GenerationSpec) -> np.ndarray:
+        segment = spec.schedule[0]
+        frames = self.pipe(segment.prompt, negative_prompt=segment.negative_prompt,
+                           height=spec.height, width=spec.width, num_frames=spec.num_frames,
+                           num_inference_steps=spec.num_inference_steps,
+                           guidance_scale=spec.guidance_scale,
+                           generator=torch.Generator().manual_seed(spec.seed),
+                           output_type="np").frames
+        return to_uint8(frames[0])
+
+
+FAMILY = Family(name="wan", pipeline_class="WanPipeline", limits=LIMITS["wan"],
+                presets=tuple(PRESETS), build=build, text_encoder=WanTextEncoder,
+                trajectory=WanTrajectory, denoiser=WanDenoiser, decoder=WanDecoder,
+                reference=WanReference)

@@ -1,0 +1,64 @@
+"""The family registry: the family comes from the settings or the folder's model_index.json,
+an unknown pipeline class is a clear error, and weight digests are computed once per folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from keys import file_digest
+from tests.test_stack import DIFFCACHE
+from workers.families import FAMILIES, UnknownFamilyError, family_of, resolve
+from workers.families.base import MANIFEST, component_fingerprint
+
+
+def test_the_family_is_read_from_model_index(model_dir: Path, qwen_model_dir: Path) -> None:
+    assert family_of(model_dir).name == "wan"
+    assert family_of(qwen_model_dir).name == "qwen-image"
+    assert resolve("auto", qwen_model_dir).name == "qwen-image"
+    with pytest.raises(UnknownFamilyError, match="holds a qwen-image model"):
+        resolve("wan", qwen_model_dir)
+
+
+def test_an_unknown_pipeline_class_names_itself_and_the_supported_ones(tmp_path: Path) -> None:
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(UnknownFamilyError) as info:
+        resolve("auto", tmp_path)
+    message = str(info.value)
+    assert "FluxPipeline" in message
+    assert all(f.pipeline_class in message for f in FAMILIES.values())
+
+
+def test_weight_digests_are_kept_in_a_manifest(qwen_model_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(qwen_model_dir, folder)
+    first = component_fingerprint(folder, "vae", torch.float32)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    assert manifest["vae/diffusion_pytorch_model.safetensors"]["digest"] == file_digest(weights)
+    # Read from the manifest next time: a digest planted there is what the fingerprint uses.
+    manifest["vae/diffusion_pytorch_model.safetensors"]["digest"] = "planted"
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    assert component_fingerprint(folder, "vae", torch.float32) != first
+    os.utime(weights)  # the file changed: its digest is computed again
+    assert component_fingerprint(folder, "vae", torch.float32) == first
+
+
+def test_model_init_builds_a_qwen_image_folder(tmp_path: Path) -> None:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
+    done = subprocess.run([*DIFFCACHE, "model", "init", "--family", "qwen-image", "--preset",
+                           "test", "--dir", str(tmp_path / "q")], capture_output=True,
+                          text=True, env=environ, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert family_of(tmp_path / "q").name == "qwen-image"
+    bad = subprocess.run([*DIFFCACHE, "model", "init", "--family", "flux", "--dir",
+                          str(tmp_path / "f")], capture_output=True, text=True, env=environ,
+                         timeout=300, check=False)
+    assert bad.returncode == 2 and "model.family" in bad.stderr

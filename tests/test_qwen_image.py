@@ -1,0 +1,185 @@
+"""The Qwen-Image family through the three workers, on a stack of its own: outputs are
+bit-identical to ``QwenImagePipeline.from_pretrained(dir)(...)`` (one thread per op, CPU,
+float32), also when resumed from each checkpoint and after ``kill -9`` of the denoise worker;
+the API refuses video-only fields for an image family."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import redis
+import torch
+
+from cachesvc.connect import open_cache, open_redis
+from cachesvc.processes import ChildProcess
+from cachesvc.settings import ApiSettings, ModelSettings, Settings, WorkerSettings, load_settings
+from cachesvc.stack import EmbeddedStack
+from keys import GenerationSpec, StoreKey
+from tests.workers_harness import make_spec, run_request, serve_api, start_worker, wait_done
+from workers.families.base import to_uint8
+from workers.messages import Stage, State
+from workers.submit import submit
+
+
+@pytest.fixture(scope="module")
+def qwen_settings(tmp_path_factory: pytest.TempPathFactory,
+                  qwen_model_dir: Path) -> Iterator[Settings]:
+    settings = load_settings(data_dir=str(tmp_path_factory.mktemp("qwen-stack")),
+                             store={"segment_mib": 64})
+    stack = EmbeddedStack(settings)
+    with stack as addresses:
+        yield stack.resolved(addresses).model_copy(update={
+            "model": ModelSettings(dir=qwen_model_dir, preset="test"),
+            "workers": WorkerSettings(idle_timeout_s=3.0, block_ms=200)})
+
+
+@pytest.fixture(scope="module")
+def qwen_client(qwen_settings: Settings) -> redis.Redis:
+    return open_redis(qwen_settings)
+
+
+@pytest.fixture(scope="module")
+def qwen_pool(qwen_settings: Settings, qwen_client: redis.Redis,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Stage, ChildProcess]]:
+    logs = tmp_path_factory.mktemp("qwen-logs")
+    workers = {stage: start_worker(qwen_settings, stage, logs, qwen_client, f"qwen-{stage}")
+               for stage in Stage}
+    yield workers
+    for child in workers.values():
+        child.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen_pipe(qwen_model_dir: Path) -> object:
+    from diffusers import QwenImagePipeline
+
+    return QwenImagePipeline.from_pretrained(qwen_model_dir)
+
+
+def image_spec(**changes: object) -> GenerationSpec:
+    fields: dict[str, object] = dict(width=64, height=64, num_frames=1, num_inference_steps=6,
+                                     guidance_scale=4.0, seed=7)
+    fields.update(changes)
+    return make_spec(**fields)
+
+
+def reference(pipe: object, spec: GenerationSpec) -> np.ndarray:
+    """The monolithic pipeline's image, with one thread per op as the workers run."""
+    segment = spec.schedule[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        images = pipe(segment.prompt, negative_prompt=segment.negative_prompt,  # type: ignore[operator]
+                      true_cfg_scale=spec.guidance_scale, height=spec.height, width=spec.width,
+                      num_inference_steps=spec.num_inference_steps,
+                      generator=torch.Generator().manual_seed(spec.seed),
+                      output_type="np").images
+    finally:
+        torch.set_num_threads(threads)
+    return to_uint8(images)
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"guidance_scale": 1.0},
+    {"negative_prompt": "", "seed": 99},
+    {"width": 96, "height": 48, "prompt": "Two dogs, running on a BEACH!"},
+], ids=["cfg", "no-cfg", "empty-negative", "wide"])
+def test_outputs_are_bit_identical_to_the_qwen_image_pipeline(
+        qwen_settings: Settings, qwen_client: redis.Redis, qwen_pool: object,
+        qwen_pipe: object, changes: dict[str, object]) -> None:
+    spec = image_spec(**changes)
+    frames = run_request(qwen_settings, qwen_client, spec)
+    expected = reference(qwen_pipe, spec)
+    assert frames.shape == expected.shape == (1, spec.height, spec.width, 3)
+    assert np.array_equal(frames, expected)
+
+
+def test_a_png_output_holds_the_same_pixels(
+        qwen_settings: Settings, qwen_client: redis.Redis, qwen_pool: object,
+        qwen_pipe: object) -> None:
+    import imageio.v3 as iio
+
+    spec = image_spec(output_format="png", seed=5)
+    submit(qwen_client, spec)
+    record = wait_done(qwen_client, spec)
+    assert record.state is State.DONE and record.output_key is not None
+    cache = open_cache(qwen_settings)
+    try:
+        data = cache.get(StoreKey.parse(record.output_key), lookup=False)
+    finally:
+        cache.close()
+    assert data is not None
+    image = iio.imread(data.numpy().tobytes(), extension=".png")
+    assert np.array_equal(image, reference(qwen_pipe, spec)[0])
+
+
+def test_resuming_from_every_checkpoint_is_bit_identical(
+        qwen_settings: Settings, qwen_client: redis.Redis, qwen_pool: object,
+        qwen_pipe: object) -> None:
+    spec = image_spec(seed=21)
+    expected = reference(qwen_pipe, spec)
+    assert np.array_equal(run_request(qwen_settings, qwen_client, spec), expected)
+    record = wait_done(qwen_client, spec)
+    checkpoints = record.checkpoints()
+    assert sorted(checkpoints) == [1, 2, 3, 4, 5, 6]
+    cache = open_cache(qwen_settings)
+    try:
+        for k in range(6, 0, -1):
+            for step, key in checkpoints.items():
+                if step > k:
+                    cache.remove(StoreKey.parse(key))
+            assert record.output_key is not None
+            cache.remove(StoreKey.parse(record.output_key))
+            again = image_spec(seed=21)
+            frames = run_request(qwen_settings, qwen_client, again)
+            assert wait_done(qwen_client, again).counter("resumed_from") == k
+            assert np.array_equal(frames, expected), f"resumed from step {k}"
+    finally:
+        cache.close()
+
+
+def test_a_killed_denoise_worker_is_recovered_bit_identically(
+        qwen_settings: Settings, qwen_client: redis.Redis,
+        qwen_pool: dict[Stage, ChildProcess], qwen_pipe: object, tmp_path: Path) -> None:
+    spec = image_spec(seed=77, num_inference_steps=60)
+    submit(qwen_client, spec)
+    key = f"v1:{spec.tenant}:req:{spec.request_id}"
+    deadline = time.monotonic() + 120
+    while int(qwen_client.hget(key, "checkpoint_step") or 0) < 6:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    qwen_pool[Stage.DENOISE].kill()
+    qwen_pool[Stage.DENOISE] = start_worker(qwen_settings, Stage.DENOISE, tmp_path,
+                                            qwen_client, "qwen-denoise-replacement")
+    record = wait_done(qwen_client, spec)
+    assert record.state is State.DONE
+    assert record.fields["attempt:denoise"] == "2" and record.counter("resumed_from") >= 6
+    assert np.array_equal(run_frames(qwen_settings, record), reference(qwen_pipe, spec))
+
+
+def run_frames(settings: Settings, record: object) -> np.ndarray:
+    from tests.workers_harness import read_frames
+
+    return read_frames(settings, record)  # type: ignore[arg-type]
+
+
+def test_the_api_refuses_video_fields_for_an_image_family(
+        qwen_settings: Settings, qwen_pool: object) -> None:
+    with serve_api(qwen_settings, ApiSettings()) as url, httpx.Client(base_url=url) as http:
+        for body, field in (({"num_frames": 5}, "num_frames"),
+                            ({"output_format": "mp4"}, "output_format")):
+            answer = http.post("/v1/generate", json={"prompt": "a red fox", **body})
+            assert answer.status_code == 422, answer.text
+            assert answer.json()["field"] == field
+            assert "qwen-image" in answer.json()["error"]
+        ok = http.post("/v1/generate", json={"prompt": "a red fox", "output_format": "png",
+                                             "num_frames": 1, "width": 64, "height": 64})
+        assert ok.status_code == 202, ok.text
+        status = http.get(f"/v1/requests/{ok.json()['id']}").json()
+        assert status["model"] == {"family": "qwen-image", "name": "qwen-model0"}

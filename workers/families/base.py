@@ -1,0 +1,122 @@
+"""The interface every model family implements: the stages know a family only through it.
+
+A family holds everything model-specific: how a text becomes conditioning, the scheduler for
+a request and its resumable state, the latents and their noise, how the two CFG branches
+combine, and the decoder. A new family is one module and one registry entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from encoders.text import TextModel as TextEncoder
+from encoders.text import TokenizedText as Tokens
+from keys import Fingerprint, GenerationSpec, file_digest, model_fingerprint
+from keys.canonical import Canonical
+from workers.served_model import FamilyLimits
+
+__all__ = ["Decoder", "Denoiser", "Family", "TextEncoder", "Tokens", "Trajectory",
+           "component_fingerprint", "to_uint8"]
+
+
+class Trajectory(Protocol):
+    """What names a request's trajectory and output, without loading any weights."""
+
+    fingerprint: Fingerprint
+    decoder_fingerprint: Fingerprint
+
+    @property
+    def scheduler_config(self) -> Mapping[str, Canonical]:
+        """The scheduler's configuration: part of every trajectory's hash chain."""
+
+    def scheduler(self, spec: GenerationSpec) -> Any:
+        """A fresh scheduler with the request's timesteps set, at step 0."""
+
+
+class Denoiser(Trajectory, Protocol):
+    """The DiT, driven one step at a time by the denoise worker."""
+
+    def latent_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
+        """The shape of one request's latents, batch dimension included."""
+
+    def initial_latents(self, spec: GenerationSpec) -> tuple[torch.Tensor, torch.Generator]:
+        """The pipeline's starting noise, and the generator it came from."""
+
+    def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
+                spec: GenerationSpec) -> torch.Tensor:
+        """One transformer forward at timestep ``t`` under one text's conditioning."""
+
+    def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """Classifier-free guidance, in the family pipeline's exact operation order."""
+
+
+class Decoder(Protocol):
+    """Latents to uint8 frames (F, H, W, 3), chunk by chunk where the family is a video."""
+
+    fingerprint: Fingerprint
+
+    def frames(self, latents: torch.Tensor, spec: GenerationSpec) -> Iterator[np.ndarray]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One model family: its name, the diffusers pipeline class its folders name in
+    ``model_index.json``, how to build a tiny one, and a loader per stage."""
+
+    name: str
+    pipeline_class: str
+    limits: FamilyLimits
+    presets: Sequence[str]
+    build: Callable[[Path, str, int], None]
+    text_encoder: Callable[[Path], TextEncoder]
+    trajectory: Callable[[Path], Trajectory]
+    denoiser: Callable[[Path], Denoiser]
+    decoder: Callable[[Path], Decoder]
+    # The family's monolithic diffusers pipeline, run on a request's first prompt segment:
+    # what the stages' output must equal bit for bit (tests and benchmarks).
+    reference: Callable[[Path], Callable[[GenerationSpec], np.ndarray]]
+
+
+MANIFEST = "diffcache-fingerprints.json"
+
+
+def component_fingerprint(directory: Path, role: str, dtype: torch.dtype) -> Fingerprint:
+    """The fingerprint of one component folder: its config, the digests of its weights, the
+    dtype and the device class. Weight digests are computed once per folder and kept in a
+    manifest beside the model, so a worker's start does not hash gigabytes of weights; an
+    entry whose file changed size or time is computed again."""
+    component = directory / role
+    config = json.loads((component / "config.json").read_text())
+    config.pop("_diffusers_version", None)
+    config.pop("transformers_version", None)
+    manifest_path = directory / MANIFEST
+    manifest: dict[str, dict[str, object]] = (
+        json.loads(manifest_path.read_text()) if manifest_path.exists() else {})
+    weights, changed = {}, False
+    for path in sorted(component.glob("*.safetensors")):
+        stat = path.stat()
+        entry = manifest.get(f"{role}/{path.name}", {})
+        if entry.get("size") != stat.st_size or entry.get("mtime_ns") != stat.st_mtime_ns:
+            entry = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                     "digest": file_digest(path)}
+            manifest[f"{role}/{path.name}"] = entry
+            changed = True
+        weights[path.name] = str(entry["digest"])
+    if changed:
+        partial = manifest_path.with_name(f".{MANIFEST}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        partial.replace(manifest_path)  # concurrent writers write the same digests
+    return model_fingerprint(role, config, weights, str(dtype), "cpu")
+
+
+def to_uint8(frames: np.ndarray) -> np.ndarray:
+    """Float frames in [0, 1] to uint8, as ``diffusers`` does for PIL output."""
+    return (frames * 255).round().astype(np.uint8)

@@ -1,0 +1,337 @@
+"""The Qwen-Image family: Qwen2.5-VL text encoder, the Qwen-Image DiT and VAE, flow-matching
+Euler with a resolution-dependent shift, and true CFG with a norm rescale.
+
+``build`` makes a tiny random pipeline with the real checkpoint's component classes (the
+tokenizer too: a byte-level BPE trained locally); a real ``Qwen/Qwen-Image`` folder loads
+through the same ``from_pretrained`` path. The stage code reproduces ``QwenImagePipeline``
+(diffusers 0.42) step for step, which makes outputs bit-identical to it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from keys import GenerationSpec
+from workers.families.base import Family, Tokens, component_fingerprint, to_uint8
+from workers.served_model import LIMITS
+
+# QwenImagePipeline's prompt template; its first DROP_IDX tokens (the system prompt) are
+# dropped from the text encoder's hidden states.
+TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, "
+            "texture, quantity, text, spatial relationships of the objects and background:"
+            "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+DROP_IDX = 34
+TOKENIZER_MAX_LENGTH = 1024
+MAX_SEQUENCE_LENGTH = 512  # what __call__ cuts embeddings to
+# Qwen/Qwen-Image's scheduler_config.json (diffusers ships no copy of it).
+SCHEDULER_CONFIG: dict[str, Any] = {
+    "base_image_seq_len": 256, "base_shift": 0.5, "invert_sigmas": False,
+    "max_image_seq_len": 8192, "max_shift": 0.9, "num_train_timesteps": 1000, "shift": 1.0,
+    "shift_terminal": 0.02, "stochastic_sampling": False, "time_shift_type": "exponential",
+    "use_beta_sigmas": False, "use_dynamic_shifting": True, "use_exponential_sigmas": False,
+    "use_karras_sigmas": False}
+# The Qwen2.5-VL tokenizer's added tokens, in the real order after the BPE vocabulary.
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
+    "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+@dataclass(frozen=True, slots=True)
+class QwenPreset:
+    vocab_words: int
+    bpe_vocab: int
+    text_hidden: int
+    text_layers: int
+    dit_layers: int
+    dit_heads: int
+    dit_head_dim: int
+    vae_base_dim: int
+
+
+PRESETS = {
+    "default": QwenPreset(vocab_words=4000, bpe_vocab=6000, text_hidden=64, text_layers=2,
+                          dit_layers=6, dit_heads=4, dit_head_dim=32, vae_base_dim=8),
+    "test": QwenPreset(vocab_words=4000, bpe_vocab=6000, text_hidden=32, text_layers=2,
+                       dit_layers=2, dit_heads=2, dit_head_dim=16, vae_base_dim=4),
+}
+
+
+def _tokenizer(preset: QwenPreset) -> Any:
+    """A ``Qwen2Tokenizer`` (byte-level BPE with Qwen2's pre-tokenizer), trained offline on
+    common English words and the prompt template, so the template's system prefix is exactly
+    ``DROP_IDX`` tokens, as with the real tokenizer."""
+    import wordfreq
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
+                        fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    words = wordfreq.top_n_list("en", preset.vocab_words)
+    corpus = [TEMPLATE.replace("<|im_start|>", "").replace("<|im_end|>", "")] * 200
+    corpus += [" ".join(words[i:i + 50]) for i in range(0, len(words), 50)]
+    corpus += [" " + w.capitalize() for w in words[:1000]]
+    tok.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
+        vocab_size=preset.bpe_vocab, min_frequency=1, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[]))
+    model = json.loads(tok.to_str())["model"]
+    merges: Any = [tuple(m) if isinstance(m, list) else tuple(m.split(" "))
+                   for m in model["merges"]]
+    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, unk_token=SPECIAL_TOKENS[0],
+                               eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0],
+                               model_max_length=131072)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    tokenizer.eos_token = "<|im_end|>"  # as in Qwen2.5-VL-Instruct's tokenizer_config
+    prefix = TEMPLATE[:TEMPLATE.index("{}")]
+    if len(tokenizer(prefix).input_ids) != DROP_IDX:
+        raise RuntimeError(f"the template's system prefix must be {DROP_IDX} tokens")
+    return tokenizer
+
+
+def build(directory: Path, preset_name: str, seed: int = 0) -> None:
+    """Build the tiny pipeline from ``seed`` and save it with ``save_pretrained``."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    preset = PRESETS[preset_name]
+    torch.manual_seed(seed)
+    tokenizer = _tokenizer(preset)
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in SPECIAL_TOKENS}
+    heads = 2
+    half = preset.text_hidden // heads // 2  # rotary pairs per head, split t/h/w as mrope does
+    mrope = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer), "hidden_size": preset.text_hidden,
+            "intermediate_size": 2 * preset.text_hidden,
+            "num_hidden_layers": preset.text_layers, "num_attention_heads": heads,
+            "num_key_value_heads": 1, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                "mrope_section": mrope},
+            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"], "max_window_layers": preset.text_layers},
+        vision_config={
+            "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+            "out_hidden_size": preset.text_hidden, "patch_size": 14, "spatial_merge_size": 2,
+            "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [0]},
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"])).eval()
+    d = preset.dit_head_dim
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=preset.dit_layers,
+        attention_head_dim=d, num_attention_heads=preset.dit_heads,
+        joint_attention_dim=preset.text_hidden, guidance_embeds=False,
+        axes_dims_rope=(d // 4, 3 * d // 8, 3 * d // 8))
+    vae = AutoencoderKLQwenImage(base_dim=preset.vae_base_dim, z_dim=16, dim_mult=[1, 2, 4, 4],
+                                 num_res_blocks=1, temperal_downsample=[False, True, True])
+    pipe: Any = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
+                                  vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                  transformer=transformer)
+    if (pipe.prompt_template_encode != TEMPLATE
+            or pipe.prompt_template_encode_start_idx != DROP_IDX):
+        raise RuntimeError("QwenImagePipeline's prompt template changed; update this family")
+    directory.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(directory)
+
+
+# --- Encode ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class QwenTokens:
+    ids: tuple[int, ...]
+    mask: tuple[int, ...]
+
+
+class QwenTextEncoder:
+    """Qwen2.5-VL conditioning exactly as ``QwenImagePipeline.encode_prompt`` computes it for
+    one text: the template, the last hidden state, the system prefix dropped, cut to 512."""
+
+    max_length = MAX_SEQUENCE_LENGTH
+
+    def __init__(self, directory: Path) -> None:
+        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+        self.tokenizer = Qwen2Tokenizer.from_pretrained(directory / "tokenizer")
+        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            directory / "text_encoder").eval()
+        self.fingerprint = component_fingerprint(directory, "text_encoder", self.model.dtype)
+
+    def tokenize(self, text: str) -> QwenTokens:
+        out = self.tokenizer([TEMPLATE.format(text)], max_length=TOKENIZER_MAX_LENGTH + DROP_IDX,
+                             padding=True, truncation=True, return_tensors="pt")
+        return QwenTokens(tuple(out.input_ids[0].tolist()),
+                          tuple(out.attention_mask[0].tolist()))
+
+    @torch.no_grad()
+    def encode(self, tokens: Tokens) -> torch.Tensor:
+        ids = torch.tensor([list(tokens.ids)])
+        mask = torch.tensor([list(tokens.mask)])
+        hidden = self.model(input_ids=ids, attention_mask=mask,
+                            output_hidden_states=True).hidden_states[-1]
+        # One text, no padding: the pipeline's mask selection keeps every position.
+        selected = hidden[mask.bool()][DROP_IDX:]
+        embeds = selected.unsqueeze(0).to(self.model.dtype)
+        return embeds[:, :MAX_SEQUENCE_LENGTH].contiguous()
+
+
+# --- Denoise --------------------------------------------------------------------------------
+
+
+def _calculate_shift(seq_len: int, config: dict[str, Any]) -> float:
+    """The pipeline's ``calculate_shift``: ``mu`` grows with the image's token count."""
+    base, top = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    low, high = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+    m = (high - low) / (top - base)
+    return float(seq_len * m + (low - m * base))
+
+
+class QwenTrajectory:
+    """What names a trajectory and its output, read from the model's files."""
+
+    def __init__(self, directory: Path) -> None:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        self._scheduler_cls = FlowMatchEulerDiscreteScheduler
+        self.scheduler_config = dict(FlowMatchEulerDiscreteScheduler.load_config(
+            directory / "scheduler"))
+        vae_config = json.loads((directory / "vae" / "config.json").read_text())
+        # 2 ** len(...), as the pipeline computes it (not the sum of the downsampling flags).
+        self.vae_scale_factor = 2 ** len(vae_config["temperal_downsample"])
+        self.fingerprint = component_fingerprint(directory, "transformer", torch.float32)
+        self.decoder_fingerprint = component_fingerprint(directory, "vae", torch.float32)
+
+    def tokens_per_side(self, spec: GenerationSpec) -> tuple[int, int]:
+        """Packed latent tokens along the height and the width."""
+        f = self.vae_scale_factor * 2
+        return spec.height // f, spec.width // f
+
+    def scheduler(self, spec: GenerationSpec) -> Any:
+        rows, cols = self.tokens_per_side(spec)
+        steps = spec.num_inference_steps
+        scheduler = self._scheduler_cls.from_config(self.scheduler_config)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps),
+                                device=torch.device("cpu"),
+                                mu=_calculate_shift(rows * cols, self.scheduler_config))
+        scheduler.set_begin_index(0)
+        return scheduler
+
+
+class QwenDenoiser(QwenTrajectory):
+    """The Qwen-Image DiT over packed 2x2 latent patches."""
+
+    def __init__(self, directory: Path) -> None:
+        from diffusers import QwenImageTransformer2DModel
+
+        super().__init__(directory)
+        self.transformer = QwenImageTransformer2DModel.from_pretrained(
+            directory / "transformer").eval()
+
+    def latent_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
+        rows, cols = self.tokens_per_side(spec)
+        return (1, rows * cols, self.transformer.config.in_channels)
+
+    def initial_latents(self, spec: GenerationSpec) -> tuple[torch.Tensor, torch.Generator]:
+        """``prepare_latents``: noise over (1, 1, C, 2 rows, 2 cols) from a CPU generator
+        seeded once, then packed into 2x2 patches."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        rows, cols = self.tokens_per_side(spec)
+        channels = self.transformer.config.in_channels // 4
+        generator = torch.Generator(device="cpu").manual_seed(spec.seed)
+        noise = randn_tensor((1, 1, channels, 2 * rows, 2 * cols), generator=generator,
+                             device=torch.device("cpu"), dtype=torch.float32)
+        packed = noise.view(1, channels, rows, 2, cols, 2).permute(0, 2, 4, 1, 3, 5)
+        return packed.reshape(1, rows * cols, channels * 4), generator
+
+    @torch.no_grad()
+    def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
+                spec: GenerationSpec) -> torch.Tensor:
+        timestep = t.expand(latents.shape[0]).to(latents.dtype)
+        return self.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=None,
+                                encoder_hidden_states_mask=None,
+                                encoder_hidden_states=embeds,
+                                img_shapes=[[(1, *self.tokens_per_side(spec))]],
+                                attention_kwargs={}, return_dict=False)[0]
+
+    @staticmethod
+    def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """True CFG, then rescaled per token to the conditional prediction's norm."""
+        combined = uncond + scale * (cond - uncond)
+        cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+        combined_norm = torch.norm(combined, dim=-1, keepdim=True)
+        return combined * (cond_norm / combined_norm)
+
+
+# --- Decode ---------------------------------------------------------------------------------
+
+
+class QwenDecoder:
+    """The Qwen-Image VAE: one image per request."""
+
+    def __init__(self, directory: Path) -> None:
+        from diffusers import AutoencoderKLQwenImage
+        from diffusers.image_processor import VaeImageProcessor
+
+        self.vae = AutoencoderKLQwenImage.from_pretrained(directory / "vae").eval()
+        self.scale_factor = 2 ** len(self.vae.temperal_downsample)
+        self.processor = VaeImageProcessor(vae_scale_factor=self.scale_factor * 2)
+        self.fingerprint = component_fingerprint(directory, "vae", self.vae.dtype)
+
+    @torch.no_grad()
+    def frames(self, latents: torch.Tensor, spec: GenerationSpec) -> Iterator[np.ndarray]:
+        vae, config = self.vae, self.vae.config
+        f = self.scale_factor * 2
+        rows, cols = spec.height // f, spec.width // f
+        channels = latents.shape[-1] // 4
+        latents = latents.view(1, rows, cols, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        latents = latents.reshape(1, channels, 1, 2 * rows, 2 * cols).to(vae.dtype)
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
+        std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
+        image = vae.decode(latents / std + mean, return_dict=False)[0][:, :, 0]
+        yield to_uint8(self.processor.postprocess(image, output_type="np"))
+
+
+class QwenReference:
+    """The monolithic ``QwenImagePipeline``: what the three stages must equal."""
+
+    def __init__(self, directory: Path) -> None:
+        from diffusers import QwenImagePipeline
+
+        self.pipe: Any = QwenImagePipeline.from_pretrained(directory)
+        self.pipe.set_progress_bar_config(disable=True)
+
+    def __call__(self, spec: GenerationSpec) -> np.ndarray:
+        segment = spec.schedule[0]
+        images = self.pipe(segment.prompt, negative_prompt=segment.negative_prompt,
+                           true_cfg_scale=spec.guidance_scale, height=spec.height,
+                           width=spec.width, num_inference_steps=spec.num_inference_steps,
+                           generator=torch.Generator().manual_seed(spec.seed),
+                           output_type="np").images
+        return to_uint8(images)
+
+
+FAMILY = Family(name="qwen-image", pipeline_class="QwenImagePipeline",
+                limits=LIMITS["qwen-image"], presets=tuple(PRESETS), build=build,
+                text_encoder=QwenTextEncoder, trajectory=QwenTrajectory,
+                denoiser=QwenDenoiser, decoder=QwenDecoder, reference=QwenReference)

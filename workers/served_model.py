@@ -1,0 +1,65 @@
+"""Which model a deployment serves, and the request limits of each family, as plain data.
+
+Workers publish the family they loaded to Redis when they start; the API reads it from there
+(it never imports model code) to check requests against the family's limits and to name the
+model in records, ``/metrics`` and the dashboard.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import redis
+from pydantic import TypeAdapter, ValidationError
+
+from keys.names import served_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyLimits:
+    """What a request to this family may ask for, beyond the deployment's own limits."""
+
+    video: bool  # False: one frame only, and no MP4
+    frame_multiple: int  # num_frames must be frame_multiple * k + 1 (video families)
+    spatial_multiple: int  # width and height: VAE factor times DiT patch size
+
+
+# One entry per family module in workers/families/.
+DEFAULT_FAMILY = "wan"  # what a deployment without a model folder builds and serves
+LIMITS = {
+    "wan": FamilyLimits(video=True, frame_multiple=4, spatial_multiple=16),
+    "qwen-image": FamilyLimits(video=False, frame_multiple=1, spatial_multiple=16),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    family: str
+    name: str  # the model folder's name
+
+    @property
+    def limits(self) -> FamilyLimits:
+        return LIMITS[self.family]
+
+
+_SERVED: TypeAdapter[ServedModel] = TypeAdapter(ServedModel)
+
+
+def publish_served(client: redis.Redis, model: ServedModel) -> None:
+    client.set(served_model(), _SERVED.dump_json(model))
+
+
+def read_served(client: redis.Redis) -> ServedModel | None:
+    """What the workers last said they serve; None before any worker started."""
+    raw = client.get(served_model())
+    if raw is None:
+        return None
+    try:
+        found = _SERVED.validate_json(raw)
+    except ValidationError:
+        log.warning("ignoring an unreadable served-model entry")
+        return None
+    return found if found.family in LIMITS else None
