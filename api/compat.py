@@ -6,11 +6,11 @@ from __future__ import annotations
 import base64
 import time
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from api.deps import Svc, Tenant
 from api.schemas import GenerateBody, ImagesBody, VideoJob, VideosBody
-from api.service import NotReadyError, Service, WaitTimeoutError
+from api.service import NotFoundError, NotReadyError, Service, WaitTimeoutError
 from keys import OutputFormat
 from workers.messages import State
 from workers.records import RequestRecord
@@ -48,8 +48,14 @@ router = APIRouter()
 
 
 @router.post("/v1/images/generations")
-def images(body: ImagesBody, who: Tenant, svc: Svc) -> dict[str, object]:
-    """OpenAI-compatible and synchronous: answers when the image is ready."""
+def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request) -> dict[str, object]:
+    """OpenAI-compatible and synchronous: answers when the image is ready. ``model``, when
+    given, must name the served model (its folder, family, or ``family/folder``)."""
+    served = svc.served()
+    if body.model is not None and body.model not in (
+            served.name, served.family, f"{served.family}/{served.name}"):
+        raise NotFoundError(f"model {body.model!r} is not served here; this deployment "
+                            f"serves {served.family}/{served.name}")
     width, height = _size(body.size)
     request_id = svc.generate(who, GenerateBody(
         prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
@@ -58,7 +64,9 @@ def images(body: ImagesBody, who: Tenant, svc: Svc) -> dict[str, object]:
         output_format=OutputFormat.PNG))
     record = _wait(svc, who, request_id, svc.settings.api.sync_timeout_s)
     if body.response_format == "url":
-        item = {"url": f"/v1/requests/{request_id}/result"}
+        # OpenAI clients fetch the URL as given: it must be absolute.
+        base = svc.settings.api.public_url or str(request.base_url)
+        item = {"url": f"{base.rstrip('/')}/v1/requests/{request_id}/result"}
     else:
         _, data = svc.result(who, request_id)
         item = {"b64_json": base64.b64encode(data).decode()}

@@ -8,6 +8,7 @@ bytes served and requests, plus the cluster's queues and latency. The page holds
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,8 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
     recent.sort(key=lambda r: r["updated_at"], reverse=True)
     return {"minutes": [m * 60 for m in minutes], "hit_rate": hit_rate,
             "compute_saved_s": saved, "bytes_served": served, "queues": queues,
-            "latency": latency, "children": children, "reuse": reuse, "recent": recent[:RECENT]}
+            "latency": latency, "children": children,
+            "model": asdict(svc.served()), "reuse": reuse, "recent": recent[:RECENT]}
 
 
 router = APIRouter()

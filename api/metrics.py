@@ -20,6 +20,7 @@ from cachesvc.settings import ApiSettings
 from cachesvc.supervisor import ChildStatus, read_published
 from workers import stage_metrics
 from workers.messages import Stage
+from workers.served_model import read_served
 from workers.streams import queue_counts
 
 
@@ -67,6 +68,12 @@ class ClusterCollector(Collector):
             latency.add_metric([stage.value], buckets, h.total)
         yield latency
         yield from children_families(read_published(self._redis))
+        served = read_served(self._redis)
+        if served is not None:
+            info = GaugeMetricFamily("diffcache_served_model_info", "The model the workers "
+                                     "serve", labels=["family", "name"])
+            info.add_metric([served.family, served.name], 1)
+            yield info
 
 
 def children_families(children: list[ChildStatus]) -> Iterator[CounterMetricFamily |

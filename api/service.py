@@ -6,6 +6,7 @@ It holds the Redis client and the store connection, and talks to workers only th
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from cachesvc.supervisor import ChildStatus, read_published
 from cachesvc.tensor_cache import TensorCache
-from keys import GenerationSpec, KeyKind, OutputFormat, StoreKey
+from keys import GenerationSpec, KeyKind, OutputFormat, Priority, StoreKey
 from keys.names import KEY_VERSION, check_tenant
 from keys.spec import valid_request_id
 from workers.lifecycle import Lifecycle, LifecycleError
@@ -150,7 +151,7 @@ class Service:
         schedule = None
         if body.schedule is not None:
             schedule = segments_from(body.schedule, body.negative_prompt, "schedule", 0, steps)
-        return GenerationSpec.create(
+        spec = GenerationSpec.create(
             request_id=new_request_id(), tenant=tenant, prompt=body.prompt or "",
             negative_prompt=body.negative_prompt, schedule=schedule, width=width, height=height,
             num_frames=frames, num_inference_steps=steps,
@@ -159,6 +160,20 @@ class Service:
             seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
             output_format=output_format, priority=body.priority,
             cfg_cache=cfg_cache_from(body.cfg_cache))
+        return self._within_cost(spec, served)
+
+    def _within_cost(self, spec: GenerationSpec, served: ServedModel) -> GenerationSpec:
+        """Refuse a request that would hold a worker too long; run a costly interactive one
+        as batch work, so it cannot hold up the small ones behind it."""
+        api = self.settings.api
+        cost = served.limits.cost(spec)
+        if cost > api.max_cost:
+            raise FieldError("cost", f"estimated cost {cost:,} token-forwards (latent tokens x "
+                             f"steps x CFG branches) is above api.max_cost={api.max_cost:,}; "
+                             "ask for a smaller size, fewer frames or fewer steps")
+        if spec.priority is Priority.INTERACTIVE and cost > api.interactive_max_cost:
+            return dataclasses.replace(spec, priority=Priority.BATCH)
+        return spec
 
     def served(self) -> ServedModel:
         """The model the workers said they serve, or, before any has started, the family the

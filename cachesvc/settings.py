@@ -181,6 +181,13 @@ class ApiSettings(_Section):
     max_steps: int = Field(100, ge=1)
     spatial_multiple: int = Field(16, ge=1, description="VAE factor times DiT patch size")
     sync_timeout_s: float = Field(300.0, gt=0, description="synchronous endpoints wait this")
+    # Estimated compute of one request, in token-forwards (latent frames x patches x forwards,
+    # a CFG step counting two): above max_cost a request is refused, so none holds a worker
+    # for hours; above interactive_max_cost an interactive request runs as batch work.
+    max_cost: int = Field(5_000_000, ge=1)
+    interactive_max_cost: int = Field(500_000, ge=1)
+    public_url: str | None = Field(None, description="absolute base of links in answers "
+                                   "(https://api.example.com); default: the request's own")
 
     def model_post_init(self, context: object, /) -> None:
         # A key that is both would be a tenant that can read every other tenant's rows.

@@ -251,6 +251,16 @@ def test_openai_images_and_sglang_videos(http: TestClient) -> None:
     assert image.status_code == 200, image.text
     png = iio.imread(io.BytesIO(base64.b64decode(image.json()["data"][0]["b64_json"])))
     assert png.shape == (32, 32, 3)
+    # A URL answer is absolute, as OpenAI clients expect; another model is a 404 naming ours.
+    linked = http.post("/v1/images/generations", json={
+        "prompt": "a yellow flower", "size": "32x32", "num_inference_steps": 3,
+        "model": "wan", "response_format": "url"})
+    assert linked.status_code == 200, linked.text
+    url = linked.json()["data"][0]["url"]
+    assert url.startswith("http://") and url.endswith("/result")
+    assert http.get(url).status_code == 200
+    other = http.post("/v1/images/generations", json={"prompt": "a flower", "model": "dall-e-3"})
+    assert other.status_code == 404 and "wan/" in other.json()["error"]
     job = http.post("/v1/videos", json={"prompt": "a horse running", "size": "32x32",
                                         "num_frames": 5, "num_inference_steps": 3}).json()
     assert job["object"] == "video" and job["status"] in ("queued", "in_progress")

@@ -250,3 +250,23 @@ def test_store_down_answers_503_for_a_result(workerless_stack: Settings, quiet: 
             assert time.monotonic() < deadline, answer.text
             answer = http.get(path)
         assert error_body(answer, 503) and answer.headers["retry-after"] == "5"
+
+
+def test_a_request_too_costly_is_refused_and_a_costly_one_runs_as_batch(
+        keyed: httpx.Client) -> None:
+    # 1024x1024, 129 frames, 100 steps with CFG: 33 latent frames x 4096 patches x 200.
+    huge = {**BODY, "width": 1024, "height": 1024, "num_frames": 129,
+            "num_inference_steps": 100}
+    body = error_body(keyed.post("/v1/generate", json=huge, headers=A), 422)
+    assert body["field"] == "cost"
+    assert "27,033,600" in str(body["error"]) and "api.max_cost=5,000,000" in str(body["error"])
+    # One 1024x1024 frame at 100 steps (819,200) fits, but not among interactive work.
+    costly = {**BODY, "width": 1024, "height": 1024, "num_frames": 1,
+              "num_inference_steps": 100}
+    accepted = keyed.post("/v1/generate", json=costly, headers=A)
+    assert accepted.status_code == 202, accepted.text
+    status = keyed.get(f"/v1/requests/{accepted.json()['id']}", headers=A).json()
+    assert status["priority"] == "batch"
+    small = keyed.post("/v1/generate", json=BODY, headers=A).json()
+    assert keyed.get(f"/v1/requests/{small['id']}", headers=A).json()["priority"] == \
+        "interactive"

@@ -6,7 +6,7 @@ the API refuses video-only fields for an image family."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -21,7 +21,7 @@ from cachesvc.settings import ApiSettings, ModelSettings, Settings, WorkerSettin
 from cachesvc.stack import EmbeddedStack
 from keys import GenerationSpec, StoreKey
 from tests.workers_harness import make_spec, run_request, serve_api, start_worker, wait_done
-from workers.families.base import to_uint8
+from workers.families import family_named
 from workers.messages import Stage, State
 from workers.submit import submit
 
@@ -55,10 +55,8 @@ def qwen_pool(qwen_settings: Settings, qwen_client: redis.Redis,
 
 
 @pytest.fixture(scope="module")
-def qwen_pipe(qwen_model_dir: Path) -> object:
-    from diffusers import QwenImagePipeline
-
-    return QwenImagePipeline.from_pretrained(qwen_model_dir)
+def qwen_pipe(qwen_model_dir: Path) -> Callable[[GenerationSpec], np.ndarray]:
+    return family_named("qwen-image").reference(qwen_model_dir)
 
 
 def image_spec(**changes: object) -> GenerationSpec:
@@ -70,18 +68,12 @@ def image_spec(**changes: object) -> GenerationSpec:
 
 def reference(pipe: object, spec: GenerationSpec) -> np.ndarray:
     """The monolithic pipeline's image, with one thread per op as the workers run."""
-    segment = spec.schedule[0]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        images = pipe(segment.prompt, negative_prompt=segment.negative_prompt,  # type: ignore[operator]
-                      true_cfg_scale=spec.guidance_scale, height=spec.height, width=spec.width,
-                      num_inference_steps=spec.num_inference_steps,
-                      generator=torch.Generator().manual_seed(spec.seed),
-                      output_type="np").images
+        return pipe(spec)  # type: ignore[operator,no-any-return]
     finally:
         torch.set_num_threads(threads)
-    return to_uint8(images)
 
 
 @pytest.mark.parametrize("changes", [

@@ -27,6 +27,7 @@ from workers.checkpoint import Checkpoint, CheckpointError
 from workers.credits import Credits
 from workers.families.base import Denoiser
 from workers.guidance import Guidance
+from workers.interrupt import BlockInterrupts, StepInterrupted
 from workers.messages import Job, Stage, State, TensorRef
 from workers.runtime import InputLostError, JobContext, Outcome
 from workers.trajectory import chain_links, checkpoint_steps, step_segments
@@ -72,6 +73,7 @@ class DenoiseHandler:
                                               initargs=(torch.get_num_threads(),))
                            if settings.cfg_parallel else None)
         self._writes = WriteBehind()
+        self._interrupts = BlockInterrupts(model.transformer)
 
     def handle(self, ctx: JobContext) -> Outcome:
         job = ctx.job
@@ -82,13 +84,20 @@ class DenoiseHandler:
             return self._stopped(ctx, run)
         saves = checkpoint_steps(spec, self.settings.checkpoint_every)
         segments = step_segments(spec)
-        while run.step < spec.num_inference_steps:
-            if ctx.should_stop or ctx.preempt is not None:
-                return self._stopped(ctx, run)
-            self._step(run, embeds, segments)
-            ctx.progress(step=run.step)
-            if run.step in saves:
-                self._save(ctx, run)
+        with self._interrupts.watching(lambda: ctx.should_stop or ctx.preempt is not None):
+            while run.step < spec.num_inference_steps:
+                if ctx.should_stop or ctx.preempt is not None:
+                    return self._stopped(ctx, run)
+                try:
+                    self._step(run, embeds, segments)
+                except StepInterrupted:
+                    # Abandoned mid-step: nothing of it was applied, and the checkpoint is
+                    # of the last whole step.
+                    ctx.progress(stopped_mid_step=run.step)
+                    return self._stopped(ctx, run)
+                ctx.progress(step=run.step)
+                if run.step in saves:
+                    self._save(ctx, run)
         self._writes.drain()
         key = latents_key(spec.tenant, spec.request_id, job.fence_token(ctx.attempt))
         self.cache.put(key, run.latents)

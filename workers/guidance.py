@@ -75,7 +75,12 @@ class Guidance:
             prediction = self.forward(latents, t, cond)
             return self.combine(prediction, prediction - self.residual, scale)
         pending = self.cond_pool.submit(self.forward, latents, t, cond) if self.cond_pool else None
-        uncond = self._unconditional(latents, t, negative)
+        try:
+            uncond = self._unconditional(latents, t, negative)
+        except BaseException:
+            if pending is not None:
+                pending.exception()  # the other branch stops too: wait, so none outlives us
+            raise
         prediction = pending.result() if pending else self.forward(latents, t, cond)
         self.stats.forwards += 1
         if self.spec.cfg_cache.approximate:

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import redis
 from pydantic import TypeAdapter, ValidationError
 
+from keys import GenerationSpec
 from keys.names import served_model
+from workers.trajectory import step_segments
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,15 @@ class FamilyLimits:
     video: bool  # False: one frame only, and no MP4
     frame_multiple: int  # num_frames must be frame_multiple * k + 1 (video families)
     spatial_multiple: int  # width and height: VAE factor times DiT patch size
+
+    def cost(self, spec: GenerationSpec) -> int:
+        """A request's estimated compute in token-forwards: the DiT's tokens (latent frames
+        times patches) times the forwards it runs (a step with CFG runs two)."""
+        frames = (spec.num_frames - 1) // self.frame_multiple + 1
+        patches = (spec.height // self.spatial_multiple) * (spec.width // self.spatial_multiple)
+        forwards = sum(2 if spec.segment_uses_cfg(spec.schedule[seg]) else 1
+                       for seg in step_segments(spec))
+        return frames * patches * forwards
 
 
 # One entry per family module in workers/families/.

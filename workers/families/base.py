@@ -44,6 +44,8 @@ class Trajectory(Protocol):
 class Denoiser(Trajectory, Protocol):
     """The DiT, driven one step at a time by the denoise worker."""
 
+    transformer: torch.nn.Module  # its ModuleLists of blocks can be interrupted
+
     def latent_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
         """The shape of one request's latents, batch dimension included."""
 
