@@ -100,6 +100,11 @@ class ModelSettings(_Section):
     # "auto": the family whose pipeline class the model folder's model_index.json names (a
     # folder still to be built gets the default, video family).
     family: Literal["auto", "wan", "qwen-image"] = "auto"
+    # "auto": CUDA when there is a GPU, else the CPU.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # The DiT's and the text encoder's dtype; "auto": bfloat16 on CUDA and float32 on the CPU,
+    # as the reference pipelines run. The VAE always runs in float32.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     dir: Path | None = Field(None, description="default: <data_dir>/model")
     preset: Literal["default", "test"] = Field("default", description="size of the built-in model")
     build_seed: int = 0

@@ -14,7 +14,13 @@ import torch
 from keys import file_digest
 from tests.test_stack import DIFFCACHE
 from workers.families import FAMILIES, UnknownFamilyError, family_of, resolve
-from workers.families.base import MANIFEST, component_fingerprint
+from workers.families.base import (
+    CPU,
+    MANIFEST,
+    Placement,
+    PlacementError,
+    component_fingerprint,
+)
 
 
 def test_the_family_is_read_from_model_index(model_dir: Path, qwen_model_dir: Path) -> None:
@@ -39,16 +45,16 @@ def test_weight_digests_are_kept_in_a_manifest(qwen_model_dir: Path, tmp_path: P
 
     folder = tmp_path / "model"
     shutil.copytree(qwen_model_dir, folder)
-    first = component_fingerprint(folder, "vae", torch.float32)
+    first = component_fingerprint(folder, "vae", torch.float32, CPU.device)
     manifest = json.loads((folder / MANIFEST).read_text())
     weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
     assert manifest["vae/diffusion_pytorch_model.safetensors"]["digest"] == file_digest(weights)
     # Read from the manifest next time: a digest planted there is what the fingerprint uses.
     manifest["vae/diffusion_pytorch_model.safetensors"]["digest"] = "planted"
     (folder / MANIFEST).write_text(json.dumps(manifest))
-    assert component_fingerprint(folder, "vae", torch.float32) != first
+    assert component_fingerprint(folder, "vae", torch.float32, CPU.device) != first
     os.utime(weights)  # the file changed: its digest is computed again
-    assert component_fingerprint(folder, "vae", torch.float32) == first
+    assert component_fingerprint(folder, "vae", torch.float32, CPU.device) == first
 
 
 def test_model_init_builds_a_qwen_image_folder(tmp_path: Path) -> None:
@@ -62,3 +68,18 @@ def test_model_init_builds_a_qwen_image_folder(tmp_path: Path) -> None:
                           str(tmp_path / "f")], capture_output=True, text=True, env=environ,
                          timeout=300, check=False)
     assert bad.returncode == 2 and "model.family" in bad.stderr
+
+
+def test_placement_follows_the_machine_and_names_the_device_class(
+        qwen_model_dir: Path) -> None:
+    cpu = Placement.for_settings("auto", "auto")
+    if not torch.cuda.is_available():
+        assert cpu == CPU
+        with pytest.raises(PlacementError, match=r"model\.device is cuda"):
+            Placement.for_settings("cuda", "auto")
+    assert Placement.for_settings("cpu", "bfloat16").dit_dtype is torch.bfloat16
+    assert Placement.for_settings("cpu", "bfloat16").vae_dtype is torch.float32
+    # A GPU entry is never served to a CPU worker of the same weights, nor the other way round.
+    on_cpu = component_fingerprint(qwen_model_dir, "vae", torch.float32, torch.device("cpu"))
+    on_gpu = component_fingerprint(qwen_model_dir, "vae", torch.float32, torch.device("cuda"))
+    assert on_cpu != on_gpu

@@ -19,6 +19,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 FORMAT = "diffcache-checkpoint-1"
+_CPU = torch.device("cpu")
 # The stepping state of a multistep scheduler, by kind. A scheduler without one of them simply
 # has nothing to save there (Euler keeps only its step index).
 _HISTORIES = ("model_outputs", "timestep_list")
@@ -57,12 +58,14 @@ class Checkpoint:
         return Checkpoint(step, latents.clone(), state, rng.get_state(),
                           None if cfg_residual is None else cfg_residual.clone(), compute_s)
 
-    def restore(self, scheduler: Any, rng: torch.Generator) -> None:
-        """Put the scheduler and generator back in the state they had after ``step``."""
+    def restore(self, scheduler: Any, rng: torch.Generator,
+                device: torch.device = _CPU) -> None:
+        """Put the scheduler and generator back in the state they had after ``step``, with
+        the scheduler's tensors on ``device``, where its timesteps are."""
         for name, value in self.scheduler.items():
             if not hasattr(scheduler, name) and name != "this_order":
                 raise CheckpointError(f"scheduler {type(scheduler).__name__} has no {name}")
-            setattr(scheduler, name, list(value) if isinstance(value, list) else value)
+            setattr(scheduler, name, _on(value, device))
         rng.set_state(self.rng)
 
     def to_bytes(self) -> bytes:
@@ -80,7 +83,8 @@ class Checkpoint:
                 meta[f"none:{name}"] = ""
             else:
                 meta[f"int:{name}"] = str(int(value))
-        return save_safetensors({k: t.contiguous() for k, t in tensors.items()}, metadata=meta)
+        return save_safetensors({k: t.detach().to("cpu").contiguous()
+                                 for k, t in tensors.items()}, metadata=meta)
 
     @staticmethod
     def from_bytes(data: bytes) -> Checkpoint:
@@ -107,6 +111,13 @@ class Checkpoint:
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
+
+
+def _on(value: Any, device: torch.device) -> Any:
+    """A scheduler attribute's value with its tensors on ``device``."""
+    if isinstance(value, list):
+        return [None if t is None else t.to(device) for t in value]
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def _metadata(data: bytes) -> dict[str, str]:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from cachesvc.codec import TensorSpec
 from cachesvc.settings import WorkerSettings
 from cachesvc.tensor_cache import TensorCache
 from keys import ChainLink, GenerationSpec, KeyKind, StoreKey, latents_key
@@ -101,12 +102,13 @@ class DenoiseHandler:
         self._writes.drain()
         key = latents_key(spec.tenant, spec.request_id, job.fence_token(ctx.attempt))
         self.cache.put(key, run.latents)
-        shape = self.model.latent_shape(spec)
+        stored = TensorSpec.of(run.latents)
         head = run.links[-1]
         # The embeddings travel on, so a decode that finds the latents lost can send the
         # request straight back here.
         return Outcome(job.handoff(Stage.DECODE,
-                                   (*job.refs, TensorRef("latents", str(key), "float32", shape)),
+                                   (*job.refs, TensorRef("latents", str(key), stored.dtype,
+                                                         stored.shape)),
                                    chain_index=head.index, chain_head=head.hex,
                                    compute_s=run.compute_s),
                        fields=run.guidance.stats.as_fields())
@@ -138,6 +140,7 @@ class DenoiseHandler:
         job = ctx.job
         keys = [StoreKey.parse(r.key) for r in job.refs]
         tensors = self.cache.batch_get(keys, lookup=False)  # a handoff, not reuse
+        tensors = [None if t is None else t.to(self.model.device) for t in tensors]
         missing = [r.key for r, t in zip(job.refs, tensors, strict=True) if t is None]
         if missing:
             raise InputLostError(job, KeyKind.EMBEDDING, Job(job.request_id, job.tenant,
@@ -159,9 +162,11 @@ class DenoiseHandler:
             run = _Run(spec, links, scheduler, rng, latents, 0, 0.0, self._guidance(spec, None))
         else:
             rng = torch.Generator(device="cpu")
-            found.restore(scheduler, rng)
-            run = _Run(spec, links, scheduler, rng, found.latents, found.step, found.compute_s,
-                       self._guidance(spec, found.cfg_residual))
+            device = self.model.device
+            found.restore(scheduler, rng, device)
+            residual = None if found.cfg_residual is None else found.cfg_residual.to(device)
+            run = _Run(spec, links, scheduler, rng, found.latents.to(device), found.step,
+                       found.compute_s, self._guidance(spec, residual))
             ctx.progress(**{f"ckpt:{found.step}": str(links[found.step].checkpoint_key())})
         ctx.progress(step=run.step, resumed_from=run.step)
         return run

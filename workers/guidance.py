@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cachesvc.codec import TensorSpec
 from cachesvc.counters import Event
 from cachesvc.tensor_cache import TensorCache
 from keys import CfgMode, Fingerprint, GenerationSpec, KeyKind, StoreKey, cfg_key, tensor_digest
@@ -91,14 +92,15 @@ class Guidance:
                        negative: tuple[StoreKey, torch.Tensor]) -> torch.Tensor:
         key = None
         if self.lookup:
-            data = latents.contiguous().numpy()
-            digest = tensor_digest(data.data, "float32", tuple(latents.shape))
+            # The exact bytes, whatever the device and dtype (bfloat16 has no numpy type).
+            raw = latents.detach().to("cpu").contiguous().view(torch.uint8).numpy()
+            digest = tensor_digest(raw.data, TensorSpec.of(latents).dtype, tuple(latents.shape))
             key = cfg_key(self.spec.tenant, self.model, negative[0], float(t), digest)
             self.stats.lookups += 1
             hit = self.cache.get(key)
             if hit is not None:
                 self.stats.hits += 1
-                return hit
+                return hit.to(latents.device)
         start = time.perf_counter()
         uncond = self.forward(latents, t, negative[1])
         self._uncond_s = time.perf_counter() - start

@@ -13,7 +13,7 @@ from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from workers.credits import Credits
 from workers.families import is_built, resolve
-from workers.families.base import Family
+from workers.families.base import Family, Placement
 from workers.messages import Stage
 from workers.preemption import InteractiveWaiting
 from workers.runtime import Handler, Worker, consumer_name
@@ -35,6 +35,7 @@ def ensure_model(settings: Settings) -> Family:
 
 def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
     family = resolve(settings.model.family, settings.model_dir)
+    placement = Placement.for_settings(settings.model.device, settings.model.dtype)
     threads = {Stage.ENCODE: settings.workers.encode_threads,
                Stage.DENOISE: settings.workers.denoise_threads,
                Stage.DECODE: settings.workers.decode_threads}[stage]
@@ -48,14 +49,15 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
     if stage is Stage.ENCODE:
         from workers.encode import EncodeHandler
 
-        handler = EncodeHandler(cache, family.text_encoder(directory),
-                                family.trajectory(directory))
+        handler = EncodeHandler(cache, family.text_encoder(directory, placement),
+                                family.trajectory(directory, placement))
         return Worker(handler, client, settings.workers), handler
     credits = Credits(client, settings.workers.decode_credits)
     if stage is Stage.DENOISE:
         from workers.denoise import DenoiseHandler
 
-        handler = DenoiseHandler(cache, family.denoiser(directory), settings.workers, credits)
+        handler = DenoiseHandler(cache, family.denoiser(directory, placement), settings.workers,
+                                 credits)
         waiting = InteractiveWaiting(client, stage, consumer_name(), settings.workers)
         return Worker(handler, client, settings.workers,
                       preemption=waiting.check_for if settings.workers.preempt else None), handler
@@ -63,8 +65,8 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
 
     files = (OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
              if settings.cache.durable_outputs else None)
-    decode = DecodeHandler(cache, family.decoder(directory), settings.workers.fps, credits,
-                           files)
+    decode = DecodeHandler(cache, family.decoder(directory, placement), settings.workers.fps,
+                           credits, files)
     return Worker(decode, client, settings.workers, after_publish=decode.after_publish), decode
 
 

@@ -23,13 +23,41 @@ from keys import Fingerprint, GenerationSpec, file_digest, model_fingerprint
 from keys.canonical import Canonical
 from workers.served_model import FamilyLimits
 
-__all__ = ["Decoder", "Denoiser", "Family", "TextEncoder", "Tokens", "Trajectory",
-           "component_fingerprint", "to_uint8"]
+__all__ = ["CPU", "Decoder", "Denoiser", "Family", "Placement", "PlacementError",
+           "TextEncoder", "Tokens", "Trajectory", "component_fingerprint", "to_uint8"]
+
+
+class PlacementError(ValueError):
+    """The settings ask for a device this machine does not have."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where each component runs and in which dtype."""
+
+    device: torch.device
+    dit_dtype: torch.dtype
+    text_dtype: torch.dtype
+    vae_dtype: torch.dtype
+
+    @classmethod
+    def for_settings(cls, device: str, dtype: str) -> Placement:
+        """``model.device`` and ``model.dtype`` resolved on this machine."""
+        if device == "cuda" and not torch.cuda.is_available():
+            raise PlacementError("model.device is cuda, but torch sees no CUDA device")
+        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        chosen = {"auto": torch.bfloat16 if cuda else torch.float32, "float32": torch.float32,
+                  "bfloat16": torch.bfloat16}[dtype]
+        return cls(torch.device("cuda" if cuda else "cpu"), chosen, chosen, torch.float32)
+
+
+CPU = Placement(torch.device("cpu"), torch.float32, torch.float32, torch.float32)
 
 
 class Trajectory(Protocol):
     """What names a request's trajectory and output, without loading any weights."""
 
+    device: torch.device
     fingerprint: Fingerprint
     decoder_fingerprint: Fingerprint
 
@@ -78,10 +106,10 @@ class Family:
     limits: FamilyLimits
     presets: Sequence[str]
     build: Callable[[Path, str, int], None]
-    text_encoder: Callable[[Path], TextEncoder]
-    trajectory: Callable[[Path], Trajectory]
-    denoiser: Callable[[Path], Denoiser]
-    decoder: Callable[[Path], Decoder]
+    text_encoder: Callable[[Path, Placement], TextEncoder]
+    trajectory: Callable[[Path, Placement], Trajectory]
+    denoiser: Callable[[Path, Placement], Denoiser]
+    decoder: Callable[[Path, Placement], Decoder]
     # The family's monolithic diffusers pipeline, run on a request's first prompt segment:
     # what the stages' output must equal bit for bit (tests and benchmarks).
     reference: Callable[[Path], Callable[[GenerationSpec], np.ndarray]]
@@ -90,7 +118,8 @@ class Family:
 MANIFEST = "diffcache-fingerprints.json"
 
 
-def component_fingerprint(directory: Path, role: str, dtype: torch.dtype) -> Fingerprint:
+def component_fingerprint(directory: Path, role: str, dtype: torch.dtype,
+                          device: torch.device) -> Fingerprint:
     """The fingerprint of one component folder: its config, the digests of its weights, the
     dtype and the device class. Weight digests are computed once per folder and kept in a
     manifest beside the model, so a worker's start does not hash gigabytes of weights; an
@@ -116,7 +145,7 @@ def component_fingerprint(directory: Path, role: str, dtype: torch.dtype) -> Fin
         partial = manifest_path.with_name(f".{MANIFEST}.{os.getpid()}.partial")
         partial.write_text(json.dumps(manifest, indent=1, sort_keys=True))
         partial.replace(manifest_path)  # concurrent writers write the same digests
-    return model_fingerprint(role, config, weights, str(dtype), "cpu")
+    return model_fingerprint(role, config, weights, str(dtype), device.type)
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:

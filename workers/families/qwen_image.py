@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from keys import GenerationSpec
-from workers.families.base import Family, Tokens, component_fingerprint, to_uint8
+from workers.families.base import CPU, Family, Placement, Tokens, component_fingerprint, to_uint8
 from workers.served_model import LIMITS
 
 # QwenImagePipeline's prompt template; its first DROP_IDX tokens (the system prompt) are
@@ -169,13 +169,16 @@ class QwenTextEncoder:
 
     max_length = MAX_SEQUENCE_LENGTH
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
+        self.device = placement.device
         self.tokenizer = Qwen2Tokenizer.from_pretrained(directory / "tokenizer")
-        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            directory / "text_encoder").eval()
-        self.fingerprint = component_fingerprint(directory, "text_encoder", self.model.dtype)
+        model: Any = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            directory / "text_encoder", dtype=placement.text_dtype)
+        self.model = model.to(self.device).eval()
+        self.fingerprint = component_fingerprint(directory, "text_encoder", self.model.dtype,
+                                                 self.device)
 
     def tokenize(self, text: str) -> QwenTokens:
         out = self.tokenizer([TEMPLATE.format(text)], max_length=TOKENIZER_MAX_LENGTH + DROP_IDX,
@@ -185,8 +188,8 @@ class QwenTextEncoder:
 
     @torch.no_grad()
     def encode(self, tokens: Tokens) -> torch.Tensor:
-        ids = torch.tensor([list(tokens.ids)])
-        mask = torch.tensor([list(tokens.mask)])
+        ids = torch.tensor([list(tokens.ids)], device=self.device)
+        mask = torch.tensor([list(tokens.mask)], device=self.device)
         hidden = self.model(input_ids=ids, attention_mask=mask,
                             output_hidden_states=True).hidden_states[-1]
         # One text, no padding: the pipeline's mask selection keeps every position.
@@ -209,17 +212,21 @@ def _calculate_shift(seq_len: int, config: dict[str, Any]) -> float:
 class QwenTrajectory:
     """What names a trajectory and its output, read from the model's files."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
+        self.device = placement.device
+        self.placement = placement
         self._scheduler_cls = FlowMatchEulerDiscreteScheduler
         self.scheduler_config = dict(FlowMatchEulerDiscreteScheduler.load_config(
             directory / "scheduler"))
         vae_config = json.loads((directory / "vae" / "config.json").read_text())
         # 2 ** len(...), as the pipeline computes it (not the sum of the downsampling flags).
         self.vae_scale_factor = 2 ** len(vae_config["temperal_downsample"])
-        self.fingerprint = component_fingerprint(directory, "transformer", torch.float32)
-        self.decoder_fingerprint = component_fingerprint(directory, "vae", torch.float32)
+        self.fingerprint = component_fingerprint(directory, "transformer",
+                                                 placement.dit_dtype, self.device)
+        self.decoder_fingerprint = component_fingerprint(directory, "vae", placement.vae_dtype,
+                                                         self.device)
 
     def tokens_per_side(self, spec: GenerationSpec) -> tuple[int, int]:
         """Packed latent tokens along the height and the width."""
@@ -231,7 +238,7 @@ class QwenTrajectory:
         steps = spec.num_inference_steps
         scheduler = self._scheduler_cls.from_config(self.scheduler_config)
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps),
-                                device=torch.device("cpu"),
+                                device=self.device,
                                 mu=_calculate_shift(rows * cols, self.scheduler_config))
         scheduler.set_begin_index(0)
         return scheduler
@@ -240,12 +247,12 @@ class QwenTrajectory:
 class QwenDenoiser(QwenTrajectory):
     """The Qwen-Image DiT over packed 2x2 latent patches."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import QwenImageTransformer2DModel
 
-        super().__init__(directory)
+        super().__init__(directory, placement)
         self.transformer = QwenImageTransformer2DModel.from_pretrained(
-            directory / "transformer").eval()
+            directory / "transformer", torch_dtype=placement.dit_dtype).to(self.device).eval()
 
     def latent_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
         rows, cols = self.tokens_per_side(spec)
@@ -253,14 +260,15 @@ class QwenDenoiser(QwenTrajectory):
 
     def initial_latents(self, spec: GenerationSpec) -> tuple[torch.Tensor, torch.Generator]:
         """``prepare_latents``: noise over (1, 1, C, 2 rows, 2 cols) from a CPU generator
-        seeded once, then packed into 2x2 patches."""
+        seeded once, in the text encoder's dtype (the pipeline draws it in the prompt
+        embeddings' dtype), then packed into 2x2 patches."""
         from diffusers.utils.torch_utils import randn_tensor
 
         rows, cols = self.tokens_per_side(spec)
         channels = self.transformer.config.in_channels // 4
         generator = torch.Generator(device="cpu").manual_seed(spec.seed)
         noise = randn_tensor((1, 1, channels, 2 * rows, 2 * cols), generator=generator,
-                             device=torch.device("cpu"), dtype=torch.float32)
+                             device=self.device, dtype=self.placement.text_dtype)
         packed = noise.view(1, channels, rows, 2, cols, 2).permute(0, 2, 4, 1, 3, 5)
         return packed.reshape(1, rows * cols, channels * 4), generator
 
@@ -270,7 +278,7 @@ class QwenDenoiser(QwenTrajectory):
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
         return self.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=None,
                                 encoder_hidden_states_mask=None,
-                                encoder_hidden_states=embeds,
+                                encoder_hidden_states=embeds.to(self.device),
                                 img_shapes=[[(1, *self.tokens_per_side(spec))]],
                                 attention_kwargs={}, return_dict=False)[0]
 
@@ -289,14 +297,16 @@ class QwenDenoiser(QwenTrajectory):
 class QwenDecoder:
     """The Qwen-Image VAE: one image per request."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import AutoencoderKLQwenImage
         from diffusers.image_processor import VaeImageProcessor
 
-        self.vae = AutoencoderKLQwenImage.from_pretrained(directory / "vae").eval()
+        self.device = placement.device
+        self.vae = AutoencoderKLQwenImage.from_pretrained(
+            directory / "vae", torch_dtype=placement.vae_dtype).to(self.device).eval()
         self.scale_factor = 2 ** len(self.vae.temperal_downsample)
         self.processor = VaeImageProcessor(vae_scale_factor=self.scale_factor * 2)
-        self.fingerprint = component_fingerprint(directory, "vae", self.vae.dtype)
+        self.fingerprint = component_fingerprint(directory, "vae", self.vae.dtype, self.device)
 
     @torch.no_grad()
     def frames(self, latents: torch.Tensor, spec: GenerationSpec) -> Iterator[np.ndarray]:
@@ -305,7 +315,7 @@ class QwenDecoder:
         rows, cols = spec.height // f, spec.width // f
         channels = latents.shape[-1] // 4
         latents = latents.view(1, rows, cols, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        latents = latents.reshape(1, channels, 1, 2 * rows, 2 * cols).to(vae.dtype)
+        latents = latents.reshape(1, channels, 1, 2 * rows, 2 * cols).to(self.device, vae.dtype)
         mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
         std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
         image = vae.decode(latents / std + mean, return_dict=False)[0][:, :, 0]

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from keys import GenerationSpec
-from workers.families.base import Family, Tokens, component_fingerprint, to_uint8
+from workers.families.base import CPU, Family, Placement, Tokens, component_fingerprint, to_uint8
 from workers.served_model import LIMITS
 
 MAX_SEQUENCE_LENGTH = 512  # what WanPipeline.__call__ uses (encode_prompt defaults to 226)
@@ -124,12 +124,16 @@ class WanTextEncoder:
 
     max_length = MAX_SEQUENCE_LENGTH
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from transformers import AutoTokenizer, UMT5EncoderModel
 
+        self.device = placement.device
         self.tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
-        self.model = UMT5EncoderModel.from_pretrained(directory / "text_encoder").eval()
-        self.fingerprint = component_fingerprint(directory, "text_encoder", self.model.dtype)
+        model: Any = UMT5EncoderModel.from_pretrained(directory / "text_encoder",
+                                                      dtype=placement.text_dtype)
+        self.model = model.to(self.device).eval()
+        self.fingerprint = component_fingerprint(directory, "text_encoder", self.model.dtype,
+                                                 self.device)
 
     def tokenize(self, text: str) -> WanTokens:
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
@@ -143,8 +147,8 @@ class WanTextEncoder:
 
     @torch.no_grad()
     def encode(self, tokens: Tokens) -> torch.Tensor:
-        ids = torch.tensor([tokens.ids])
-        mask = torch.tensor([tokens.mask])
+        ids = torch.tensor([list(tokens.ids)], device=self.device)
+        mask = torch.tensor([list(tokens.mask)], device=self.device)
         hidden = self.model(ids, mask).last_hidden_state
         # Zero everything past the text, as the pipeline does.
         length = int(mask.gt(0).sum())
@@ -160,19 +164,23 @@ class WanTrajectory:
     """What names a trajectory and its output, read from the model's files without loading
     any weights: scheduler config and timesteps, DiT and VAE fingerprints."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import UniPCMultistepScheduler
+
+        self.device = placement.device
+        self.placement = placement
 
         self.scheduler_config = dict(
             UniPCMultistepScheduler.load_config(directory / "scheduler"))
         self._scheduler_cls = UniPCMultistepScheduler
-        # Components load in float32: from_pretrained is never given another dtype here.
-        self.fingerprint = component_fingerprint(directory, "transformer", torch.float32)
-        self.decoder_fingerprint = component_fingerprint(directory, "vae", torch.float32)
+        self.fingerprint = component_fingerprint(directory, "transformer",
+                                                 placement.dit_dtype, self.device)
+        self.decoder_fingerprint = component_fingerprint(directory, "vae", placement.vae_dtype,
+                                                         self.device)
 
     def scheduler(self, spec: GenerationSpec) -> Any:
         scheduler = self._scheduler_cls.from_config(self.scheduler_config)
-        scheduler.set_timesteps(spec.num_inference_steps, device="cpu")
+        scheduler.set_timesteps(spec.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
         return scheduler
 
@@ -180,11 +188,12 @@ class WanTrajectory:
 class WanDenoiser(WanTrajectory):
     """The DiT and scheduler, driven one step at a time by the denoise worker."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import WanTransformer3DModel
 
-        super().__init__(directory)
-        self.transformer = WanTransformer3DModel.from_pretrained(directory / "transformer").eval()
+        super().__init__(directory, placement)
+        self.transformer = WanTransformer3DModel.from_pretrained(
+            directory / "transformer", torch_dtype=placement.dit_dtype).to(self.device).eval()
         vae_config = json.loads((directory / "vae" / "config.json").read_text())
         self.temporal_factor = 2 ** sum(vae_config["temperal_downsample"])
         self.spatial_factor = 2 ** (len(vae_config["dim_mult"]) - 1)
@@ -196,14 +205,15 @@ class WanDenoiser(WanTrajectory):
                 spec.height // self.spatial_factor, spec.width // self.spatial_factor)
 
     def initial_latents(self, spec: GenerationSpec) -> tuple[torch.Tensor, torch.Generator]:
-        """The pipeline's starting noise: ``randn_tensor`` from a CPU generator seeded once.
+        """The pipeline's starting noise: ``randn_tensor`` from a CPU generator seeded once,
+        then moved to the device, as the pipeline does with a CPU generator.
         The generator comes back too: a stochastic scheduler would draw from it per step, so
         checkpoints carry its state."""
         from diffusers.utils.torch_utils import randn_tensor
 
         generator = torch.Generator(device="cpu").manual_seed(spec.seed)
         latents = randn_tensor(self.latent_shape(spec), generator=generator,
-                               device=torch.device("cpu"), dtype=torch.float32)
+                               device=self.device, dtype=torch.float32)
         return latents, generator
 
     @torch.no_grad()
@@ -212,7 +222,8 @@ class WanDenoiser(WanTrajectory):
         """One transformer forward: the model's prediction for ``latents`` at timestep ``t``."""
         model_input = latents.to(self.transformer.dtype)
         return self.transformer(hidden_states=model_input, timestep=t.expand(latents.shape[0]),
-                                encoder_hidden_states=embeds.to(self.transformer.dtype),
+                                encoder_hidden_states=embeds.to(self.device,
+                                                                self.transformer.dtype),
                                 return_dict=False)[0]
 
     @staticmethod
@@ -227,13 +238,15 @@ class WanDenoiser(WanTrajectory):
 class WanDecoder:
     """The Wan VAE, decoding one latent frame at a time so video memory stays bounded."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import AutoencoderKLWan
         from diffusers.video_processor import VideoProcessor
 
-        self.vae = AutoencoderKLWan.from_pretrained(directory / "vae").eval()
+        self.device = placement.device
+        self.vae = AutoencoderKLWan.from_pretrained(
+            directory / "vae", torch_dtype=placement.vae_dtype).to(self.device).eval()
         self.processor = VideoProcessor(vae_scale_factor=self.vae.config.scale_factor_spatial)
-        self.fingerprint = component_fingerprint(directory, "vae", self.vae.dtype)
+        self.fingerprint = component_fingerprint(directory, "vae", self.vae.dtype, self.device)
 
     @torch.no_grad()
     def frames(self, latents: torch.Tensor, spec: GenerationSpec) -> Iterator[np.ndarray]:
@@ -245,7 +258,7 @@ class WanDecoder:
         """
         vae = self.vae
         config = vae.config
-        latents = latents.to(dtype=vae.dtype)
+        latents = latents.to(self.device, vae.dtype)
         mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
         std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
         z = latents / std + mean
