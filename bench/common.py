@@ -29,22 +29,25 @@ console = Console(soft_wrap=True)
 
 
 @contextmanager
-def bench_stack(segment_mib: int, family: str = "auto") -> Iterator[Settings]:
-    """A private embedded stack in a temporary directory; resolved settings to reach it."""
+def bench_stack(segment_mib: int, family: str = "auto",
+                model: dict[str, object] | None = None) -> Iterator[Settings]:
+    """A private embedded stack in a temporary directory; resolved settings to reach it.
+    ``model`` overrides model settings (size, device)."""
     with tempfile.TemporaryDirectory(prefix="diffcache-bench-") as data_dir:
         settings = load_settings(data_dir=data_dir, store={"segment_mib": segment_mib},
-                                 model={"family": family})
+                                 model={"family": family, **(model or {})})
         stack = EmbeddedStack(settings)
         with stack as addresses:
             yield stack.resolved(addresses)
 
 
 @contextmanager
-def model_stack(segment_mib: int = 1024, family: str = "auto") -> Iterator[Settings]:
+def model_stack(segment_mib: int = 1024, family: str = "auto",
+                model: dict[str, object] | None = None) -> Iterator[Settings]:
     """``bench_stack`` with the built-in model built in it, for benchmarks that run workers."""
     from workers.main import ensure_model
 
-    with bench_stack(segment_mib, family) as settings:
+    with bench_stack(segment_mib, family, model) as settings:
         ensure_model(settings)
         yield settings
 

@@ -25,11 +25,16 @@ from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, StoreKey
 from workers.families import family_named
-from workers.families.base import Family
+from workers.families.base import Family, Placement
 from workers.media import decode_npy, encode_frames
 from workers.messages import Stage
 from workers.records import Records, RequestRecord
 from workers.submit import new_request_id, submit
+
+
+def placement_of(settings: Settings) -> Placement:
+    """Where the workers put the model: the reference runs there too."""
+    return Placement.for_settings(settings.model.device, settings.model.dtype)
 
 
 def spec_for(settings: Settings, family: Family, draw: Draw) -> GenerationSpec:
@@ -45,7 +50,7 @@ def spec_for(settings: Settings, family: Family, draw: Draw) -> GenerationSpec:
 def run_baseline(settings: Settings, family: Family,
                  specs: list[GenerationSpec]) -> float:
     """Seconds for the monolithic pipeline to serve ``specs`` one after another."""
-    pipeline = family.reference(settings.model_dir)
+    pipeline = family.reference(settings.model_dir, placement_of(settings))
     start = time.perf_counter()
     for spec in specs:
         encode_frames([pipeline(spec)], OutputFormat.NPY, settings.workers.fps)
@@ -57,7 +62,7 @@ def all_identical(settings: Settings, family: Family, specs: list[GenerationSpec
     """Whether every diffcache output equals the pipeline's, both with one thread per op."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    pipeline = family.reference(settings.model_dir)
+    pipeline = family.reference(settings.model_dir, placement_of(settings))
     cache = open_cache(settings)
     try:
         for spec, record in zip(specs, records, strict=True):
@@ -72,16 +77,11 @@ def all_identical(settings: Settings, family: Family, specs: list[GenerationSpec
         torch.set_num_threads(threads)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=40)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", default="wan", help="wan or qwen-image")
-    args = parser.parse_args()
-    family = family_named(args.family)
-
-    with model_stack(family=family.name) as settings:
-        draws = zipf_requests(args.requests, seed=args.seed)
+def measure(family: Family, requests: int, seed: int,
+            model: dict[str, object] | None = None) -> tuple[dict[str, object], list[list[object]]]:
+    """One run of the comparison; ``model`` overrides the model settings (size, device)."""
+    with model_stack(family=family.name, model=model) as settings:
+        draws = zipf_requests(requests, seed=seed)
         baseline_s = run_baseline(settings, family, [spec_for(settings, family, d)
                                                      for d in draws])
         client = open_redis(settings)
@@ -102,10 +102,10 @@ def main() -> None:
     share = {k: round(v / total, 3) for k, v in seconds.items()}
     hits = sum(r.hits().get("embed", 0) for r in finished)
     lookups = sum(int(r.fields.get("lookups:embed", 0)) for r in finished)
-    result = {
-        "bench": "e2e", "family": family.name, "requests": args.requests,
-        "baseline_rps": round(args.requests / baseline_s, 4),
-        "diffcache_rps": round(args.requests / diffcache_s, 4),
+    result: dict[str, object] = {
+        "bench": "e2e", "family": family.name, "requests": requests,
+        "baseline_rps": round(requests / baseline_s, 4),
+        "diffcache_rps": round(requests / diffcache_s, 4),
         "ratio": round(baseline_s / diffcache_s, 4),
         "p50_s": round(statistics.median(latencies), 3),
         "p99_s": round(float(np.percentile(latencies, 99)), 3),
@@ -114,11 +114,20 @@ def main() -> None:
         "identical": identical,
     }
     rows: list[list[object]] = [
-        [f"baseline ({family.pipeline_class}), total", baseline_s,
-         args.requests / baseline_s],
-        ["diffcache (3 stage workers), total", diffcache_s, args.requests / diffcache_s]]
+        [f"baseline ({family.pipeline_class}), total", baseline_s, requests / baseline_s],
+        ["diffcache (3 stage workers), total", diffcache_s, requests / diffcache_s]]
     rows += [[f"diffcache {stage}, mean per request", s / len(finished), ""]
              for stage, s in seconds.items()]
+    return result, rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", default="wan", help="wan or qwen-image")
+    args = parser.parse_args()
+    result, rows = measure(family_named(args.family), args.requests, args.seed)
     report(f"{args.requests} requests, monolithic pipeline vs diffcache",
            ["run", "seconds", "requests/s"], rows, result)
 

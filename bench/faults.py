@@ -22,6 +22,7 @@ from bench.running_service import RunningService
 from cachesvc.processes import free_port
 from keys import GenerationSpec, OutputFormat
 from workers.families import family_named
+from workers.families.base import CPU
 from workers.media import decode_npy
 from workers.served_model import DEFAULT_FAMILY
 from workers.submit import new_request_id
@@ -56,7 +57,7 @@ def kill_on_schedule(service: RunningService, seed: int, every_s: float,
 def references(model_dir: Path, wanted: list[GenerationSpec]) -> list[np.ndarray]:
     """The monolithic pipeline's frames for each spec, run quietly in this process."""
     torch.set_num_threads(1)  # the workers' condition for bit-identity
-    pipeline = family_named(DEFAULT_FAMILY).reference(model_dir)
+    pipeline = family_named(DEFAULT_FAMILY).reference(model_dir, CPU)
     return [pipeline(spec) for spec in wanted]
 
 

@@ -35,7 +35,8 @@ class RunningService:
         environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
         environ.update({
             "DIFFCACHE_DATA_DIR": str(data_dir), "DIFFCACHE_MODEL__DIR": str(model_dir),
-            "DIFFCACHE_MODEL__PRESET": "test", "DIFFCACHE_STORE__SEGMENT_MIB": "64",
+            "DIFFCACHE_MODEL__PRESET": "test", "DIFFCACHE_MODEL__DEVICE": "cpu",
+            "DIFFCACHE_STORE__SEGMENT_MIB": "64",
             "DIFFCACHE_API__PORT": str(port),
             # A killed worker's entries are taken over quickly, and workers poll often.
             "DIFFCACHE_WORKERS__IDLE_TIMEOUT_S": "3", "DIFFCACHE_WORKERS__BLOCK_MS": "200",

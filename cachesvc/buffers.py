@@ -48,7 +48,10 @@ class BufferPool:
         self.oversize_leases = 0
 
     def _register(self, size: int) -> RegisteredBuffer:
-        buf = RegisteredBuffer(torch.empty(size, dtype=torch.uint8))
+        # Pinned where there is a GPU, so tensors cross between the device and the store by
+        # DMA without a staging copy.
+        raw = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        buf = RegisteredBuffer(raw)
         self._store.register(buf.ptr, buf.capacity)
         return buf
 

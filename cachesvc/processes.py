@@ -42,6 +42,9 @@ def require_free(component: str, host: str, port: int, setting: str) -> int:
     if port == 0:
         return free_port(host)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As the servers themselves bind: a port whose last connections linger in TIME_WAIT
+        # after a restart is free, one that something listens on is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -51,10 +51,35 @@ def submit_and_wait(settings: Settings, prompt: str, negative_prompt: str, seed:
     console.print(f"wrote {out} ({len(data)} bytes); {timings}; cache hits {record.hits()}")
 
 
+def format_for(out: str, asked: str | None) -> str | None:
+    """The output format a file name asks for; SystemExit when ``asked`` says otherwise.
+    None lets the server pick (an unknown extension, nothing asked)."""
+    suffix = Path(out).suffix.lower().removeprefix(".")
+    implied = suffix if suffix in {f.value for f in OutputFormat} else None
+    if asked is not None and implied is not None and asked != implied:
+        raise SystemExit(f"--output-format {asked} does not match {out}: use a .{asked} file "
+                         f"or --output-format {implied}")
+    return asked or implied
+
+
 def call_and_follow(api_url: str, api_key: str | None, path: str, body: Mapping[str, object],
                     out: str, console: Console) -> None:
     """POST a request (``/v1/generate`` or ``/v1/resume``), follow its events with a progress
-    bar, then fetch the result."""
+    bar, then fetch the result. Every failure it can foresee is one line."""
+    import httpx
+
+    try:
+        _call_and_follow(api_url, api_key, path, body, out, console)
+    except httpx.ConnectError:
+        raise SystemExit(f"error: no API at {api_url}; is `diffcache up` running?") from None
+    except httpx.TimeoutException as exc:
+        raise SystemExit(f"error: the API at {api_url} did not answer in time ({exc})") from None
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"error: talking to the API at {api_url} failed: {exc}") from None
+
+
+def _call_and_follow(api_url: str, api_key: str | None, path: str,
+                     body: Mapping[str, object], out: str, console: Console) -> None:
     import json
 
     import httpx
@@ -63,7 +88,8 @@ def call_and_follow(api_url: str, api_key: str | None, path: str, body: Mapping[
     with httpx.Client(base_url=api_url, headers=headers, timeout=30) as http:
         accepted = http.post(path, json=body)
         if accepted.status_code != 202:
-            raise SystemExit(f"rejected ({accepted.status_code}): {accepted.json()['error']}")
+            raise SystemExit(f"error: refused ({accepted.status_code}): "
+                             f"{accepted.json().get('error', accepted.text)}")
         request_id = accepted.json()["id"]
         status: dict[str, Any] = {}
         with Progress(console=console, transient=True) as progress, \

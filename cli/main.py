@@ -173,19 +173,24 @@ def generate(
     out: str = typer.Option(..., help="file to write the output to"),
     negative_prompt: str = "",
     seed: int | None = None,
-    output_format: str = typer.Option("mp4", help="mp4, png or npy"),
+    output_format: str | None = typer.Option(None, help="mp4, png or npy; default: from the "
+                                             "--out file's extension"),
+    width: int | None = None,
+    height: int | None = None,
     num_frames: int | None = None,
     steps: int | None = None,
+    guidance_scale: float | None = None,
     priority: str = typer.Option("interactive", help="interactive or batch"),
     api_key: str | None = typer.Option(None, help="sent as X-API-Key"),
 ) -> None:
     """Generate through the REST API with a progress bar; prints cache hits and timings."""
-    from cli.client import call_and_follow
+    from cli.client import call_and_follow, format_for
 
     body = {k: v for k, v in {
         "prompt": prompt, "negative_prompt": negative_prompt, "seed": seed,
-        "output_format": output_format, "num_frames": num_frames,
-        "num_inference_steps": steps, "priority": priority}.items() if v is not None}
+        "output_format": format_for(out, output_format), "width": width, "height": height,
+        "num_frames": num_frames, "num_inference_steps": steps,
+        "guidance_scale": guidance_scale, "priority": priority}.items() if v is not None}
     call_and_follow(_api_base(), api_key, "/v1/generate", body, out, console)
 
 

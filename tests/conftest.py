@@ -16,6 +16,7 @@ from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
 from tests.workers_harness import start_worker
 from workers.families import qwen_image, wan
+from workers.families.base import CPU
 from workers.messages import Stage
 
 
@@ -111,8 +112,7 @@ def pool(worker_settings: Settings, client: redis.Redis,
 
 @pytest.fixture(scope="session")
 def pipe(model_dir: Path) -> object:
-    from diffusers import WanPipeline
-
-    return WanPipeline.from_pretrained(model_dir)
+    """The monolithic ``WanPipeline`` on the test model, as ``reference`` calls it."""
+    return wan.FAMILY.reference(model_dir, CPU)
 
 

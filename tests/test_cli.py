@@ -46,3 +46,26 @@ def test_generate_status_preempt_and_resume(worker_settings: Settings, pool: obj
         resumed = tmp_path / "resumed.npy"
         run("resume", request_id, "--out", str(resumed))
         assert decode_npy(resumed.read_bytes()).shape[0] == 5
+
+
+def test_foreseeable_client_errors_are_one_line(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from cachesvc.processes import free_port
+    from tests.test_stack import DIFFCACHE
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
+    environ.update({"DIFFCACHE_API__PORT": str(free_port("127.0.0.1")),
+                    "DIFFCACHE_DATA_DIR": str(tmp_path)})
+
+    def generate(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*DIFFCACHE, "generate", "a red fox", *args], env=environ,
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    nobody = generate("--out", str(tmp_path / "fox.png"))
+    assert nobody.returncode == 1
+    assert "no API at" in nobody.stderr and "Traceback" not in nobody.stderr
+    mismatch = generate("--out", str(tmp_path / "fox.png"), "--output-format", "mp4")
+    assert mismatch.returncode == 1
+    assert "does not match" in mismatch.stderr and "Traceback" not in mismatch.stderr

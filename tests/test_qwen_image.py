@@ -13,14 +13,20 @@ import httpx
 import numpy as np
 import pytest
 import redis
-import torch
 
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import ApiSettings, ModelSettings, Settings, WorkerSettings, load_settings
 from cachesvc.stack import EmbeddedStack
 from keys import GenerationSpec, StoreKey
-from tests.workers_harness import make_spec, run_request, serve_api, start_worker, wait_done
+from tests.workers_harness import (
+    make_spec,
+    reference,
+    run_request,
+    serve_api,
+    start_worker,
+    wait_done,
+)
 from workers.families import family_named
 from workers.messages import Stage, State
 from workers.submit import submit
@@ -64,16 +70,6 @@ def image_spec(**changes: object) -> GenerationSpec:
                                      guidance_scale=4.0, seed=7)
     fields.update(changes)
     return make_spec(**fields)
-
-
-def reference(pipe: object, spec: GenerationSpec) -> np.ndarray:
-    """The monolithic pipeline's image, with one thread per op as the workers run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return pipe(spec)  # type: ignore[operator,no-any-return]
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("changes", [

@@ -17,7 +17,6 @@ from cachesvc.connect import open_cache
 from cachesvc.processes import ChildProcess, free_port
 from cachesvc.settings import ApiSettings, Settings, child_environ
 from keys import GenerationSpec, StoreKey
-from workers.families.base import to_uint8
 from workers.launch import wait_joined, worker_argv
 from workers.media import decode_npy
 from workers.messages import Stage, State
@@ -83,13 +82,14 @@ def read_frames(settings: Settings, record: RequestRecord) -> np.ndarray:
 
 
 def reference(pipe: object, spec: GenerationSpec) -> np.ndarray:
-    """The monolithic pipeline's frames for ``spec``, as uint8."""
-    segment = spec.schedule[0]
-    out = pipe(segment.prompt, negative_prompt=segment.negative_prompt,  # type: ignore[operator]
-               height=spec.height, width=spec.width, num_frames=spec.num_frames,
-               num_inference_steps=spec.num_inference_steps, guidance_scale=spec.guidance_scale,
-               generator=torch.Generator().manual_seed(spec.seed), output_type="np").frames
-    return to_uint8(out[0])
+    """The monolithic pipeline's frames for ``spec`` (a family's ``reference``), as uint8,
+    run with one intra-op thread as the workers run: the condition for bit-identity."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return pipe(spec)  # type: ignore[operator,no-any-return]
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextmanager

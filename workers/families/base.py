@@ -110,9 +110,10 @@ class Family:
     trajectory: Callable[[Path, Placement], Trajectory]
     denoiser: Callable[[Path, Placement], Denoiser]
     decoder: Callable[[Path, Placement], Decoder]
-    # The family's monolithic diffusers pipeline, run on a request's first prompt segment:
-    # what the stages' output must equal bit for bit (tests and benchmarks).
-    reference: Callable[[Path], Callable[[GenerationSpec], np.ndarray]]
+    # The family's monolithic diffusers pipeline, placed as the workers place the stages and
+    # run on a request's first prompt segment: what the stages' output must equal bit for bit
+    # (tests and benchmarks).
+    reference: Callable[[Path, Placement], Callable[[GenerationSpec], np.ndarray]]
 
 
 MANIFEST = "diffcache-fingerprints.json"
@@ -146,6 +147,17 @@ def component_fingerprint(directory: Path, role: str, dtype: torch.dtype,
         partial.write_text(json.dumps(manifest, indent=1, sort_keys=True))
         partial.replace(manifest_path)  # concurrent writers write the same digests
     return model_fingerprint(role, config, weights, str(dtype), device.type)
+
+
+def placed_pipeline(pipeline_class: Any, directory: Path, placement: Placement) -> Any:
+    """A monolithic pipeline with each component where the workers put it: the DiT and the
+    text encoder in their dtype, the VAE in its own, all on the device."""
+    pipe = pipeline_class.from_pretrained(directory, dtype=placement.dit_dtype)
+    pipe.text_encoder.to(placement.device, placement.text_dtype)
+    pipe.transformer.to(placement.device, placement.dit_dtype)
+    pipe.vae.to(placement.device, placement.vae_dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:

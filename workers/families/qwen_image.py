@@ -19,7 +19,15 @@ import numpy as np
 import torch
 
 from keys import GenerationSpec
-from workers.families.base import CPU, Family, Placement, Tokens, component_fingerprint, to_uint8
+from workers.families.base import (
+    CPU,
+    Family,
+    Placement,
+    Tokens,
+    component_fingerprint,
+    placed_pipeline,
+    to_uint8,
+)
 from workers.served_model import LIMITS
 
 # QwenImagePipeline's prompt template; its first DROP_IDX tokens (the system prompt) are
@@ -252,7 +260,7 @@ class QwenDenoiser(QwenTrajectory):
 
         super().__init__(directory, placement)
         self.transformer = QwenImageTransformer2DModel.from_pretrained(
-            directory / "transformer", torch_dtype=placement.dit_dtype).to(self.device).eval()
+            directory / "transformer", dtype=placement.dit_dtype).to(self.device).eval()
 
     def latent_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
         rows, cols = self.tokens_per_side(spec)
@@ -303,7 +311,7 @@ class QwenDecoder:
 
         self.device = placement.device
         self.vae = AutoencoderKLQwenImage.from_pretrained(
-            directory / "vae", torch_dtype=placement.vae_dtype).to(self.device).eval()
+            directory / "vae", dtype=placement.vae_dtype).to(self.device).eval()
         self.scale_factor = 2 ** len(self.vae.temperal_downsample)
         self.processor = VaeImageProcessor(vae_scale_factor=self.scale_factor * 2)
         self.fingerprint = component_fingerprint(directory, "vae", self.vae.dtype, self.device)
@@ -325,11 +333,10 @@ class QwenDecoder:
 class QwenReference:
     """The monolithic ``QwenImagePipeline``: what the three stages must equal."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import QwenImagePipeline
 
-        self.pipe: Any = QwenImagePipeline.from_pretrained(directory)
-        self.pipe.set_progress_bar_config(disable=True)
+        self.pipe = placed_pipeline(QwenImagePipeline, directory, placement)
 
     def __call__(self, spec: GenerationSpec) -> np.ndarray:
         segment = spec.schedule[0]

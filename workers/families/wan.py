@@ -18,7 +18,15 @@ import numpy as np
 import torch
 
 from keys import GenerationSpec
-from workers.families.base import CPU, Family, Placement, Tokens, component_fingerprint, to_uint8
+from workers.families.base import (
+    CPU,
+    Family,
+    Placement,
+    Tokens,
+    component_fingerprint,
+    placed_pipeline,
+    to_uint8,
+)
 from workers.served_model import LIMITS
 
 MAX_SEQUENCE_LENGTH = 512  # what WanPipeline.__call__ uses (encode_prompt defaults to 226)
@@ -193,7 +201,7 @@ class WanDenoiser(WanTrajectory):
 
         super().__init__(directory, placement)
         self.transformer = WanTransformer3DModel.from_pretrained(
-            directory / "transformer", torch_dtype=placement.dit_dtype).to(self.device).eval()
+            directory / "transformer", dtype=placement.dit_dtype).to(self.device).eval()
         vae_config = json.loads((directory / "vae" / "config.json").read_text())
         self.temporal_factor = 2 ** sum(vae_config["temperal_downsample"])
         self.spatial_factor = 2 ** (len(vae_config["dim_mult"]) - 1)
@@ -244,7 +252,7 @@ class WanDecoder:
 
         self.device = placement.device
         self.vae = AutoencoderKLWan.from_pretrained(
-            directory / "vae", torch_dtype=placement.vae_dtype).to(self.device).eval()
+            directory / "vae", dtype=placement.vae_dtype).to(self.device).eval()
         self.processor = VideoProcessor(vae_scale_factor=self.vae.config.scale_factor_spatial)
         self.fingerprint = component_fingerprint(directory, "vae", self.vae.dtype, self.device)
 
@@ -280,11 +288,10 @@ class WanDecoder:
 class WanReference:
     """The monolithic ``WanPipeline``: what the three stages must equal."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import WanPipeline
 
-        self.pipe: Any = WanPipeline.from_pretrained(directory)
-        self.pipe.set_progress_bar_config(disable=True)
+        self.pipe = placed_pipeline(WanPipeline, directory, placement)
 
     def __call__(self, spec: GenerationSpec) -> np.ndarray:
         segment = spec.schedule[0]
