@@ -12,10 +12,10 @@ from api.schemas import (
     FieldError,
     Overrides,
     Segment,
+    TextLimits,
     check_texts,
     segment_texts,
 )
-from cachesvc.settings import ApiSettings
 from keys import CfgCache, CfgMode, GenerationSpec, PromptSegment
 from workers.records import RequestRecord
 
@@ -61,7 +61,7 @@ def branch_point(record: RequestRecord, from_step: int | None) -> tuple[int, str
 
 
 def branched_spec(spec: GenerationSpec, request_id: str, from_step: int, overrides: Overrides,
-                  limits: ApiSettings) -> GenerationSpec:
+                  limits: TextLimits) -> GenerationSpec:
     """``spec`` with ``overrides`` applied from ``from_step`` on, as a new request."""
     for name in PREFIX_FIELDS:
         if getattr(overrides, name) is not None:

@@ -6,7 +6,8 @@ every error names the field and the limit it broke.
 
 from __future__ import annotations
 
-import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,14 +17,7 @@ from keys import CfgMode, OutputFormat, Priority
 from workers.records import PreemptMode
 from workers.served_model import ServedModel
 
-# How the built-in word-level tokenizer splits text (tokenizers' Whitespace pre-tokenizer).
-_PRETOKEN = re.compile(r"\w+|[^\w\s]+")
-
 MAX_SEED = 2**63 - 1
-
-
-def token_count(text: str) -> int:
-    return len(_PRETOKEN.findall(text))
 
 
 # Static bounds, published in the OpenAPI schema. A deployment's ApiSettings may only tighten
@@ -136,15 +130,25 @@ class FieldError(ValueError):
         self.message = message
 
 
-def check_texts(texts: list[tuple[str, str | None]], limits: ApiSettings) -> None:
+@dataclass(frozen=True, slots=True)
+class TextLimits:
+    """How long a prompt may be: characters, and tokens as the served model counts them."""
+
+    max_chars: int
+    max_tokens: int
+    count: Callable[[str], int]
+
+
+def check_texts(texts: list[tuple[str, str | None]], limits: TextLimits) -> None:
     """Raise FieldError for the first (field, text) longer than this deployment allows."""
     for name, text in texts:
         if text is None:
             continue
-        if len(text) > limits.max_prompt_chars:
-            raise FieldError(name, f"must be at most {limits.max_prompt_chars} characters")
-        if token_count(text) > limits.max_prompt_tokens:
-            raise FieldError(name, f"must be at most {limits.max_prompt_tokens} tokens")
+        if len(text) > limits.max_chars:
+            raise FieldError(name, f"must be at most {limits.max_chars} characters")
+        if (tokens := limits.count(text)) > limits.max_tokens:
+            raise FieldError(name, f"must be at most {limits.max_tokens} tokens of the served "
+                             f"model's tokenizer, got {tokens}")
 
 
 def segment_texts(prefix: str, segments: list[Segment] | None) -> list[tuple[str, str | None]]:
@@ -153,11 +157,12 @@ def segment_texts(prefix: str, segments: list[Segment] | None) -> list[tuple[str
 
 
 def check_limits(body: GenerateBody, width: int, height: int, frames: int, steps: int,
-                 output_format: OutputFormat, limits: ApiSettings, model: ServedModel) -> None:
+                 output_format: OutputFormat, limits: ApiSettings, model: ServedModel,
+                 texts: TextLimits) -> None:
     """Raise FieldError for the first field outside the limits of this deployment and of the
     model family it serves."""
     check_texts([("prompt", body.prompt), ("negative_prompt", body.negative_prompt),
-                 *segment_texts("schedule", body.schedule)], limits)
+                 *segment_texts("schedule", body.schedule)], texts)
     m = max(limits.spatial_multiple, model.limits.spatial_multiple)
     for name, value, top in (("width", width, limits.max_width),
                              ("height", height, limits.max_height)):

@@ -24,8 +24,10 @@ from api.schemas import (
     Readiness,
     RequestStatus,
     ResumeBody,
+    TextLimits,
     check_limits,
 )
+from api.tokens import token_counter
 from cachesvc.errors import CacheError, StoreUnavailableError
 from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
@@ -127,6 +129,7 @@ class Service:
         self.bounds = Bounds(self.settings.api.max_queue_depth,
                              self.settings.api.max_jobs_per_tenant)
         self._forget = self.redis.register_script(_FORGET)
+        self._count_tokens = token_counter(self.settings.model_dir)
         cache = self.settings.cache
         self.files = (OutputFiles(self.settings.outputs_dir, cache.output_ttl_s)
                       if cache.durable_outputs else None)
@@ -147,7 +150,7 @@ class Service:
         steps = given(body.num_inference_steps, default_steps)
         output_format = body.output_format or (OutputFormat.MP4 if video else OutputFormat.PNG)
         check_limits(body, width, height, frames, steps, output_format, self.settings.api,
-                     served)
+                     served, self.text_limits(served))
         schedule = None
         if body.schedule is not None:
             schedule = segments_from(body.schedule, body.negative_prompt, "schedule", 0, steps)
@@ -174,6 +177,14 @@ class Service:
         if spec.priority is Priority.INTERACTIVE and cost > api.interactive_max_cost:
             return dataclasses.replace(spec, priority=Priority.BATCH)
         return spec
+
+    def text_limits(self, served: ServedModel) -> TextLimits:
+        """Prompt limits: the deployment's, tightened to what the served model keeps, with
+        tokens counted by its own tokenizer."""
+        api = self.settings.api
+        return TextLimits(api.max_prompt_chars,
+                          min(api.max_prompt_tokens, served.limits.max_prompt_tokens),
+                          self._count_tokens)
 
     def served(self) -> ServedModel:
         """The model the workers said they serve, or, before any has started, the family the
@@ -288,7 +299,7 @@ class Service:
             raise GoneError(f"the checkpoint of {body.request_id} at step {from_step} has "
                             "expired from the cache; resume from another step")
         spec = branched_spec(record.spec, new_request_id(), from_step, body.overrides,
-                             self.settings.api)
+                             self.text_limits(self.served()))
         return self.submit(spec)
 
     def readiness(self) -> Readiness:

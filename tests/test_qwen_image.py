@@ -166,6 +166,10 @@ def test_the_api_refuses_video_fields_for_an_image_family(
             assert answer.status_code == 422, answer.text
             assert answer.json()["field"] == field
             assert "qwen-image" in answer.json()["error"]
+        # Tokens as the served model's BPE counts them: 200 words, well over 507 tokens.
+        long = http.post("/v1/generate", json={"prompt": "qzxv " * 200})
+        assert long.status_code == 422 and long.json()["field"] == "prompt"
+        assert "at most 507 tokens" in long.json()["error"]
         ok = http.post("/v1/generate", json={"prompt": "a red fox", "output_format": "png",
                                              "num_frames": 1, "width": 64, "height": 64})
         assert ok.status_code == 202, ok.text

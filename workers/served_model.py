@@ -27,6 +27,7 @@ class FamilyLimits:
     video: bool  # False: one frame only, and no MP4
     frame_multiple: int  # num_frames must be frame_multiple * k + 1 (video families)
     spatial_multiple: int  # width and height: VAE factor times DiT patch size
+    max_prompt_tokens: int  # what the text encoder keeps of a prompt, less what it adds
 
     def cost(self, spec: GenerationSpec) -> int:
         """A request's estimated compute in token-forwards: the DiT's tokens (latent frames
@@ -41,8 +42,12 @@ class FamilyLimits:
 # One entry per family module in workers/families/.
 DEFAULT_FAMILY = "wan"  # what a deployment without a model folder builds and serves
 LIMITS = {
-    "wan": FamilyLimits(video=True, frame_multiple=4, spatial_multiple=16),
-    "qwen-image": FamilyLimits(video=False, frame_multiple=1, spatial_multiple=16),
+    # 512 tokens with the EOS the tokenizer appends.
+    "wan": FamilyLimits(video=True, frame_multiple=4, spatial_multiple=16,
+                        max_prompt_tokens=511),
+    # 512 after the template's system prefix, which ends in five tokens of its own.
+    "qwen-image": FamilyLimits(video=False, frame_multiple=1, spatial_multiple=16,
+                               max_prompt_tokens=507),
 }
 
 
