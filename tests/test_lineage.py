@@ -23,7 +23,7 @@ from keys.names import stage_stream
 from tests.test_preemption import LONG, wait_for
 from tests.workers_harness import make_spec, read_frames, reference, serve_api, wait_done
 from workers.media import decode_npy
-from workers.messages import Job, Stage, State
+from workers.messages import LATENTS, Job, Stage, State
 from workers.records import Records
 from workers.submit import submit
 
@@ -102,7 +102,7 @@ def test_decode_without_latents_goes_back_to_denoise_which_resumes_at_the_end(
         submit(client, spec)
         wait_for(client, spec, State.DENOISED)
         job = entry_for(client, Stage.DECODE, spec.request_id)
-        lose(worker_settings, [StoreKey.parse(job.ref("latents").key)])
+        lose(worker_settings, [StoreKey.parse(job.ref(LATENTS).key)])
     record = wait_done(client, spec)
     assert record.state is State.DONE, record.error
     assert record.counter("recomputed:latents") == 1

@@ -19,7 +19,7 @@ from keys import ChainLink, KeyKind, StoreKey, output_key
 from workers.credits import Credits
 from workers.families.base import Decoder
 from workers.media import encode_frames
-from workers.messages import Job, Stage
+from workers.messages import LATENTS, Job, Stage
 from workers.runtime import InputLostError, JobContext, Outcome
 
 
@@ -44,7 +44,7 @@ class DecodeHandler:
         hit = self.cache.exists(out_key)
         if not hit:
             start = time.perf_counter()
-            latents_ref = job.ref("latents")
+            latents_ref = job.ref(LATENTS)
             latents = self.cache.get(StoreKey.parse(latents_ref.key), lookup=False)
             if latents is None:
                 raise InputLostError(job, KeyKind.LATENTS, self._redo(job), [latents_ref.key])
@@ -61,7 +61,7 @@ class DecodeHandler:
     def _redo(job: Job) -> Job:
         """The job that makes the latents again: denoise with the same embeddings (from its
         latest checkpoint), or encode for a job written before decode jobs carried them."""
-        embeddings = tuple(r for r in job.refs if r.name != "latents")
+        embeddings = tuple(r for r in job.refs if r.ref_name != LATENTS)
         if not embeddings:
             return Job(job.request_id, job.tenant, Stage.ENCODE, priority=job.priority)
         return job.handoff(Stage.DENOISE, embeddings)
@@ -69,7 +69,7 @@ class DecodeHandler:
     def after_publish(self, job: Job, outcome: Outcome) -> None:
         """Final latents have one consumer: delete them once the output is published, and
         hand the request's decode credit back."""
-        self.cache.remove(StoreKey.parse(job.ref("latents").key))
+        self.cache.remove(StoreKey.parse(job.ref(LATENTS).key))
         self.credits.release(job.tenant, job.request_id)
 
     def discard(self, outcome: Outcome) -> None:

@@ -29,7 +29,7 @@ from workers.credits import Credits
 from workers.families.base import Denoiser
 from workers.guidance import Guidance
 from workers.interrupt import BlockInterrupts, StepInterrupted
-from workers.messages import Job, Stage, State, TensorRef
+from workers.messages import LATENTS, Job, RefName, Role, Stage, State, TensorRef
 from workers.runtime import InputLostError, JobContext, Outcome
 from workers.trajectory import chain_links, checkpoint_steps, step_segments
 from workers.write_behind import WriteBehind
@@ -37,6 +37,8 @@ from workers.write_behind import WriteBehind
 log = logging.getLogger(__name__)
 
 CREDIT_POLL_S = 0.05
+# Each condition the job names: its store key (which keys the chain) and its tensor.
+Embeddings = dict[RefName, tuple[StoreKey, torch.Tensor]]
 
 
 @dataclass
@@ -107,8 +109,8 @@ class DenoiseHandler:
         # The embeddings travel on, so a decode that finds the latents lost can send the
         # request straight back here.
         return Outcome(job.handoff(Stage.DECODE,
-                                   (*job.refs, TensorRef("latents", str(key), stored.dtype,
-                                                         stored.shape)),
+                                   (*job.refs, TensorRef.of(LATENTS, str(key), stored.dtype,
+                                                            stored.shape)),
                                    chain_index=head.index, chain_head=head.hex,
                                    compute_s=run.compute_s),
                        fields=run.guidance.stats.as_fields())
@@ -116,18 +118,19 @@ class DenoiseHandler:
     def discard(self, outcome: Outcome) -> None:
         """A fenced-out attempt's latents belong to no one: delete them."""
         if outcome.next_job is not None:
-            self.cache.remove(StoreKey.parse(outcome.next_job.ref("latents").key))
+            self.cache.remove(StoreKey.parse(outcome.next_job.ref(LATENTS).key))
 
     # --- the steps of ``handle`` -------------------------------------------------------------
 
     @staticmethod
-    def _step(run: _Run, embeds: dict[str, tuple[StoreKey, torch.Tensor]],
+    def _step(run: _Run, embeds: Embeddings,
               segments: list[int]) -> None:
         """Advance ``run`` by one denoising step."""
         spec, i = run.spec, run.step
         segment = spec.schedule[segments[i]]
-        cond = embeds[f"prompt:{segments[i]}"][1]
-        negative = embeds[f"negative:{segments[i]}"] if spec.segment_uses_cfg(segment) else None
+        cond = embeds[RefName(Role.PROMPT, segments[i])][1]
+        negative = (embeds[RefName(Role.NEGATIVE, segments[i])]
+                    if spec.segment_uses_cfg(segment) else None)
         t = run.scheduler.timesteps[i]
         start = time.perf_counter()
         prediction = run.guidance.predict(i, run.latents, t, cond, negative,
@@ -136,7 +139,7 @@ class DenoiseHandler:
         run.compute_s += time.perf_counter() - start
         run.step += 1
 
-    def _embeddings(self, ctx: JobContext) -> dict[str, tuple[StoreKey, torch.Tensor]]:
+    def _embeddings(self, ctx: JobContext) -> Embeddings:
         job = ctx.job
         keys = [StoreKey.parse(r.key) for r in job.refs]
         tensors = self.cache.batch_get(keys, lookup=False)  # a handoff, not reuse
@@ -146,11 +149,11 @@ class DenoiseHandler:
             raise InputLostError(job, KeyKind.EMBEDDING, Job(job.request_id, job.tenant,
                                                         Stage.ENCODE, priority=job.priority),
                             missing)
-        return {r.name: (k, t) for r, k, t in zip(job.refs, keys, tensors, strict=True)
+        return {r.ref_name: (k, t) for r, k, t in zip(job.refs, keys, tensors, strict=True)
                 if t is not None}
 
     def _start(self, ctx: JobContext, spec: GenerationSpec,
-               embeds: dict[str, tuple[StoreKey, torch.Tensor]]) -> _Run:
+               embeds: Embeddings) -> _Run:
         """The trajectory at its latest cached checkpoint, or at step 0."""
         scheduler = self.model.scheduler(spec)
         links = chain_links(spec, {name: key for name, (key, _) in embeds.items()},

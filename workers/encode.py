@@ -3,7 +3,7 @@
 Reads: the encode stream; the request record for its spec.
 Writes: one condition embedding per distinct prompt and negative prompt (``embed`` entries,
 soft-pinned, shared by every request and tenant-namespaced).
-Feeds: the denoise stream, with references named ``prompt:<segment>`` and ``negative:<segment>``;
+Feeds: the denoise stream, with a typed reference (``RefName``: role and segment) to each;
 or nothing, when the request's output is already cached: an identical request (same seed) is
 then DONE without denoising.
 """
@@ -15,7 +15,7 @@ from cachesvc.tensor_cache import TensorCache
 from encoders.text import TextModel, encode_texts
 from keys import GenerationSpec, StoreKey, output_key
 from workers.families.base import Trajectory
-from workers.messages import Stage, State, TensorRef
+from workers.messages import RefName, Role, Stage, State, TensorRef
 from workers.runtime import JobContext, Outcome
 from workers.trajectory import chain_head
 
@@ -36,13 +36,13 @@ class EncodeHandler:
         encoded = encode_texts(self.cache, self.model, spec.tenant, texts)
         refs = []
         for i, segment in enumerate(spec.schedule):
-            names = [("prompt", segment.prompt)]
+            conditions = [(Role.PROMPT, segment.prompt)]
             if spec.segment_uses_cfg(segment):
-                names.append(("negative", segment.negative_prompt))
-            for role, text in names:
+                conditions.append((Role.NEGATIVE, segment.negative_prompt))
+            for role, text in conditions:
                 e = encoded[text]
                 spec_ = TensorSpec.of(e.tensor)
-                refs.append(TensorRef(f"{role}:{i}", str(e.key), spec_.dtype, spec_.shape))
+                refs.append(TensorRef.of(RefName(role, i), str(e.key), spec_.dtype, spec_.shape))
         fields: dict[str, object] = {"hits:embed": sum(e.hit for e in encoded.values()),
                                      "lookups:embed": len(encoded)}
         cached = self._cached_output(spec, refs)
@@ -57,7 +57,7 @@ class EncodeHandler:
     def _cached_output(self, spec: GenerationSpec, refs: list[TensorRef]) -> StoreKey | None:
         """The output entry of this exact trajectory, if another request already made it."""
         t = self.trajectory
-        head = chain_head(spec, {r.name: StoreKey.parse(r.key) for r in refs}, t.fingerprint,
+        head = chain_head(spec, {r.ref_name: StoreKey.parse(r.key) for r in refs}, t.fingerprint,
                           t.scheduler_config, t.scheduler(spec).timesteps)
         key = output_key(head, t.decoder_fingerprint, spec.output_format.value)
         # A counted lookup: a hit counts the compute recorded with the output as saved. The

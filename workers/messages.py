@@ -55,14 +55,50 @@ NEXT = {Stage.ENCODE: Stage.DENOISE, Stage.DENOISE: Stage.DECODE, Stage.DECODE: 
 PREVIOUS = {Stage.DENOISE: Stage.ENCODE, Stage.DECODE: Stage.DENOISE}
 
 
+class Role(StrEnum):
+    """What a referenced tensor is to the stage that reads it."""
+
+    PROMPT = "prompt"  # a schedule segment's condition embedding
+    NEGATIVE = "negative"  # a segment's unconditional (negative prompt) embedding
+    LATENTS = "latents"  # the final latents, from denoise to decode
+
+
+@dataclass(frozen=True, slots=True)
+class RefName:
+    """A reference's role, and for conditions the schedule segment it belongs to."""
+
+    role: Role
+    segment: int | None = None
+
+    def __str__(self) -> str:
+        return self.role.value if self.segment is None else f"{self.role.value}:{self.segment}"
+
+    @classmethod
+    def parse(cls, text: str) -> RefName:
+        role, _, segment = text.partition(":")
+        return cls(Role(role), int(segment) if segment else None)
+
+
+LATENTS = RefName(Role.LATENTS)
+
+
 @dataclass(frozen=True, slots=True)
 class TensorRef:
-    """A tensor in the store: what ``name`` means to the consumer, its key, dtype and shape."""
+    """A tensor in the store: what it is to the consumer, its key, dtype and shape.
+    ``name`` is the wire form of a ``RefName``; code reads ``ref_name``."""
 
     name: str
     key: str
     dtype: str
     shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: RefName, key: str, dtype: str, shape: tuple[int, ...]) -> TensorRef:
+        return cls(str(name), key, dtype, shape)
+
+    @property
+    def ref_name(self) -> RefName:
+        return RefName.parse(self.name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +132,9 @@ class Job:
         return Job(self.request_id, self.tenant, stage, refs, chain_index, chain_head,
                    self.priority, compute_s, self.generation)
 
-    def ref(self, name: str) -> TensorRef:
+    def ref(self, name: RefName) -> TensorRef:
         for ref in self.refs:
-            if ref.name == name:
+            if ref.ref_name == name:
                 return ref
         raise KeyError(f"job for {self.request_id} at {self.stage} has no input {name!r}")
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from keys import ChainLink, Fingerprint, GenerationSpec, StepInputs, StoreKey, chain, chain_root
 from keys.canonical import Canonical
+from workers.messages import RefName, Role
 
 
 def step_segments(spec: GenerationSpec) -> list[int]:
@@ -17,21 +18,22 @@ def step_segments(spec: GenerationSpec) -> list[int]:
             for i in range(spec.num_inference_steps)]
 
 
-def chain_links(spec: GenerationSpec, embedding_keys: Mapping[str, StoreKey],
+def chain_links(spec: GenerationSpec, embedding_keys: Mapping[RefName, StoreKey],
                 model: Fingerprint, scheduler_config: Mapping[str, Canonical],
                 timesteps: Sequence[float]) -> list[ChainLink]:
-    """``h(0)..h(N)`` for ``spec``; ``embedding_keys`` names ``prompt:<i>`` and, for segments
-    with guidance, ``negative:<i>``."""
+    """``h(0)..h(N)`` for ``spec``; ``embedding_keys`` holds each segment's prompt and, for
+    segments with guidance, its negative prompt."""
     steps = []
     for t, seg in zip(timesteps, step_segments(spec), strict=True):
         segment = spec.schedule[seg]
-        uncond = embedding_keys[f"negative:{seg}"] if spec.segment_uses_cfg(segment) else None
-        steps.append(StepInputs(float(t), embedding_keys[f"prompt:{seg}"], uncond,
+        uncond = (embedding_keys[RefName(Role.NEGATIVE, seg)]
+                  if spec.segment_uses_cfg(segment) else None)
+        steps.append(StepInputs(float(t), embedding_keys[RefName(Role.PROMPT, seg)], uncond,
                                 spec.guidance_of(segment)))
     return chain(chain_root(spec, model, scheduler_config, "float32"), steps)
 
 
-def chain_head(spec: GenerationSpec, embedding_keys: Mapping[str, StoreKey],
+def chain_head(spec: GenerationSpec, embedding_keys: Mapping[RefName, StoreKey],
                model: Fingerprint, scheduler_config: Mapping[str, Canonical],
                timesteps: Sequence[float]) -> ChainLink:
     """``h(N)``: names the finished trajectory, and so its output."""
