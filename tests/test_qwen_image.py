@@ -175,3 +175,63 @@ def test_the_api_refuses_video_fields_for_an_image_family(
         assert ok.status_code == 202, ok.text
         status = http.get(f"/v1/requests/{ok.json()['id']}").json()
         assert status["model"] == {"family": "qwen-image", "name": "qwen-model0"}
+
+
+def test_a_parked_request_resumes_bit_identically_and_an_edit_branches(
+        qwen_settings: Settings, qwen_client: redis.Redis, qwen_pool: object,
+        qwen_pipe: object) -> None:
+    from keys import PromptSegment
+    from workers.lifecycle import Lifecycle
+    from workers.records import PreemptMode, Records
+    from workers.submit import new_request_id
+
+    spec = image_spec(seed=311, num_inference_steps=60)
+    submit(qwen_client, spec)
+    key = f"v1:{spec.tenant}:req:{spec.request_id}"
+    deadline = time.monotonic() + 120
+    while int(qwen_client.hget(key, "step") or 0) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    lifecycle = Lifecycle(qwen_client)
+    assert lifecycle.ask_preempt(spec.tenant, spec.request_id, PreemptMode.PARK)
+    while qwen_client.hget(key, "state") != b"PREEMPTED":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    parked = Records(qwen_client).get(spec.tenant, spec.request_id)
+    assert parked is not None
+    lifecycle.resume(parked)
+    record = wait_done(qwen_client, spec)
+    assert record.counter("resumed_from") > 0 and record.counter("preemptions") == 1
+    from tests.workers_harness import read_frames
+
+    assert np.array_equal(read_frames(qwen_settings, record), reference(qwen_pipe, spec))
+    # An edit of the second half branches from the shared checkpoint at its switch.
+    tail = (PromptSegment("a white owl at night", "blurry", 60),)
+    branch = spec.branch(new_request_id(), 30, tail)
+    run_request(qwen_settings, qwen_client, branch)
+    assert wait_done(qwen_client, branch).counter("resumed_from") == 30
+
+
+def test_openai_images_and_the_output_cache_serve_the_image_family(
+        qwen_settings: Settings, qwen_pool: object, qwen_pipe: object) -> None:
+    import base64
+
+    import imageio.v3 as iio
+
+    body = {"prompt": "a green train at night", "size": "64x64", "seed": 4242,
+            "num_inference_steps": 6, "model": "qwen-image"}
+    with serve_api(qwen_settings, ApiSettings()) as url, httpx.Client(base_url=url) as http:
+        first = http.post("/v1/images/generations", json=body, timeout=120)
+        again = http.post("/v1/images/generations", json=body, timeout=120)
+        deadline = time.monotonic() + 30
+        while 'diffcache_cache_hits_total{kind="output",tenant="default"}' not in \
+                http.get("/metrics").text:  # the repeat was answered from the output cache
+            assert time.monotonic() < deadline, "no output-cache hit counted"
+            time.sleep(0.2)
+    assert first.status_code == again.status_code == 200, first.text
+    images = [iio.imread(base64.b64decode(r.json()["data"][0]["b64_json"]), extension=".png")
+              for r in (first, again)]
+    spec = image_spec(prompt="a green train at night", negative_prompt="", seed=4242,
+                      guidance_scale=qwen_settings.model.guidance_scale)
+    assert np.array_equal(images[0], images[1])
+    assert np.array_equal(images[0], reference(qwen_pipe, spec)[0])
