@@ -2,7 +2,7 @@
 VENV  := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: up test lint test-deps
+.PHONY: up test test-fast lint test-deps
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	bash scripts/bootstrap.sh
@@ -20,3 +20,7 @@ lint: $(STAMP)
 
 test: test-deps lint
 	$(VENV)/bin/pytest
+
+# The tests that start no worker process, browser or whole service, for a quick loop.
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -m "not slow"

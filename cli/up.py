@@ -77,6 +77,7 @@ class ServiceTree:
         self.stack = EmbeddedStack(settings)
         self.supervisor = Supervisor()
         self.stop_event = threading.Event()
+        self.stopped_by = "stop"
         self._lock = InstanceLock(settings.data_dir)
         self._echo = LogEcho(console)
 
@@ -122,14 +123,17 @@ class ServiceTree:
 
     def _shut_down(self) -> None:
         grace = self.settings.workers.shutdown_grace_s
-        self.console.print(f"stopping workers (up to {grace:.0f} s for jobs in hand)")
+        self.console.print(f"\n{self.stopped_by}: stopping workers (up to {grace:.0f} s for "
+                           "jobs in hand)")
         self.supervisor.stop(WORKER_ROLES, timeout_s=grace)
         for roles in INFRA_ORDER:
             self.supervisor.stop(roles)
 
     def _catch_signals(self) -> None:
+        # The handler only records the signal: it runs between two bytecodes of the main
+        # thread, which may be inside a write to the console, and a second write there fails.
         def handler(signum: int, _frame: FrameType | None) -> None:
-            self.console.print(f"\n{signal.Signals(signum).name}: stopping")
+            self.stopped_by = signal.Signals(signum).name
             self.stop_event.set()
 
         signal.signal(signal.SIGINT, handler)

@@ -19,9 +19,12 @@ from api.app import create_app
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import ApiSettings, Settings
 from keys import GenerationSpec, StoreKey
-from tests.workers_harness import reference
+from tests.workers_harness import reference, wait_until
 from workers.media import decode_npy
 from workers.records import Records
+
+# Starts worker processes, a browser or a whole service: left out of the fast subset.
+pytestmark = pytest.mark.slow
 
 SMALL = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 4}
 
@@ -118,8 +121,8 @@ def test_cancel_stops_the_request_at_a_step_boundary(http: TestClient) -> None:
     accepted = http.post("/v1/generate", json={"prompt": "a long river", "output_format": "npy",
                                                **{**SMALL, "num_inference_steps": 100}})
     request_id = accepted.json()["id"]
-    while http.get(f"/v1/requests/{request_id}").json()["step"] < 2:
-        time.sleep(0.01)
+    wait_until(lambda: http.get(f"/v1/requests/{request_id}").json()["step"] >= 2,
+               "denoised two steps")
     cancelled = http.delete(f"/v1/requests/{request_id}")
     assert cancelled.status_code == 202 and cancelled.json()["state"] == "CANCELLED"
     time.sleep(1.0)
@@ -133,8 +136,8 @@ def test_a_cancelled_request_resumes_from_its_checkpoint(http: TestClient,
     body = {"prompt": "a long river", "negative_prompt": "dark", "seed": 8,
             "output_format": "npy", **{**SMALL, "num_inference_steps": 30}}
     request_id = http.post("/v1/generate", json=body).json()["id"]
-    while http.get(f"/v1/requests/{request_id}").json()["step"] < 5:
-        time.sleep(0.01)
+    wait_until(lambda: http.get(f"/v1/requests/{request_id}").json()["step"] >= 5,
+               "denoised five steps")
     assert http.delete(f"/v1/requests/{request_id}").status_code == 202
     assert http.post("/v1/resume", json={"request_id": request_id,
                                          "from_step": 3}).json()["field"] == "from_step"
@@ -196,12 +199,12 @@ def test_preempt_parks_a_denoising_request_until_resumed(http: TestClient) -> No
     body = {"prompt": "a quiet harbour", "output_format": "npy",
             **{**SMALL, "num_inference_steps": 60}}
     request_id = http.post("/v1/generate", json=body).json()["id"]
-    while http.get(f"/v1/requests/{request_id}").json()["step"] < 3:
-        time.sleep(0.01)
+    wait_until(lambda: http.get(f"/v1/requests/{request_id}").json()["step"] >= 3,
+               "denoised three steps")
     asked = http.post(f"/v1/requests/{request_id}/preempt", json={"mode": "park"})
     assert asked.status_code == 202
-    while http.get(f"/v1/requests/{request_id}").json()["state"] != "PREEMPTED":
-        time.sleep(0.02)
+    wait_until(lambda: http.get(f"/v1/requests/{request_id}").json()["state"] == "PREEMPTED",
+               "parked")
     again = http.post(f"/v1/requests/{request_id}/preempt")
     assert again.status_code == 409 and "DENOISING" in again.json()["error"]
     assert http.post("/v1/resume", json={"request_id": request_id}).status_code == 202

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from cachesvc.settings import ApiSettings, Settings
 from tests.workers_harness import serve_api
+
+# Starts worker processes, a browser or a whole service: left out of the fast subset.
+pytestmark = pytest.mark.slow
 
 TIGHT = ApiSettings(max_width=32, max_height=32, max_frames=5, max_steps=2, sync_timeout_s=60)
 

@@ -5,12 +5,16 @@ resumes bit-exactly because its residual is part of every checkpoint."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import redis
 
 from cachesvc.connect import open_cache
 from cachesvc.settings import Settings
 from keys import CfgCache, CfgMode, StoreKey
 from tests.workers_harness import make_spec, reference, run_request, wait_done
+
+# Starts worker processes, a browser or a whole service: left out of the fast subset.
+pytestmark = pytest.mark.slow
 
 STEPS = 6
 

@@ -32,6 +32,9 @@ from workers.messages import Stage, State
 from workers.submit import new_request_id, submit
 from workers.trajectory import checkpoint_every
 
+# Starts worker processes, a browser or a whole service: left out of the fast subset.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("family", ["wan", "qwen-image"])
 def test_a_checkpoint_round_trips_the_whole_scheduler_state(

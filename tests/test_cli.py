@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
+import pytest
 from typer.testing import CliRunner
 
 from cachesvc.settings import ApiSettings, Settings
 from cli.main import app
-from tests.workers_harness import serve_api
+from tests.workers_harness import serve_api, wait_until
 from workers.media import decode_npy
+
+# Starts worker processes, a browser or a whole service: left out of the fast subset.
+pytestmark = pytest.mark.slow
 
 
 def test_generate_status_preempt_and_resume(worker_settings: Settings, pool: object,
@@ -40,8 +43,8 @@ def test_generate_status_preempt_and_resume(worker_settings: Settings, pool: obj
         body = {"prompt": "a slow river", "output_format": "npy", "num_frames": 5,
                 "num_inference_steps": 60}
         request_id = httpx.post(f"{url}/v1/generate", json=body).json()["id"]
-        while httpx.get(f"{url}/v1/requests/{request_id}").json()["step"] < 2:
-            time.sleep(0.01)
+        wait_until(lambda: httpx.get(f"{url}/v1/requests/{request_id}").json()["step"] >= 2,
+                   "denoised two steps")
         assert httpx.delete(f"{url}/v1/requests/{request_id}").status_code == 202
         resumed = tmp_path / "resumed.npy"
         run("resume", request_id, "--out", str(resumed))

@@ -14,7 +14,10 @@ import httpx
 import pytest
 
 from cachesvc.settings import ApiSettings, Settings
-from tests.workers_harness import serve_api
+from tests.workers_harness import serve_api, wait_until
+
+# Starts worker processes, a browser or a whole service: left out of the fast subset.
+pytestmark = pytest.mark.slow
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -35,8 +38,8 @@ def run_workload(url: str) -> None:
                 "width": 32, "height": 32, "num_frames": 1, "num_inference_steps": 2}
         ids.append(httpx.post(f"{url}/v1/generate", json=body).json()["id"])
     for request_id in ids:
-        while httpx.get(f"{url}/v1/requests/{request_id}").json()["state"] != "DONE":
-            time.sleep(0.05)
+        wait_until(lambda rid=request_id: httpx.get(
+            f"{url}/v1/requests/{rid}").json()["state"] == "DONE", f"request {request_id} done")
     time.sleep(1.5)  # past the workers' counter flush interval
 
 

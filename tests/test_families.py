@@ -57,6 +57,7 @@ def test_weight_digests_are_kept_in_a_manifest(qwen_model_dir: Path, tmp_path: P
     assert component_fingerprint(folder, "vae", torch.float32, CPU.device) == first
 
 
+@pytest.mark.slow
 def test_model_init_builds_a_qwen_image_folder(tmp_path: Path) -> None:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
     done = subprocess.run([*DIFFCACHE, "model", "init", "--family", "qwen-image", "--preset",

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import httpx
 import numpy as np
+import pytest
 import redis
 
 from cachesvc.connect import open_cache
@@ -26,6 +27,9 @@ from workers.media import decode_npy
 from workers.messages import LATENTS, Job, Stage, State
 from workers.records import Records
 from workers.submit import submit
+
+# Starts worker processes, a browser or a whole service: left out of the fast subset.
+pytestmark = pytest.mark.slow
 
 
 def test_denoise_without_its_embeddings_sends_the_request_back_to_encode(

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import redis
 
 from cachesvc.connect import open_cache
@@ -29,6 +30,9 @@ from workers.lifecycle import Lifecycle
 from workers.messages import Job, Stage, State
 from workers.records import PreemptMode, Records
 from workers.submit import submit
+
+# Starts worker processes, a browser or a whole service: left out of the fast subset.
+pytestmark = pytest.mark.slow
 
 LONG = {"num_inference_steps": 40, "width": 64, "height": 64}
 

@@ -31,6 +31,9 @@ from workers.families import family_named
 from workers.messages import Stage, State
 from workers.submit import submit
 
+# Starts worker processes, a browser or a whole service: left out of the fast subset.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def qwen_settings(tmp_path_factory: pytest.TempPathFactory,

@@ -15,6 +15,9 @@ from cachesvc.single_flight import Outcome, SingleFlight
 from cachesvc.tensor_cache import TensorCache
 from keys import KeyKind, StoreKey
 
+# Starts worker processes, a browser or a whole service: left out of the fast subset.
+pytestmark = pytest.mark.slow
+
 KEY = StoreKey("acme", KeyKind.EMBEDDING, "shared-prompt")
 
 
@@ -25,7 +28,9 @@ def _caller(settings: Settings, callers: int,
     client = redis.Redis.from_url(settings.redis.url or "")
     # A barrier: every caller is connected before any looks the key up.
     client.incr("test:ready")
+    deadline = time.monotonic() + 60
     while int(client.get("test:ready") or 0) < callers:
+        assert time.monotonic() < deadline, "not every caller connected"
         time.sleep(0.005)
 
     def compute() -> torch.Tensor:

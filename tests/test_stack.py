@@ -18,6 +18,9 @@ import pytest
 from cachesvc.processes import free_port
 from cachesvc.settings import Settings
 
+# Starts worker processes, a browser or a whole service: left out of the fast subset.
+pytestmark = pytest.mark.slow
+
 DIFFCACHE = [sys.executable, "-c", "from cli.main import app; app()"]
 
 

@@ -84,6 +84,7 @@ def test_one_data_directory_runs_one_stack(tmp_path: Path) -> None:
     InstanceLock(tmp_path).acquire("http://127.0.0.1:9999")  # free once released
 
 
+@pytest.mark.slow
 def test_a_second_up_on_the_same_data_dir_fails_at_once_naming_the_first(
         tmp_path: Path) -> None:
     with diffcache_up(tmp_path) as (proc, out):

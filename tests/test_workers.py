@@ -26,6 +26,9 @@ from tests.workers_harness import (
 from workers.messages import Job, Stage, State
 from workers.submit import submit
 
+# Starts worker processes, a browser or a whole service: left out of the fast subset.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("changes", [
     {},
@@ -83,8 +86,10 @@ def test_kill_9_mid_request_completes_once_with_the_same_output(
     submit(client, spec)
     running = {Stage.DENOISE: State.DENOISING, Stage.DECODE: State.DECODING}[stage]
     key = f"v1:{spec.tenant}:req:{spec.request_id}"
+    deadline = time.monotonic() + 120
     while client.hget(key, "state") != running.value.encode():
         assert client.hget(key, "state") not in (b"DONE", b"FAILED"), "finished before the kill"
+        assert time.monotonic() < deadline, f"never reached {running}"
         time.sleep(0.002)
     owner = client.hget(key, f"worker:{stage.value}")
     victim = worker_named(pool[stage], owner)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,6 +48,16 @@ def make_spec(tenant: str = "acme", **changes: object) -> GenerationSpec:
                                      guidance_scale=5.0, seed=11, output_format="npy")
     fields.update(changes)
     return GenerationSpec.create(**fields)  # type: ignore[arg-type]
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 120) -> None:
+    """Poll ``predicate`` until it is true; TimeoutError naming ``what`` after ``timeout_s``.
+    Every poll in the tests has a deadline, so a regression fails instead of hanging."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
+        time.sleep(0.01)
 
 
 def wait_done(client: redis.Redis, spec: GenerationSpec, timeout_s: float = 120) -> RequestRecord:

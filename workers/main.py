@@ -71,13 +71,16 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
 
 
 def run(stage: Stage, settings: Settings) -> None:
-    """Run a worker until SIGTERM or SIGINT; the job in hand finishes first."""
+    """Run a worker until SIGTERM or SIGINT: it takes no new job, a denoise job checkpoints
+    and is re-queued, any other job finishes first."""
     worker, _ = build_worker(stage, settings)
 
-    def stop(signum: int, _frame: FrameType | None) -> None:
-        log.info("%s: stopping after the current job", signal.Signals(signum).name)
+    # Only sets the event: a handler that wrote a log line could interrupt another write to
+    # the same stream, which fails.
+    def stop(_signum: int, _frame: FrameType | None) -> None:
         worker.stop.set()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     worker.run()
+    log.info("%s worker stopped", stage.value)
