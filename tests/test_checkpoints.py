@@ -134,3 +134,26 @@ def test_a_killed_denoise_worker_resumes_from_its_latest_checkpoint(
     assert resumed_from >= saved > 0  # not from step 0
     assert step - resumed_from <= every  # at most one checkpoint interval redone
     assert np.array_equal(read_frames(worker_settings, record), reference(pipe, spec))
+
+
+def test_a_start_without_a_checkpoint_counts_a_checkpoint_miss(
+        worker_settings: Settings, client: redis.Redis, pool: object) -> None:
+    from cachesvc.counters import read_totals
+    from tests.workers_harness import wait_until
+
+    first = make_spec(tenant="ckpt-counts", seed=4401, num_inference_steps=4)
+    run_request(worker_settings, client, first)
+    again = make_spec(tenant="ckpt-counts", seed=4401, num_inference_steps=4)
+    cache = open_cache(worker_settings)
+    try:  # drop the output, so the repeat denoises and finds the last checkpoint
+        record = wait_done(client, first)
+        assert record.output_key is not None
+        cache.remove(StoreKey.parse(record.output_key))
+    finally:
+        cache.close()
+    run_request(worker_settings, client, again)
+    wait_until(lambda: read_totals(client, "ckpt-counts").get("ckpt.lookups", 0) >= 2,
+               "both checkpoint lookups counted")
+    totals = read_totals(client, "ckpt-counts")
+    assert totals["ckpt.lookups"] == 2  # one per denoise start, found or not
+    assert totals["ckpt.misses"] == 1 and totals["ckpt.hits"] == 1

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from cachesvc.counters import Event
 from cachesvc.output_files import OutputFiles
 from cachesvc.tensor_cache import TensorCache
 from keys import ChainLink, KeyKind, StoreKey, output_key
@@ -39,9 +40,13 @@ class DecodeHandler:
         spec = ctx.spec()
         head = ChainLink(job.tenant, job.chain_index, job.chain_head)
         out_key = output_key(head, self.model.fingerprint, spec.output_format.value)
-        # Redelivered after the output was stored: an idempotency check, not a cache lookup
-        # (the encode stage counts those).
+        # Another request made the same output since this one's encode probe missed (or this
+        # is a redelivery after the output was stored): the record counts it as a hit, so the
+        # counters do too.
         hit = self.cache.exists(out_key)
+        if hit:
+            self.cache.counters.add_many(spec.tenant, KeyKind.OUTPUT,
+                                         {Event.LOOKUPS: 1.0, Event.HITS: 1.0})
         if not hit:
             start = time.perf_counter()
             latents_ref = job.ref(LATENTS)

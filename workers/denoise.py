@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from cachesvc.codec import TensorSpec
+from cachesvc.counters import Event
 from cachesvc.settings import WorkerSettings
 from cachesvc.tensor_cache import TensorCache
 from keys import ChainLink, GenerationSpec, KeyKind, StoreKey, latents_key
@@ -185,6 +186,9 @@ class DenoiseHandler:
         then reads from the end until one is intact."""
         keys = [link.checkpoint_key() for link in links[1:]]
         present = [k for k, ok in zip(keys, self.cache.batch_exists(keys), strict=True) if ok]
+        if not present:  # a lookup that found nothing is a miss, or hit rates lie
+            self.cache.counters.add_many(ctx.job.tenant, KeyKind.CHECKPOINT,
+                                         {Event.LOOKUPS: 1.0, Event.MISSES: 1.0})
         for key in reversed(present):
             entry = self.cache.get(key)  # a counted lookup: its cost is the compute saved
             if entry is None:
