@@ -134,7 +134,7 @@ class Service:
         self.files = (OutputFiles(self.settings.outputs_dir, cache.output_ttl_s)
                       if cache.durable_outputs else None)
 
-    def spec_for(self, tenant: str, body: GenerateBody) -> GenerationSpec:
+    def spec_for(self, tenant: str, body: GenerateBody, served: ServedModel) -> GenerationSpec:
         m = self.settings.model
 
         def given(value: int | None, default: int) -> int:
@@ -142,7 +142,6 @@ class Service:
 
         if (body.prompt is None) == (body.schedule is None):
             raise FieldError("prompt", "give either prompt or schedule (exactly one)")
-        served = self.served()
         video = served.limits.video
         width, height = given(body.width, m.width), given(body.height, m.height)
         frames = given(body.num_frames, m.num_frames if video else 1)
@@ -202,7 +201,8 @@ class Service:
             existing = self.redis.get(idempotency_key(tenant, idem))
             if existing is not None:
                 return existing.decode()  # type: ignore[union-attr]
-        spec = self.spec_for(tenant, body)
+        served = self.served()  # read once: the limits and the record name the same model
+        spec = self.spec_for(tenant, body, served)
         # First writer wins; a concurrent duplicate gets the winner's id.
         if idem is not None and not self.redis.set(idempotency_key(tenant, idem),
                                                    spec.request_id, nx=True,
@@ -210,16 +210,15 @@ class Service:
             winner = self.redis.get(idempotency_key(tenant, idem))
             return winner.decode()  # type: ignore[union-attr]
         try:
-            return self.submit(spec)
+            return self.submit(spec, served)
         except QueueFullError:
             if idem is not None:  # a retry after the 429 must be admitted afresh
                 self._forget(keys=[idempotency_key(tenant, idem)], args=[spec.request_id])
             raise
 
-    def submit(self, spec: GenerationSpec) -> str:
+    def submit(self, spec: GenerationSpec, served: ServedModel) -> str:
         """Admit and submit in one script, so concurrent submits cannot overshoot a bound."""
         try:
-            served = self.served()
             return submit(self.redis, spec, bounds=self.bounds,
                           fields={"model": f"{served.family}/{served.name}"})
         except AdmissionError as exc:
@@ -298,9 +297,10 @@ class Service:
         if not self.cache.exists(StoreKey.parse(key)):
             raise GoneError(f"the checkpoint of {body.request_id} at step {from_step} has "
                             "expired from the cache; resume from another step")
+        served = self.served()
         spec = branched_spec(record.spec, new_request_id(), from_step, body.overrides,
-                             self.text_limits(self.served()))
-        return self.submit(spec)
+                             self.text_limits(served))
+        return self.submit(spec, served)
 
     def readiness(self) -> Readiness:
         checks: dict[str, bool] = {}

@@ -16,6 +16,7 @@ import redis
 from cachesvc.instance_lock import InstanceLock
 from cachesvc.processes import ChildProcess, StartupError
 from cachesvc.supervisor import Backoff, ChildStatus, Supervisor, publish, read_published
+from keys.names import supervised_children
 from tests.test_stack import alive, diffcache_up
 
 FAST = Backoff(initial_s=0.01, cap_s=0.05, healthy_after_s=60, crash_loop_after=3)
@@ -23,13 +24,12 @@ FAST = Backoff(initial_s=0.01, cap_s=0.05, healthy_after_s=60, crash_loop_after=
 
 def tick_until(supervisor: Supervisor, done: object, timeout_s: float = 10) -> ChildStatus:
     deadline = time.monotonic() + timeout_s
-    while True:
-        supervisor.tick()
-        (status,) = supervisor.status()
-        if done(status):  # type: ignore[operator]
-            return status
+    supervisor.tick()
+    while not done(status := supervisor.status()[0]):  # type: ignore[operator]
         assert time.monotonic() < deadline, status
         time.sleep(0.01)
+        supervisor.tick()
+    return status
 
 
 def test_a_killed_child_is_reaped_and_restarted(tmp_path: Path) -> None:
@@ -72,7 +72,10 @@ def test_back_off_doubles_up_to_its_cap() -> None:
 def test_child_status_round_trips_through_redis(redis_client: redis.Redis) -> None:
     status = ChildStatus("worker-denoise-0", "worker-denoise", 42, False, 3, -9, "boom", True)
     publish(redis_client, [status])
-    assert read_published(redis_client) == [status]
+    try:
+        assert read_published(redis_client) == [status]
+    finally:  # a crash-looping child left behind would make later readiness checks fail
+        redis_client.delete(supervised_children())
 
 
 def test_one_data_directory_runs_one_stack(tmp_path: Path) -> None:

@@ -205,15 +205,3 @@ def oldest_waiting(client: redis.Redis, stage: Stage, priority: Priority) -> str
             entries: Any = client.xrange(stream, min=f"({last}", count=1)
             return entries[0][0].decode() if entries else None
     return None
-
-
-def live_consumers(client: redis.Redis, stage: Stage, max_idle_ms: int = 3000) -> set[str]:
-    """Names of the consumers of ``stage`` that polled within ``max_idle_ms``: live workers."""
-    # Every worker reads every class in one call, so the interactive stream sees them all.
-    stream = stage_stream(stage.value, PRIORITY_ORDER[0].value)
-    try:
-        consumers = client.xinfo_consumers(stream, consumer_group(stage.value))
-    except redis.ResponseError:  # no stream or group yet: no worker has started
-        return set()
-    # "idle" counts from the last read attempt; a blocked XREADGROUP keeps it low.
-    return {c["name"].decode() for c in consumers if int(c["idle"]) <= max_idle_ms}

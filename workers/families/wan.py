@@ -176,8 +176,6 @@ class WanTrajectory:
         from diffusers import UniPCMultistepScheduler
 
         self.device = placement.device
-        self.placement = placement
-
         self.scheduler_config = dict(
             UniPCMultistepScheduler.load_config(directory / "scheduler"))
         self._scheduler_cls = UniPCMultistepScheduler
