@@ -141,11 +141,11 @@ def test_a_cancelled_request_resumes_from_its_checkpoint(http: TestClient,
     assert http.delete(f"/v1/requests/{request_id}").status_code == 202
     assert http.post("/v1/resume", json={"request_id": request_id,
                                          "from_step": 3}).json()["field"] == "from_step"
-    while True:  # the worker stops at a step boundary and checkpoints there
+    def checkpointed_where_it_stopped() -> bool:  # at a step boundary, with its checkpoint
         status = http.get(f"/v1/requests/{request_id}").json()
-        if status["checkpoints"] and max(status["checkpoints"]) == status["step"] >= 5:
-            break
-        time.sleep(0.02)
+        return bool(status["checkpoints"]) and max(status["checkpoints"]) == status["step"] >= 5
+
+    wait_until(checkpointed_where_it_stopped, "a checkpoint where the cancel stopped it")
     resumed = http.post("/v1/resume", json={"request_id": request_id})
     assert resumed.status_code == 202 and resumed.json()["id"] == request_id
     status = wait_state(http, request_id)
