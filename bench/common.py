@@ -6,7 +6,6 @@ import json
 import multiprocessing as mp
 import statistics
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
@@ -19,13 +18,17 @@ from cachesvc.connect import open_redis
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings, WorkerSettings, child_environ, load_settings
 from cachesvc.stack import EmbeddedStack
+from cachesvc.waiting import WaitTimeout, wait_until
 from keys import GenerationSpec
 from workers.launch import wait_joined, worker_argv
-from workers.messages import NEXT, Stage, State
-from workers.records import Records, RequestRecord
-from workers.runtime import JobContext, Outcome, Worker
+from workers.queue.messages import Stage
+from workers.queue.records import Records
+from workers.queue.runtime import JobContext, Outcome, Worker
+from workers.queue.schema import RequestRecord, State
 
 console = Console(soft_wrap=True)
+# The longest a benchmark waits for its workload: a stuck request fails the run, not hangs it.
+WAIT_ALL_S = 3600.0
 
 
 @contextmanager
@@ -93,12 +96,14 @@ def workers(settings: Settings, logs: Path) -> Iterator[None]:
             child.stop()
 
 
-def wait_all(records: Records, specs: Sequence[GenerationSpec],
-             poll_s: float = 0.02) -> dict[str, RequestRecord]:
-    """Wait until every request is DONE; its record by request id. Exits on any failure."""
+def wait_all(records: Records, specs: Sequence[GenerationSpec], poll_s: float = 0.02,
+             timeout_s: float = WAIT_ALL_S) -> dict[str, RequestRecord]:
+    """Wait until every request is DONE; its record by request id. Exits on any failure, and
+    when they are not all done within ``timeout_s``."""
     pending = {s.request_id: s for s in specs}
     done: dict[str, RequestRecord] = {}
-    while pending:
+
+    def all_done() -> bool:
         for request_id, spec in list(pending.items()):
             record = records.get(spec.tenant, request_id)
             if record is not None and record.state.terminal:
@@ -107,12 +112,19 @@ def wait_all(records: Records, specs: Sequence[GenerationSpec],
                                      f"{record.error}")
                 done[request_id] = record
                 del pending[request_id]
-        time.sleep(poll_s)
+        return not pending
+
+    try:
+        wait_until(all_done, timeout_s=timeout_s, interval_s=poll_s,
+                   what=f"{len(specs)} requests done")
+    except WaitTimeout as exc:
+        raise SystemExit(f"{exc}; {len(pending)} still running, e.g. "
+                         f"{next(iter(pending))}") from None
     return done
 
 
 def seconds_to_done(record: RequestRecord) -> float:
-    return float(record.fields["updated_at"]) - float(record.fields["created_at"])
+    return record.updated_at - record.created_at
 
 
 class NoOp:
@@ -122,7 +134,7 @@ class NoOp:
         self.stage = stage
 
     def handle(self, ctx: JobContext) -> Outcome:
-        following = NEXT[self.stage]
+        following = self.stage.next
         job = ctx.job
         return Outcome(None if following is None else job.handoff(following, ()))
 
@@ -131,6 +143,8 @@ class NoOp:
 
 
 NOOP_READY, NOOP_GO = "bench:noop:ready", "bench:noop:go"
+# A spawned worker process imports torch before it says it is ready.
+NOOP_START_S = 300.0
 
 
 def run_noop(stage: Stage, settings: Settings, batch: int) -> None:
@@ -138,8 +152,8 @@ def run_noop(stage: Stage, settings: Settings, batch: int) -> None:
     client = open_redis(settings)
     worker = Worker(NoOp(stage), client, WorkerSettings(block_ms=50, batch_size=batch))
     client.incr(NOOP_READY)
-    while not client.exists(NOOP_GO):
-        time.sleep(0.001)
+    wait_until(lambda: client.exists(NOOP_GO), timeout_s=NOOP_START_S, interval_s=0.001,
+               what="the bench saying go")
     worker.run()
 
 
@@ -153,8 +167,8 @@ def start_noop_workers(settings: Settings, batch: int) -> list[BaseProcess]:
         for stage in Stage]
     for p in procs:
         p.start()
-    while int(client.get(NOOP_READY) or 0) < len(procs):
-        time.sleep(0.01)
+    wait_until(lambda: int(client.get(NOOP_READY) or 0) >= len(procs), timeout_s=NOOP_START_S,
+               what=f"{len(procs)} no-op workers ready")
     return procs
 
 

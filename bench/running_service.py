@@ -7,13 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from cachesvc.waiting import wait_until
 from keys import GenerationSpec
 
 DIFFCACHE = [sys.executable, "-c", "from cli.main import app; app()"]
@@ -70,17 +70,18 @@ class RunningService:
              **kwargs: Any) -> httpx.Response:
         """An API call that waits out the API or Redis restarting (refused, or 503 unless
         ``ok_503``: /readyz answers 503 with its checks)."""
-        deadline = time.monotonic() + DEADLINE_S
-        while True:
+
+        def answered() -> httpx.Response | None:
             try:
                 answer = httpx.request(method, f"{self.url}{path}", timeout=10, **kwargs)
-                if answer.status_code != 503 or (ok_503 and "children" in answer.json()):
-                    return answer
             except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{method} {path} never answered")
-            time.sleep(0.2)
+                return None
+            if answer.status_code != 503 or (ok_503 and "children" in answer.json()):
+                return answer
+            return None
+
+        return wait_until(answered, timeout_s=DEADLINE_S, interval_s=0.2,
+                          what=f"an answer to {method} {path}")
 
     def generate(self, spec: GenerationSpec) -> str:
         """Submit ``spec`` (its prompt, size, steps and seed) as an npy request; its id."""
@@ -100,12 +101,14 @@ class RunningService:
         return found
 
     def wait(self, request_id: str, states: set[str] = TERMINAL) -> dict[str, Any]:
-        deadline = time.monotonic() + DEADLINE_S
-        while (now := self.status(request_id))["state"] not in states:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"request {request_id} is still {now['state']}")
-            time.sleep(0.1)
-        return now
+        """The request's status once it is in one of ``states``."""
+
+        def arrived() -> dict[str, Any] | None:
+            now = self.status(request_id)
+            return now if now["state"] in states else None
+
+        return wait_until(arrived, timeout_s=DEADLINE_S, interval_s=0.1,
+                          what=f"request {request_id} in one of {sorted(states)}")
 
     def result(self, request_id: str) -> bytes:
         answer = self.call("GET", f"/v1/requests/{request_id}/result")
@@ -122,12 +125,11 @@ class RunningService:
         """SIGKILL one child and wait until the supervisor has it running again."""
         before = self.children()[name]
         os.kill(before["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + DEADLINE_S
-        while True:
+
+        def restarted() -> bool:
             # Empty while Redis itself restarts: the statuses live there.
             now = self.children().get(name)
-            if now and now["restarts"] > before["restarts"] and now["alive"]:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} was not restarted: {now}")
-            time.sleep(0.2)
+            return bool(now and now["restarts"] > before["restarts"] and now["alive"])
+
+        wait_until(restarted, timeout_s=DEADLINE_S, interval_s=0.2,
+                   what=f"{name} running again after its kill")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,14 +12,19 @@ from rich.progress import Progress
 
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings
+from cachesvc.waiting import WaitTimeout, wait_until
 from keys import GenerationSpec, OutputFormat, StoreKey
-from workers.messages import State
-from workers.records import Records
-from workers.submit import new_request_id, submit
+from workers.queue.records import Records
+from workers.queue.schema import RequestRecord, State
+from workers.queue.submit import new_request_id, submit
+
+# How long ``diffcache submit`` follows a request by default (its --timeout).
+SUBMIT_TIMEOUT_S = 3600.0
 
 
 def submit_and_wait(settings: Settings, prompt: str, negative_prompt: str, seed: int,
-                    output_format: str, tenant: str, out: str, console: Console) -> None:
+                    output_format: str, tenant: str, out: str, console: Console,
+                    timeout_s: float = SUBMIT_TIMEOUT_S) -> None:
     m = settings.model
     spec = GenerationSpec.create(
         request_id=new_request_id(), tenant=tenant, prompt=prompt,
@@ -32,13 +36,24 @@ def submit_and_wait(settings: Settings, prompt: str, negative_prompt: str, seed:
     records = Records(client)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("queued", total=spec.num_inference_steps)
-        while True:
+        last: list[RequestRecord] = []
+
+        def finished() -> RequestRecord | None:
+            """Show where the request stands; the record once it has ended."""
             record = records.get(tenant, spec.request_id)
-            assert record is not None
+            if record is None:
+                raise SystemExit(f"request {spec.request_id} has no record any more")
+            last[:] = [record]
             progress.update(task, completed=record.step, description=record.state.value.lower())
-            if record.state.terminal:
-                break
-            time.sleep(0.1)
+            return record if record.state.terminal else None
+
+        try:
+            record = wait_until(finished, timeout_s=timeout_s, interval_s=0.1,
+                                what=f"request {spec.request_id} finished")
+        except WaitTimeout as exc:
+            state = last[0].state.value if last else "unknown"
+            raise SystemExit(f"gave up waiting ({exc}); the request is {state} and keeps "
+                             "running") from None
     if record.state is not State.DONE or record.output_key is None:
         raise SystemExit(f"request {spec.request_id} ended {record.state}: {record.error}")
     cache = open_cache(settings, client)

@@ -100,7 +100,7 @@ def logs(
 def worker(stage: str = typer.Argument(..., help="encode, denoise or decode")) -> None:
     """Run one stage worker against the configured store and Redis."""
     from workers.main import run
-    from workers.messages import Stage
+    from workers.queue.messages import Stage
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
@@ -124,7 +124,7 @@ def model_init(
 ) -> None:
     """Build a tiny random model of a family and save it with save_pretrained."""
     from workers.families import UnknownFamilyError, family_named, is_built
-    from workers.served_model import DEFAULT_FAMILY
+    from workers.queue.served_model import DEFAULT_FAMILY
 
     settings = _settings(model={k: v for k, v in {"dir": dir, "preset": preset,
                                                    "family": family}.items() if v})
@@ -150,6 +150,8 @@ def submit(
     seed: int = 0,
     output_format: str = typer.Option("mp4", help="mp4, png or npy"),
     tenant: str | None = None,
+    timeout: float = typer.Option(3600.0, min=0, help="seconds to wait for the output before "
+                                  "giving up (the request keeps running)"),
 ) -> None:
     """Submit one request straight to the queue and wait for its output."""
     from cli.client import submit_and_wait
@@ -158,7 +160,7 @@ def submit(
     # The store client's own logging goes to a file, not between the progress bar's lines.
     terminal = detach_native_stderr(settings.logs_dir / "cli.log")
     submit_and_wait(settings, prompt, negative_prompt, seed, output_format,
-                    tenant or settings.default_tenant, out, Console(file=terminal))
+                    tenant or settings.default_tenant, out, Console(file=terminal), timeout)
 
 
 def _api_base() -> str:
@@ -259,5 +261,6 @@ def status(api_key: str | None = typer.Option(None, help="sent as X-API-Key")) -
         console.print(line, markup=True, highlight=False)
     for q in board["queues"]:
         lat = board["latency"][q["stage"]]
+        lat = lat.get(q["priority"], lat)  # per priority class where the API reports that
         console.print(f"{q['stage']:<8} {q['priority']:<12} waiting {q['waiting']:<4} "
                       f"in flight {q['in_flight']:<4} p50 {lat['p50']} s  p95 {lat['p95']} s")

@@ -1,5 +1,7 @@
-"""Session fixtures: one real embedded stack (Mooncake master, storage node, Valkey) per run,
-started through the same code as ``diffcache up``, and a flush of both stores before each test."""
+"""Session fixtures: two real embedded stacks (Mooncake master, storage node, Valkey) per run,
+started through the same code as ``diffcache up``. The worker pool runs on one; nothing in it is
+ever flushed. The other has no worker process: the cache tests and the tests that drive streams
+by hand use it, each on a Redis database of its own (``tests/redis_databases.py``)."""
 
 from __future__ import annotations
 
@@ -14,15 +16,16 @@ from cachesvc.processes import ChildProcess
 from cachesvc.settings import ModelSettings, Settings, WorkerSettings, load_settings
 from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
+from tests import redis_databases
 from tests.workers_harness import start_worker
 from workers.families import qwen_image, wan
 from workers.families.base import CPU
-from workers.messages import Stage
+from workers.queue.messages import Stage
 
 
 @pytest.fixture(scope="session")
 def embedded_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
-    """A running embedded stack with a small (128 MiB) storage node."""
+    """The stack the session's worker pool runs on, with a small (128 MiB) storage node."""
     data_dir: Path = tmp_path_factory.mktemp("stack")
     stack = EmbeddedStack(load_settings(data_dir=str(data_dir), store={"segment_mib": 128}))
     with stack:
@@ -30,21 +33,22 @@ def embedded_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedde
 
 
 @pytest.fixture(scope="session")
-def stack_settings(embedded_stack: EmbeddedStack) -> Settings:
-    """Settings that reach the session's embedded stack."""
-    assert embedded_stack.addresses is not None
-    return embedded_stack.resolved(embedded_stack.addresses)
-
-
-@pytest.fixture(scope="session")
 def workerless_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    """A second, small stack that no session worker reads: for tests that drive streams and
-    workers by hand."""
+    """A second stack (128 MiB storage node) that no session worker reads: for the cache tests
+    and the tests that drive streams and workers by hand. Its Redis URL names db 0; each test
+    module moves to a database of its own with ``redis_databases.on_database``."""
     settings = load_settings(data_dir=str(tmp_path_factory.mktemp("workerless")),
-                             store={"segment_mib": 16})
+                             store={"segment_mib": 128})
     stack = EmbeddedStack(settings)
     with stack as addresses:
         yield stack.resolved(addresses)
+
+
+@pytest.fixture(scope="session")
+def stack_settings(workerless_stack: Settings) -> Settings:
+    """Settings of the cache tests: the worker-free stack's store, and its Redis database
+    ``redis_databases.CACHE``, which only these tests use."""
+    return redis_databases.on_database(workerless_stack, redis_databases.CACHE)
 
 
 @pytest.fixture(scope="session")
@@ -56,15 +60,15 @@ def _session_cache(stack_settings: Settings) -> Iterator[TensorCache]:
 
 @pytest.fixture
 def redis_client(stack_settings: Settings, _session_cache: TensorCache) -> redis.Redis:
-    client = open_redis(stack_settings)
+    """The cache tests' Redis database, emptied (no worker uses it)."""
     _session_cache.counters.flush()
-    client.flushall()
-    return client
+    return redis_databases.emptied(stack_settings)
 
 
 @pytest.fixture
 def cache(_session_cache: TensorCache, redis_client: redis.Redis) -> TensorCache:
-    """The session's cache over an empty store and an empty Redis."""
+    """The session's cache over an empty store and an empty Redis database: the worker-free
+    stack's, so emptying them takes nothing from a worker."""
     _session_cache.store.remove_all()
     return _session_cache
 
@@ -86,8 +90,11 @@ def qwen_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def worker_settings(stack_settings: Settings, model_dir: Path) -> Settings:
-    return stack_settings.model_copy(update={
+def worker_settings(embedded_stack: EmbeddedStack, model_dir: Path) -> Settings:
+    """Settings of the worker pool and the tests that use it: the embedded stack, the test
+    model, quick lease takeover."""
+    assert embedded_stack.addresses is not None
+    return embedded_stack.resolved(embedded_stack.addresses).model_copy(update={
         "model": ModelSettings(dir=model_dir, preset="test"),
         "workers": WorkerSettings(idle_timeout_s=3.0, block_ms=200)})
 

@@ -5,23 +5,27 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import imageio.v3 as iio
 import numpy as np
 import pytest
+import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import ApiSettings, Settings
+from cachesvc.waiting import wait_until
 from keys import GenerationSpec, StoreKey
-from tests.workers_harness import reference, wait_until
-from workers.media import decode_npy
-from workers.records import Records
+from tests.workers_harness import in_hand, reference
+from workers.queue.messages import Stage
+from workers.queue.records import Records
+from workers.queue.schema import State
+from workers.stages.media import decode_npy
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
 pytestmark = pytest.mark.slow
@@ -42,13 +46,15 @@ def http(worker_settings: Settings, pool: object) -> Iterator[TestClient]:
 
 def wait_state(http: TestClient, request_id: str, timeout_s: float = 120,
                headers: dict[str, str] | None = None) -> dict[str, object]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = http.get(f"/v1/requests/{request_id}", headers=headers).json()
-        if status["state"] in ("DONE", "FAILED", "CANCELLED"):
-            return status  # type: ignore[no-any-return]
-        time.sleep(0.05)
-    raise TimeoutError(request_id)
+    """The request's status once it is DONE, FAILED or CANCELLED."""
+
+    def finished() -> dict[str, object] | None:
+        status: dict[str, object] = http.get(f"/v1/requests/{request_id}",
+                                             headers=headers).json()
+        return status if status["state"] in ("DONE", "FAILED", "CANCELLED") else None
+
+    return wait_until(finished, timeout_s=timeout_s, interval_s=0.05,
+                      what=f"request {request_id} finished")
 
 
 def test_generate_events_and_result_match_the_pipeline(http: TestClient, pipe: object) -> None:
@@ -110,22 +116,30 @@ def test_unknown_ids_missing_results_and_large_bodies(http: TestClient) -> None:
     accepted = http.post("/v1/generate", json={"prompt": "a slow tree", "output_format": "npy",
                                                **{**SMALL, "num_inference_steps": 60}})
     early = http.get(f"/v1/requests/{accepted.json()['id']}/result")
-    assert early.status_code == 409 and "is" in early.json()["error"]
+    # The answer says which request, and the state it is in, which is not yet DONE.
+    running = "|".join(s.value for s in State if not s.terminal)
+    assert early.status_code == 409
+    assert re.fullmatch(rf"request {accepted.json()['id']} is ({running})",
+                        early.json()["error"]), early.json()
     huge = http.post("/v1/generate", content=b"{" + b" " * 70000 + b"}",
                      headers={"content-type": "application/json"})
     assert huge.status_code == 413
     wait_state(http, accepted.json()["id"])
 
 
-def test_cancel_stops_the_request_at_a_step_boundary(http: TestClient) -> None:
+def test_cancel_stops_the_request_at_a_step_boundary(http: TestClient,
+                                                     client: redis.Redis) -> None:
     accepted = http.post("/v1/generate", json={"prompt": "a long river", "output_format": "npy",
                                                **{**SMALL, "num_inference_steps": 100}})
     request_id = accepted.json()["id"]
     wait_until(lambda: http.get(f"/v1/requests/{request_id}").json()["step"] >= 2,
-               "denoised two steps")
+               timeout_s=120, what="denoised two steps")
     cancelled = http.delete(f"/v1/requests/{request_id}")
     assert cancelled.status_code == 202 and cancelled.json()["state"] == "CANCELLED"
-    time.sleep(1.0)
+    # The denoise worker lets go of the job (acknowledges it) once it has stopped: whatever
+    # it was going to write, it has written.
+    wait_until(lambda: not in_hand(client, Stage.DENOISE, request_id), timeout_s=60,
+               what="the denoise worker done with the cancelled job")
     final = http.get(f"/v1/requests/{request_id}").json()
     assert final["state"] == "CANCELLED" and final["step"] < 100
     assert http.delete(f"/v1/requests/{request_id}").status_code == 409
@@ -137,7 +151,7 @@ def test_a_cancelled_request_resumes_from_its_checkpoint(http: TestClient,
             "output_format": "npy", **{**SMALL, "num_inference_steps": 30}}
     request_id = http.post("/v1/generate", json=body).json()["id"]
     wait_until(lambda: http.get(f"/v1/requests/{request_id}").json()["step"] >= 5,
-               "denoised five steps")
+               timeout_s=120, what="denoised five steps")
     assert http.delete(f"/v1/requests/{request_id}").status_code == 202
     assert http.post("/v1/resume", json={"request_id": request_id,
                                          "from_step": 3}).json()["field"] == "from_step"
@@ -145,7 +159,8 @@ def test_a_cancelled_request_resumes_from_its_checkpoint(http: TestClient,
         status = http.get(f"/v1/requests/{request_id}").json()
         return bool(status["checkpoints"]) and max(status["checkpoints"]) == status["step"] >= 5
 
-    wait_until(checkpointed_where_it_stopped, "a checkpoint where the cancel stopped it")
+    wait_until(checkpointed_where_it_stopped, timeout_s=120,
+               what="a checkpoint where the cancel stopped it")
     resumed = http.post("/v1/resume", json={"request_id": request_id})
     assert resumed.status_code == 202 and resumed.json()["id"] == request_id
     status = wait_state(http, request_id)
@@ -200,11 +215,11 @@ def test_preempt_parks_a_denoising_request_until_resumed(http: TestClient) -> No
             **{**SMALL, "num_inference_steps": 60}}
     request_id = http.post("/v1/generate", json=body).json()["id"]
     wait_until(lambda: http.get(f"/v1/requests/{request_id}").json()["step"] >= 3,
-               "denoised three steps")
+               timeout_s=120, what="denoised three steps")
     asked = http.post(f"/v1/requests/{request_id}/preempt", json={"mode": "park"})
     assert asked.status_code == 202
     wait_until(lambda: http.get(f"/v1/requests/{request_id}").json()["state"] == "PREEMPTED",
-               "parked")
+               timeout_s=120, what="parked")
     again = http.post(f"/v1/requests/{request_id}/preempt")
     assert again.status_code == 409 and "DENOISING" in again.json()["error"]
     assert http.post("/v1/resume", json={"request_id": request_id}).status_code == 202
@@ -267,10 +282,8 @@ def test_openai_images_and_sglang_videos(http: TestClient) -> None:
     job = http.post("/v1/videos", json={"prompt": "a horse running", "size": "32x32",
                                         "num_frames": 5, "num_inference_steps": 3}).json()
     assert job["object"] == "video" and job["status"] in ("queued", "in_progress")
-    deadline = time.monotonic() + 120
-    while http.get(f"/v1/videos/{job['id']}").json()["status"] != "completed":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: http.get(f"/v1/videos/{job['id']}").json()["status"] == "completed",
+               timeout_s=120, interval_s=0.05, what=f"video job {job['id']} completed")
     video = http.get(f"/v1/videos/{job['id']}/content")
     assert video.headers["content-type"] == "video/mp4"
     assert iio.imread(video.content, extension=".mp4").shape == (5, 32, 32, 3)

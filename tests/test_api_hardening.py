@@ -7,7 +7,6 @@ Uses the workerless stack, so nothing drains the queues these tests fill."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,13 +15,14 @@ import pytest
 import redis
 
 from api.metrics import hashed_tenant, tenant_labeller
-from cachesvc.connect import open_redis
 from cachesvc.counters import CacheCounters, Event
 from cachesvc.processes import free_port
 from cachesvc.settings import ApiSettings, Settings, load_settings
 from cachesvc.stack import EmbeddedStack
+from cachesvc.waiting import wait_until
 from keys import KeyKind, StoreKey
 from keys.names import active_requests, request_record, stage_stream
+from tests.redis_databases import API_HARDENING, emptied, on_database
 from tests.workers_harness import serve_api
 
 BODY = {"prompt": "a lighthouse at dusk", "output_format": "npy", "width": 32, "height": 32,
@@ -31,18 +31,22 @@ KEYS = {"key-a": "acme", "key-b": "globex"}
 A, B, ADMIN = {"X-API-Key": "key-a"}, {"Authorization": "Bearer key-b"}, {"X-API-Key": "root"}
 
 
-@pytest.fixture
-def quiet(workerless_stack: Settings) -> redis.Redis:
-    """The workerless stack's Redis, emptied: no request of another test counts as active."""
-    client = open_redis(workerless_stack)
-    client.flushall()
-    return client
+@pytest.fixture(scope="module")
+def api_stack(workerless_stack: Settings) -> Settings:
+    """The workerless stack, with a Redis database that only this module uses."""
+    return on_database(workerless_stack, API_HARDENING)
 
 
 @pytest.fixture
-def keyed(workerless_stack: Settings, quiet: redis.Redis) -> Iterator[httpx.Client]:
+def quiet(api_stack: Settings) -> redis.Redis:
+    """This module's Redis database, emptied: no request of another test counts as active."""
+    return emptied(api_stack)
+
+
+@pytest.fixture
+def keyed(api_stack: Settings, quiet: redis.Redis) -> Iterator[httpx.Client]:
     api = ApiSettings(api_keys=KEYS, admin_keys=["root"], max_jobs_per_tenant=3)
-    with serve_api(workerless_stack, api) as url, httpx.Client(base_url=url) as http:
+    with serve_api(api_stack, api) as url, httpx.Client(base_url=url) as http:
         yield http
 
 
@@ -146,7 +150,7 @@ def test_one_tenant_at_its_bound_gets_429_and_others_do_not(keyed: httpx.Client)
     error_body(keyed.post("/v1/generate", json=BODY, headers=A), 429)
 
 
-def test_concurrent_submits_never_overshoot_the_queue_bound(workerless_stack: Settings,
+def test_concurrent_submits_never_overshoot_the_queue_bound(api_stack: Settings,
                                                             quiet: redis.Redis) -> None:
     start = threading.Barrier(40)
 
@@ -155,7 +159,7 @@ def test_concurrent_submits_never_overshoot_the_queue_bound(workerless_stack: Se
             start.wait(timeout=30)
             return http.post("/v1/generate", json=BODY).status_code
 
-    with serve_api(workerless_stack, ApiSettings(max_queue_depth=16)) as url, \
+    with serve_api(api_stack, ApiSettings(max_queue_depth=16)) as url, \
             ThreadPoolExecutor(40) as pool:
         codes = list(pool.map(post, [url] * 40))
     assert codes.count(202) == 16 and codes.count(429) == 24, codes
@@ -198,10 +202,10 @@ def test_the_body_limit_holds_for_chunked_bodies(keyed: httpx.Client) -> None:
     assert small.status_code == 202, small.text
 
 
-def test_redis_down_answers_503_with_retry_after(workerless_stack: Settings) -> None:
+def test_redis_down_answers_503_with_retry_after(api_stack: Settings) -> None:
     nowhere = f"redis://127.0.0.1:{free_port('127.0.0.1')}/0"
-    settings = workerless_stack.model_copy(update={
-        "redis": workerless_stack.redis.model_copy(update={"url": nowhere})})
+    settings = api_stack.model_copy(update={
+        "redis": api_stack.redis.model_copy(update={"url": nowhere})})
     routes = [("POST", "/v1/generate", BODY), ("GET", "/v1/requests/0123abcd", None),
               ("GET", "/v1/requests/0123abcd/result", None),
               ("GET", "/v1/requests/0123abcd/events", None),
@@ -229,12 +233,13 @@ def doomed_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedS
         yield stack
 
 
-def test_store_down_answers_503_for_a_result(workerless_stack: Settings, quiet: redis.Redis,
+@pytest.mark.slow  # starts and stops a stack of its own
+def test_store_down_answers_503_for_a_result(api_stack: Settings, quiet: redis.Redis,
                                              doomed_store: EmbeddedStack) -> None:
     assert doomed_store.addresses is not None
     # The doomed stack's store, with the workerless stack's Redis that stays up.
     store = doomed_store.resolved(doomed_store.addresses).store
-    settings = workerless_stack.model_copy(update={"store": store})
+    settings = api_stack.model_copy(update={"store": store})
     with serve_api(settings, ApiSettings()) as url, httpx.Client(base_url=url) as http:
         request_id = http.post("/v1/generate", json=BODY).json()["id"]
         # As if the pipeline had finished long ago: DONE, with an output that has expired.
@@ -244,11 +249,13 @@ def test_store_down_answers_503_for_a_result(workerless_stack: Settings, quiet: 
         path = f"/v1/requests/{request_id}/result"
         assert "expired" in str(error_body(http.get(path), 410)["error"])
         doomed_store.stop()
-        deadline = time.monotonic() + 60
-        answer = http.get(path)
-        while answer.status_code != 503:
-            assert time.monotonic() < deadline, answer.text
+
+        def unavailable() -> httpx.Response | None:
             answer = http.get(path)
+            return answer if answer.status_code == 503 else None
+
+        answer = wait_until(unavailable, timeout_s=60,
+                            what="a 503 for the result once the store is gone")
         assert error_body(answer, 503) and answer.headers["retry-after"] == "5"
 
 

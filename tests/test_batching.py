@@ -5,42 +5,42 @@ that the session's real workers do not take these jobs."""
 from __future__ import annotations
 
 import threading
-import time
 
 import redis
 
 from bench.common import NoOp
 from cachesvc.connect import open_redis
 from cachesvc.settings import Settings, WorkerSettings
-from keys import GenerationSpec, OutputFormat
+from cachesvc.waiting import wait_until
+from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import stage_stream
-from workers import stage_metrics
-from workers.messages import Stage, State
-from workers.records import Records
-from workers.runtime import Worker
-from workers.submit import new_request_id, submit
+from tests.redis_databases import BATCHING, emptied, on_database
+from workers.queue import stage_metrics
+from workers.queue.messages import Stage
+from workers.queue.records import Records
+from workers.queue.runtime import Worker
+from workers.queue.schema import State
+from workers.queue.submit import new_request_id, submit
 
 
 def test_batched_workers_publish_every_job_exactly_once(workerless_stack: Settings) -> None:
-    client: redis.Redis = open_redis(workerless_stack)
-    client.flushall()
+    settings = on_database(workerless_stack, BATCHING)  # a database only this test's workers use
+    client: redis.Redis = emptied(settings)
     specs = [GenerationSpec.create(request_id=new_request_id(), tenant="acme", prompt=f"p{i}",
                                    width=16, height=16, num_frames=1, num_inference_steps=1,
                                    guidance_scale=1.0, seed=i, output_format=OutputFormat.NPY)
              for i in range(40)]
     for spec in specs:
         submit(client, spec)
-    workers = [Worker(NoOp(stage), open_redis(workerless_stack),
+    workers = [Worker(NoOp(stage), open_redis(settings),
                       WorkerSettings(block_ms=50, batch_size=8)) for stage in Stage]
     threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
     for t in threads:
         t.start()
     records = Records(client)
-    deadline = time.monotonic() + 60
-    while any(r is None or r.state is not State.DONE
-              for r in (records.get("acme", s.request_id) for s in specs)):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: all(r is not None and r.state is State.DONE
+                           for r in (records.get("acme", s.request_id) for s in specs)),
+               timeout_s=60, interval_s=0.05, what=f"all {len(specs)} requests DONE")
     for w in workers:
         w.stop.set()
     for t in threads:
@@ -49,6 +49,6 @@ def test_batched_workers_publish_every_job_exactly_once(workerless_stack: Settin
         # each handed on once
         assert client.xlen(stage_stream(stage.value, "interactive")) == len(specs)
     for stage in Stage:
-        assert stage_metrics.read(client, stage).count == len(specs)
+        assert sum(stage_metrics.read(client, stage, p).count for p in Priority) == len(specs)
         assert client.xpending(stage_stream(stage.value, "interactive"), f"{stage.value}-workers")[
             "pending"] == 0

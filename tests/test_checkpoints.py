@@ -4,7 +4,6 @@ from one, and recovering a killed worker from the latest one all give bit-identi
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 from cachesvc.connect import open_cache
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings
+from cachesvc.waiting import wait_until
 from keys import PromptSegment, StoreKey
 from tests.workers_harness import (
     make_spec,
@@ -23,14 +23,15 @@ from tests.workers_harness import (
     reference,
     run_request,
     start_worker,
+    stop_owner_when,
     wait_done,
-    worker_named,
 )
-from workers.checkpoint import Checkpoint
 from workers.families import family_named
-from workers.messages import Stage, State
-from workers.submit import new_request_id, submit
-from workers.trajectory import checkpoint_every
+from workers.queue.messages import Stage
+from workers.queue.schema import State
+from workers.queue.submit import new_request_id, submit
+from workers.stages.checkpoint import Checkpoint
+from workers.stages.trajectory import checkpoint_every
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
 pytestmark = pytest.mark.slow
@@ -114,16 +115,16 @@ def test_a_killed_denoise_worker_resumes_from_its_latest_checkpoint(
     spec = make_spec(seed=78, num_inference_steps=40, width=64, height=64)
     every = checkpoint_every(spec, worker_settings.workers.checkpoint_every)
     submit(client, spec)
-    key = f"v1:{spec.tenant}:req:{spec.request_id}"
-    deadline = time.monotonic() + 120
-    while True:  # a moment past the second checkpoint, with no checkpoint write outstanding
-        step, saved = (int(v or 0) for v in client.hmget(key, "step", "checkpoint_step"))
-        if saved >= 2 * every and step - saved <= every:
-            break
-        assert time.monotonic() < deadline and step < spec.num_inference_steps
-        time.sleep(0.002)
-    owner = client.hget(key, "worker:denoise")
-    victim = worker_named(pool[Stage.DENOISE], owner)
+
+    def past_second_checkpoint(fields: dict[str, str]) -> bool:
+        """A moment past the second checkpoint, with no checkpoint write outstanding."""
+        step, saved = int(fields.get("step", 0)), int(fields.get("checkpoint_step", 0))
+        return saved >= 2 * every and step - saved <= every
+
+    # Stopped where its own progress report says it is, then killed there.
+    victim, fields = stop_owner_when(client, spec, Stage.DENOISE, pool[Stage.DENOISE],
+                                     past_second_checkpoint)
+    step, saved = int(fields["step"]), int(fields["checkpoint_step"])
     victim.kill()
     pool[Stage.DENOISE].remove(victim)
     pool[Stage.DENOISE].append(start_worker(worker_settings, Stage.DENOISE, tmp_path, client,
@@ -139,7 +140,6 @@ def test_a_killed_denoise_worker_resumes_from_its_latest_checkpoint(
 def test_a_start_without_a_checkpoint_counts_a_checkpoint_miss(
         worker_settings: Settings, client: redis.Redis, pool: object) -> None:
     from cachesvc.counters import read_totals
-    from tests.workers_harness import wait_until
 
     first = make_spec(tenant="ckpt-counts", seed=4401, num_inference_steps=4)
     run_request(worker_settings, client, first)
@@ -153,7 +153,7 @@ def test_a_start_without_a_checkpoint_counts_a_checkpoint_miss(
         cache.close()
     run_request(worker_settings, client, again)
     wait_until(lambda: read_totals(client, "ckpt-counts").get("ckpt.lookups", 0) >= 2,
-               "both checkpoint lookups counted")
+               timeout_s=30, what="both checkpoint lookups counted")
     totals = read_totals(client, "ckpt-counts")
     assert totals["ckpt.lookups"] == 2  # one per denoise start, found or not
     assert totals["ckpt.misses"] == 1 and totals["ckpt.hits"] == 1

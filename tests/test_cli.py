@@ -9,9 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from cachesvc.settings import ApiSettings, Settings
+from cachesvc.waiting import wait_until
 from cli.main import app
-from tests.workers_harness import serve_api, wait_until
-from workers.media import decode_npy
+from tests.workers_harness import serve_api
+from workers.stages.media import decode_npy
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
 pytestmark = pytest.mark.slow
@@ -44,7 +45,7 @@ def test_generate_status_preempt_and_resume(worker_settings: Settings, pool: obj
                 "num_inference_steps": 60}
         request_id = httpx.post(f"{url}/v1/generate", json=body).json()["id"]
         wait_until(lambda: httpx.get(f"{url}/v1/requests/{request_id}").json()["step"] >= 2,
-                   "denoised two steps")
+                   timeout_s=120, what="denoised two steps")
         assert httpx.delete(f"{url}/v1/requests/{request_id}").status_code == 202
         resumed = tmp_path / "resumed.npy"
         run("resume", request_id, "--out", str(resumed))

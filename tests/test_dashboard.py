@@ -6,15 +6,17 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
+from cachesvc.counters import read_totals
 from cachesvc.settings import ApiSettings, Settings
-from tests.workers_harness import serve_api, wait_until
+from cachesvc.waiting import wait_until
+from tests.workers_harness import serve_api
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
 pytestmark = pytest.mark.slow
@@ -31,7 +33,8 @@ def server(worker_settings: Settings, pool: object) -> Iterator[str]:
         yield url
 
 
-def run_workload(url: str) -> None:
+def run_workload(url: str, client: redis.Redis) -> None:
+    before = read_totals(client, "default")
     ids = []
     for seed in range(3):  # one prompt three times: its embeddings hit after the first
         body = {"prompt": "a small boat in the rain", "seed": seed, "output_format": "npy",
@@ -39,13 +42,22 @@ def run_workload(url: str) -> None:
         ids.append(httpx.post(f"{url}/v1/generate", json=body).json()["id"])
     for request_id in ids:
         wait_until(lambda rid=request_id: httpx.get(
-            f"{url}/v1/requests/{rid}").json()["state"] == "DONE", f"request {request_id} done")
-    time.sleep(1.5)  # past the workers' counter flush interval
+            f"{url}/v1/requests/{rid}").json()["state"] == "DONE", timeout_s=120,
+                   interval_s=0.05, what=f"request {request_id} done")
+
+    def counted(name: str) -> float:
+        return read_totals(client, "default").get(name, 0) - before.get(name, 0)
+
+    # The workers flush their counters on a timer: wait until this workload's are in Redis
+    # (the embeddings of the second and third requests hit; each guided step looked up the
+    # CFG cache), rather than for a time that is usually long enough.
+    wait_until(lambda: counted("embed.hits") >= 2 and counted("cfg.lookups") >= 6,
+               timeout_s=30, interval_s=0.05, what="the workload's counters flushed")
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
-def test_dashboard_shows_hit_rates(server: str, tmp_path: Path) -> None:
-    run_workload(server)
+def test_dashboard_shows_hit_rates(server: str, client: redis.Redis, tmp_path: Path) -> None:
+    run_workload(server, client)
     assert CHROMIUM is not None
     profile = ["--user-data-dir=" + str(tmp_path / "profile")]
     dom = subprocess.run([CHROMIUM, *FLAGS, *profile, "--dump-dom", f"{server}/dashboard"],

@@ -23,6 +23,7 @@ from workers.families.base import (
 )
 
 
+@pytest.mark.slow  # builds the test models: seconds
 def test_the_family_is_read_from_model_index(model_dir: Path, qwen_model_dir: Path) -> None:
     assert family_of(model_dir).name == "wan"
     assert family_of(qwen_model_dir).name == "qwen-image"
@@ -40,6 +41,7 @@ def test_an_unknown_pipeline_class_names_itself_and_the_supported_ones(tmp_path:
     assert all(f.pipeline_class in message for f in FAMILIES.values())
 
 
+@pytest.mark.slow  # builds the test models: seconds
 def test_weight_digests_are_kept_in_a_manifest(qwen_model_dir: Path, tmp_path: Path) -> None:
     import shutil
 
@@ -71,6 +73,7 @@ def test_model_init_builds_a_qwen_image_folder(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "model.family" in bad.stderr
 
 
+@pytest.mark.slow  # builds the test models: seconds
 def test_placement_follows_the_machine_and_names_the_device_class(
         qwen_model_dir: Path) -> None:
     cpu = Placement.for_settings("auto", "auto")

@@ -10,9 +10,10 @@ import torch
 
 from tests.workers_harness import make_spec
 from workers.families import family_named
-from workers.interrupt import BlockInterrupts, StepInterrupted
+from workers.stages.interrupt import BlockInterrupts, StepInterrupted
 
 
+@pytest.mark.slow  # builds the test models: seconds
 @pytest.mark.parametrize("family", ["wan", "qwen-image"])
 def test_a_forward_stops_at_the_next_block_and_unwatched_hooks_change_nothing(
         family: str, model_dir: Path, qwen_model_dir: Path) -> None:

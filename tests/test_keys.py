@@ -20,11 +20,9 @@ from keys import (
     GenerationSpec,
     KeyKind,
     PromptSegment,
-    StepInputs,
     StoreKey,
     canonical_bytes,
     cfg_key,
-    chain,
     chain_root,
     embedding_key,
     latents_key,
@@ -32,6 +30,8 @@ from keys import (
     output_key,
 )
 from keys.spec import SPEC_FIELDS
+from workers.queue.messages import RefName, Role
+from workers.stages.trajectory import chain_head, chain_links
 
 ENCODER = model_fingerprint("text_encoder", {"d_model": 32}, {"model.safetensors": "ab"},
                             "float32", "cpu")
@@ -58,15 +58,25 @@ def text_key(spec: GenerationSpec, text: str) -> StoreKey:
     return embedding_key(spec.tenant, ENCODER, ids, [1] * len(ids), 512)
 
 
+def embedding_keys(spec: GenerationSpec) -> dict[RefName, StoreKey]:
+    """The embeddings encode hands denoise: each segment's prompt, and its negative prompt
+    where the segment uses guidance (the texts through a stand-in tokenizer)."""
+    found = {}
+    for i, segment in enumerate(spec.schedule):
+        found[RefName(Role.PROMPT, i)] = text_key(spec, segment.prompt)
+        if spec.segment_uses_cfg(segment):
+            found[RefName(Role.NEGATIVE, i)] = text_key(spec, segment.negative_prompt)
+    return found
+
+
+def timesteps(spec: GenerationSpec) -> list[float]:
+    return [1000.0 - 250.0 * i for i in range(spec.num_inference_steps)]
+
+
 def all_keys(spec: GenerationSpec) -> dict[KeyKind, str]:
-    """Every key a request derives, from the spec alone, as the workers will derive them."""
-    timesteps = [1000.0 - 250.0 * i for i in range(spec.num_inference_steps)]
-    steps = []
-    for i, t in enumerate(timesteps):
-        segment = spec.segment_at(i)
-        uncond = text_key(spec, segment.negative_prompt) if spec.uses_cfg else None
-        steps.append(StepInputs(t, text_key(spec, segment.prompt), uncond, spec.guidance_scale))
-    links = chain(chain_root(spec, MODEL, SCHEDULER, "float32"), steps)
+    """Every key a request derives, from the spec alone, through the functions the workers
+    call: the chain is ``trajectory.chain_links``, so a change there changes these keys."""
+    links = chain_links(spec, embedding_keys(spec), MODEL, SCHEDULER, timesteps(spec))
     first = spec.schedule[0]
     # The digest of the latent a step sees carries the trajectory so far: the chain head stands in.
     latent_digest = links[-1].hex
@@ -75,7 +85,7 @@ def all_keys(spec: GenerationSpec) -> dict[KeyKind, str]:
                                     for t in (first.prompt, first.negative_prompt)),
         KeyKind.CHECKPOINT: str(links[-1].checkpoint_key()),
         KeyKind.CFG: str(cfg_key(spec.tenant, MODEL, text_key(spec, first.negative_prompt),
-                                 timesteps[0], latent_digest)),
+                                 timesteps(spec)[0], latent_digest)),
         KeyKind.LATENTS: str(latents_key(spec.tenant, spec.request_id, 1)),
         KeyKind.OUTPUT: str(output_key(links[-1], DECODER, spec.output_format)),
     }
@@ -100,6 +110,12 @@ GOLDEN_KEYS = {
 }
 
 
+# h(0)..h(4) of ``base_spec``'s trajectory: the checkpoint keys' ids, and h(4) names its output.
+GOLDEN_CHAIN = ["377845a7c129d82d8022a3010f1c5aa4", "26baefbb5d6aa28394cca35689751aaf",
+                "42578fb116e2d04cf28a4e6a3488122f", "13b1609bdd250360c7f98a852f65578b",
+                "f4da553a6aa46ce60c8e36be4009aaa5"]
+
+
 def test_canonical_encoding_is_pinned() -> None:
     assert canonical_bytes(["a", [1, 0.0]]).hex() == GOLDEN_CANONICAL
 
@@ -110,6 +126,16 @@ def golden_keys() -> dict[str, str]:
 
 def test_keys_match_golden_vectors() -> None:
     assert golden_keys() == GOLDEN_KEYS
+
+
+def test_the_workers_chain_matches_its_golden_vector() -> None:
+    spec = base_spec()
+    links = chain_links(spec, embedding_keys(spec), MODEL, SCHEDULER, timesteps(spec))
+    assert [link.hex for link in links] == GOLDEN_CHAIN
+    assert [link.index for link in links] == list(range(spec.num_inference_steps + 1))
+    assert links[0] == chain_root(spec, MODEL, SCHEDULER, "float32")
+    # Encode names a cached output by the same head that denoise reaches.
+    assert chain_head(spec, embedding_keys(spec), MODEL, SCHEDULER, timesteps(spec)) == links[-1]
 
 
 def test_keys_are_identical_in_another_process() -> None:
@@ -226,10 +252,8 @@ def test_prompt_schedule_shares_the_chain_prefix() -> None:
     b = base_spec(schedule=(PromptSegment("fox", "blurry", 2), PromptSegment("dog", "blurry", 4)))
 
     def links(spec: GenerationSpec) -> list[str]:
-        steps = [StepInputs(1000.0 - 250 * i, text_key(spec, spec.segment_at(i).prompt),
-                            text_key(spec, spec.segment_at(i).negative_prompt), 5.0)
-                 for i in range(4)]
-        return [link.hex for link in chain(chain_root(spec, MODEL, SCHEDULER, "float32"), steps)]
+        return [link.hex for link in chain_links(spec, embedding_keys(spec), MODEL, SCHEDULER,
+                                                 timesteps(spec))]
 
     la, lb = links(a), links(b)
     assert la[:3] == lb[:3]  # h0, h1, h2: the shared two steps

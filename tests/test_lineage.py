@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,14 +18,16 @@ from cachesvc.connect import open_cache
 from cachesvc.output_files import OutputFiles
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import ApiSettings, Settings
+from cachesvc.waiting import wait_until
 from keys import GenerationSpec, StoreKey
 from keys.names import stage_stream
 from tests.test_preemption import LONG, wait_for
 from tests.workers_harness import make_spec, read_frames, reference, serve_api, wait_done
-from workers.media import decode_npy
-from workers.messages import LATENTS, Job, Stage, State
-from workers.records import Records
-from workers.submit import submit
+from workers.queue.messages import LATENTS, Job, Stage
+from workers.queue.records import Records
+from workers.queue.schema import State
+from workers.queue.submit import submit
+from workers.stages.media import decode_npy
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
 pytestmark = pytest.mark.slow
@@ -137,10 +138,8 @@ def test_a_store_that_keeps_losing_entries_fails_the_request_with_that_reason(
 
 
 def wait_until_in(client: redis.Redis, spec: GenerationSpec, states: set[State]) -> None:
-    deadline = time.monotonic() + 60
-    while (state := state_of(client, spec)) not in states:
-        assert time.monotonic() < deadline, f"still {state}"
-        time.sleep(0.01)
+    wait_until(lambda: state_of(client, spec) in states, timeout_s=60,
+               what=f"{spec.request_id} in one of {sorted(states)}")
 
 
 def state_of(client: redis.Redis, spec: GenerationSpec) -> State:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,21 +14,24 @@ from cachesvc.connect import open_cache
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings
 from cachesvc.stack import EmbeddedStack
+from cachesvc.waiting import wait_until
 from keys import GenerationSpec, latents_key
-from keys.names import request_record, stage_stream
+from keys.names import decode_credits, request_record, stage_stream
 from tests.workers_harness import (
     make_spec,
     read_frames,
+    record_fields,
     reference,
     start_worker,
+    stop_owner_when,
     wait_done,
-    worker_named,
 )
-from workers.credits import Credits
-from workers.lifecycle import Lifecycle
-from workers.messages import Job, Stage, State
-from workers.records import PreemptMode, Records
-from workers.submit import submit
+from workers.queue.credits import Credits
+from workers.queue.lifecycle import Lifecycle
+from workers.queue.messages import Job, Stage
+from workers.queue.records import Records
+from workers.queue.schema import PreemptMode, State
+from workers.queue.submit import submit
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
 pytestmark = pytest.mark.slow
@@ -39,24 +41,35 @@ LONG = {"num_inference_steps": 40, "width": 64, "height": 64}
 
 def wait_for(client: redis.Redis, spec: GenerationSpec, state: State, min_step: int = 0,
              timeout_s: float = 120) -> dict[str, str]:
-    key = request_record(spec.tenant, spec.request_id)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        fields = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+    """The record once it is in ``state`` with at least ``min_step`` steps reported."""
+
+    def reached() -> dict[str, str] | None:
+        fields = record_fields(client, spec)
         if fields.get("state") == state.value and int(fields.get("step", 0)) >= min_step:
             return fields
         assert fields.get("state") not in ("DONE", "FAILED") or state is State.DONE, fields
-        time.sleep(0.005)
-    raise TimeoutError(f"{spec.request_id} never reached {state} at step {min_step}")
+        return None
+
+    return wait_until(reached, timeout_s=timeout_s, interval_s=0.005,
+                      what=f"{spec.request_id} {state} at step {min_step}")
 
 
 def denoising(client: redis.Redis, pool: dict[Stage, list[ChildProcess]], seed: int,
               min_step: int) -> tuple[GenerationSpec, dict[str, str], ChildProcess]:
-    """A long request, once a worker is ``min_step`` steps into it: its record and worker."""
+    """A long request whose denoise worker has reported ``min_step`` steps, with that worker
+    stopped (SIGSTOP) right there: the record as it left it, and the worker, which the caller
+    lets go on (SIGCONT) or keeps stopped."""
     spec = make_spec(seed=seed, **LONG)
     submit(client, spec)
-    running = wait_for(client, spec, State.DENOISING, min_step=min_step)
-    return spec, running, worker_named(pool[Stage.DENOISE], running["worker:denoise"])
+    stopped, running = stop_owner_when(
+        client, spec, Stage.DENOISE, pool[Stage.DENOISE],
+        lambda f: f.get("state") == State.DENOISING.value and int(f.get("step", 0)) >= min_step)
+    return spec, running, stopped
+
+
+def go_on(worker: ChildProcess) -> None:
+    assert worker.pid is not None
+    os.kill(worker.pid, signal.SIGCONT)
 
 
 def decode_entries_for(client: redis.Redis, spec: GenerationSpec) -> int:
@@ -74,14 +87,19 @@ def test_denoise_waits_for_a_decode_credit(worker_settings: Settings, client: re
     spec = make_spec(seed=950)
     submit(client, spec)
     wait_for(client, spec, State.DENOISING)
-    deadline = time.monotonic() + 30
-    while client.hget(request_record(spec.tenant, spec.request_id), "waiting") != \
-            b"decode credit":
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(0.5)  # it keeps waiting: no step runs without a credit
+    wait_until(lambda: record_fields(client, spec).get("waiting") == "decode credit",
+               timeout_s=30, what="the denoise worker waiting for a decode credit")
+    # It keeps asking and is refused each time. Every ask drops holders whose request is gone,
+    # so a planted holder without a record vanishing is the worker asking again (twice, so
+    # once after a whole turn of its wait loop), while every real credit stays taken.
+    gone = request_record("acme", f"gone-{spec.request_id}")
+    for turn in range(2):
+        client.zadd(decode_credits(), {gone: 0})
+        wait_until(lambda: client.zscore(decode_credits(), gone) is None, timeout_s=30,
+                   what=f"the waiting worker asking for a credit again ({turn + 1})")
     held = Records(client).get(spec.tenant, spec.request_id)
     assert held is not None and held.state is State.DENOISING and held.step == 0
+    assert held.fields.get("waiting") == "decode credit"
     client.hset(request_record("acme", holders[0]), "state", "DONE")  # one decode finished
     assert wait_done(client, spec).state is State.DONE
     for holder in holders[1:]:
@@ -115,7 +133,10 @@ def test_a_parked_request_resumes_on_another_worker_bit_identically(
         worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
         pipe: object, tmp_path: Path) -> None:
     spec, running, first = denoising(client, pool, seed=701, min_step=5)
-    assert Lifecycle(client).ask_preempt(spec.tenant, spec.request_id, PreemptMode.PARK)
+    try:  # asked while its worker is stopped mid-job, so it cannot finish first
+        assert Lifecycle(client).ask_preempt(spec.tenant, spec.request_id, PreemptMode.PARK)
+    finally:
+        go_on(first)
     parked = wait_for(client, spec, State.PREEMPTED)
     # The first worker leaves; whoever takes the resumed request is another one.
     first.stop()
@@ -137,8 +158,6 @@ def test_a_worker_paused_past_its_lease_writes_nothing_when_it_wakes(
         worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
         pipe: object, tmp_path: Path) -> None:
     spec, running, paused = denoising(client, pool, seed=801, min_step=3)
-    assert paused.pid is not None
-    os.kill(paused.pid, signal.SIGSTOP)
     try:
         if not any(c.alive() and c is not paused for c in pool[Stage.DENOISE]):
             pool[Stage.DENOISE].append(start_worker(worker_settings, Stage.DENOISE, tmp_path,
@@ -146,15 +165,22 @@ def test_a_worker_paused_past_its_lease_writes_nothing_when_it_wakes(
         record = wait_done(client, spec)  # taken over once the lease ran out
         before = client.hgetall(request_record(spec.tenant, spec.request_id))
     finally:
-        os.kill(paused.pid, signal.SIGCONT)
-    time.sleep(2.0)  # the woken worker finishes its step, learns it is stale, and stops
+        go_on(paused)
+    # The woken worker goes on until a fenced write tells it that it is stale, then offers
+    # its result, which the fence refuses: the worker logs that, and discards what it made.
+    refused = f"request {spec.request_id}: result of stale attempt"
+    wait_until(lambda: refused in paused.log_path.read_text(errors="replace"), timeout_s=60,
+               interval_s=0.05, what="the woken worker's stale result refused")
     assert client.hgetall(request_record(spec.tenant, spec.request_id)) == before
     assert record.state is State.DONE and record.fields["attempt:denoise"] == "2"
     assert record.fields["worker:denoise"] != running["worker:denoise"]
     assert decode_entries_for(client, spec) == 1
     cache = open_cache(worker_settings)
-    try:  # the paused attempt's latents never landed (or were removed)
-        assert not cache.exists(latents_key(spec.tenant, spec.request_id, 1))
+    try:  # the paused attempt's latents never landed, or its discard (just after the log
+        # line) removes them
+        stale = latents_key(spec.tenant, spec.request_id, 1)
+        wait_until(lambda: not cache.exists(stale), timeout_s=10,
+                   what="no latents of the stale attempt")
     finally:
         cache.close()
     assert np.array_equal(read_frames(worker_settings, record), reference(pipe, spec))
@@ -171,13 +197,13 @@ def test_no_accepted_request_is_lost_when_valkey_restarts_mid_workload(
     valkey = embedded_stack.child("valkey")
     valkey.kill()  # a crash: only what the AOF fsynced survives
     valkey.start()
-    deadline = time.monotonic() + 20
-    while True:
+
+    def answers() -> bool:
         try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+            return bool(client.ping())
+        except redis.ConnectionError:  # refused, or still loading its AOF
+            return False
+
+    wait_until(answers, timeout_s=20, interval_s=0.1, what="Valkey answering again")
     records = [wait_done(client, spec, timeout_s=180) for spec in specs]
     assert [r.state for r in records] == [State.DONE] * len(specs)

@@ -5,7 +5,8 @@ the API refuses video-only fields for an image family."""
 
 from __future__ import annotations
 
-import time
+import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,18 +19,22 @@ from cachesvc.connect import open_cache, open_redis
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import ApiSettings, ModelSettings, Settings, WorkerSettings, load_settings
 from cachesvc.stack import EmbeddedStack
+from cachesvc.waiting import wait_until
 from keys import GenerationSpec, StoreKey
 from tests.workers_harness import (
     make_spec,
+    record_fields,
     reference,
     run_request,
     serve_api,
     start_worker,
+    stop_owner_when,
     wait_done,
 )
 from workers.families import family_named
-from workers.messages import Stage, State
-from workers.submit import submit
+from workers.queue.messages import Stage
+from workers.queue.schema import State
+from workers.queue.submit import submit
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
 pytestmark = pytest.mark.slow
@@ -140,12 +145,10 @@ def test_a_killed_denoise_worker_is_recovered_bit_identically(
         qwen_pool: dict[Stage, ChildProcess], qwen_pipe: object, tmp_path: Path) -> None:
     spec = image_spec(seed=77, num_inference_steps=60)
     submit(qwen_client, spec)
-    key = f"v1:{spec.tenant}:req:{spec.request_id}"
-    deadline = time.monotonic() + 120
-    while int(qwen_client.hget(key, "checkpoint_step") or 0) < 6:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    qwen_pool[Stage.DENOISE].kill()
+    # Stopped once its record reports the checkpoint at step 6, then killed there.
+    victim, _ = stop_owner_when(qwen_client, spec, Stage.DENOISE, [qwen_pool[Stage.DENOISE]],
+                                lambda f: int(f.get("checkpoint_step", 0)) >= 6)
+    victim.kill()
     qwen_pool[Stage.DENOISE] = start_worker(qwen_settings, Stage.DENOISE, tmp_path,
                                             qwen_client, "qwen-denoise-replacement")
     record = wait_done(qwen_client, spec)
@@ -181,25 +184,27 @@ def test_the_api_refuses_video_fields_for_an_image_family(
 
 
 def test_a_parked_request_resumes_bit_identically_and_an_edit_branches(
-        qwen_settings: Settings, qwen_client: redis.Redis, qwen_pool: object,
+        qwen_settings: Settings, qwen_client: redis.Redis, qwen_pool: dict[Stage, ChildProcess],
         qwen_pipe: object) -> None:
     from keys import PromptSegment
-    from workers.lifecycle import Lifecycle
-    from workers.records import PreemptMode, Records
-    from workers.submit import new_request_id
+    from workers.queue.lifecycle import Lifecycle
+    from workers.queue.records import Records
+    from workers.queue.schema import PreemptMode
+    from workers.queue.submit import new_request_id
 
     spec = image_spec(seed=311, num_inference_steps=60)
     submit(qwen_client, spec)
-    key = f"v1:{spec.tenant}:req:{spec.request_id}"
-    deadline = time.monotonic() + 120
-    while int(qwen_client.hget(key, "step") or 0) < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    # Asked while its worker is stopped three steps in, so the request cannot finish first.
+    worker, _ = stop_owner_when(qwen_client, spec, Stage.DENOISE, [qwen_pool[Stage.DENOISE]],
+                                lambda f: int(f.get("step", 0)) >= 3)
     lifecycle = Lifecycle(qwen_client)
-    assert lifecycle.ask_preempt(spec.tenant, spec.request_id, PreemptMode.PARK)
-    while qwen_client.hget(key, "state") != b"PREEMPTED":
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    try:
+        assert lifecycle.ask_preempt(spec.tenant, spec.request_id, PreemptMode.PARK)
+    finally:
+        assert worker.pid is not None
+        os.kill(worker.pid, signal.SIGCONT)
+    wait_until(lambda: record_fields(qwen_client, spec).get("state") == State.PREEMPTED.value,
+               timeout_s=120, what=f"{spec.request_id} parked")
     parked = Records(qwen_client).get(spec.tenant, spec.request_id)
     assert parked is not None
     lifecycle.resume(parked)
@@ -226,11 +231,10 @@ def test_openai_images_and_the_output_cache_serve_the_image_family(
     with serve_api(qwen_settings, ApiSettings()) as url, httpx.Client(base_url=url) as http:
         first = http.post("/v1/images/generations", json=body, timeout=120)
         again = http.post("/v1/images/generations", json=body, timeout=120)
-        deadline = time.monotonic() + 30
-        while 'diffcache_cache_hits_total{kind="output",tenant="default"}' not in \
-                http.get("/metrics").text:  # the repeat was answered from the output cache
-            assert time.monotonic() < deadline, "no output-cache hit counted"
-            time.sleep(0.2)
+        # The repeat was answered from the output cache.
+        wait_until(lambda: 'diffcache_cache_hits_total{kind="output",tenant="default"}'
+                   in http.get("/metrics").text, timeout_s=30, interval_s=0.2,
+                   what="an output-cache hit counted")
     assert first.status_code == again.status_code == 200, first.text
     images = [iio.imread(base64.b64decode(r.json()["data"][0]["b64_json"]), extension=".png")
               for r in (first, again)]

@@ -8,8 +8,8 @@ import time
 import pytest
 import redis
 
-from cachesvc.connect import open_redis
 from cachesvc.settings import RetentionSettings, Settings
+from cachesvc.waiting import wait_until
 from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import (
     consumer_group,
@@ -18,10 +18,12 @@ from keys.names import (
     request_record,
     stage_stream,
 )
-from workers.messages import Job, Stage, State
-from workers.records import Records, initial_fields
-from workers.retention import Retention
-from workers.streams import StageQueue
+from tests.redis_databases import RETENTION, emptied, on_database
+from workers.queue.messages import Job, Stage
+from workers.queue.records import Records, initial_fields
+from workers.queue.retention import Retention
+from workers.queue.schema import State
+from workers.queue.streams import StageQueue
 
 TENANT = "acme"
 # Every record below is either well inside or well outside this, so no test depends on timing.
@@ -31,9 +33,8 @@ OLD, RECENT = 120.0, 5.0
 
 @pytest.fixture
 def quiet(workerless_stack: Settings) -> redis.Redis:
-    client = open_redis(workerless_stack)
-    client.flushall()
-    return client
+    """An empty Redis database of this module's own, on the stack no worker reads."""
+    return emptied(on_database(workerless_stack, RETENTION))
 
 
 def retention(client: redis.Redis, **overrides: float) -> Retention:
@@ -85,10 +86,8 @@ def test_consumers_of_exited_workers_are_forgotten_once_idle(quiet: redis.Redis)
     assert busy.next(block_ms=10, idle_timeout_ms=60_000)  # holds its entry, unacked
     assert not gone.next(block_ms=10, idle_timeout_ms=60_000)
     sweeper = retention(quiet, dead_consumer_s=0.05)
-    deadline = time.monotonic() + 10
-    while sweeper.sweep().consumers == 0:
-        assert time.monotonic() < deadline, "the idle consumer was never forgotten"
-        time.sleep(0.05)
+    wait_until(lambda: sweeper.sweep().consumers, timeout_s=10, interval_s=0.05,
+               what="a sweep forgetting the idle consumer")
     names = {c["name"].decode() for c in quiet.xinfo_consumers(  # type: ignore[union-attr]
         stream, consumer_group(Stage.ENCODE.value))}
     assert names == {"busy"}  # idle as long, but it holds a pending entry
@@ -102,8 +101,8 @@ def write_record(client: redis.Redis, request_id: str, state: State, submitted_a
         num_inference_steps=1, guidance_scale=1.0, seed=0, output_format=OutputFormat.NPY)
     now = time.time()
     client.hset(request_record(TENANT, request_id), mapping={
-        **initial_fields(spec), "state": state.value, "created_at": f"{now - submitted_ago:.3f}",
-        "updated_at": f"{now - changed_ago:.3f}"})
+        **initial_fields(spec).set, "state": state.value,
+        "created_at": f"{now - submitted_ago:.3f}", "updated_at": f"{now - changed_ago:.3f}"})
     client.zadd(request_index(TENANT), {request_id: int((now - submitted_ago) * 1000)})
 
 

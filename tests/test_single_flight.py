@@ -13,6 +13,7 @@ from cachesvc.connect import open_cache
 from cachesvc.settings import Settings
 from cachesvc.single_flight import Outcome, SingleFlight
 from cachesvc.tensor_cache import TensorCache
+from cachesvc.waiting import wait_until
 from keys import KeyKind, StoreKey
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
@@ -28,10 +29,8 @@ def _caller(settings: Settings, callers: int,
     client = redis.Redis.from_url(settings.redis.url or "")
     # A barrier: every caller is connected before any looks the key up.
     client.incr("test:ready")
-    deadline = time.monotonic() + 60
-    while int(client.get("test:ready") or 0) < callers:
-        assert time.monotonic() < deadline, "not every caller connected"
-        time.sleep(0.005)
+    wait_until(lambda: int(client.get("test:ready") or 0) >= callers, timeout_s=60,
+               interval_s=0.005, what="every caller connected")
 
     def compute() -> torch.Tensor:
         client.incr("test:computes")

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +16,8 @@ import pytest
 
 from cachesvc.processes import free_port
 from cachesvc.settings import Settings
+from cachesvc.waiting import wait_until
+from tests.redis_databases import EXTERNAL_REDIS, on_database
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
 pytestmark = pytest.mark.slow
@@ -45,11 +46,10 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def wait_gone(pids: set[int], timeout_s: float = 10) -> set[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    return {p for p in pids if alive(p)}
+def wait_gone(pids: set[int], timeout_s: float = 10) -> None:
+    """Wait until none of ``pids`` runs (an exited but unreaped child counts as gone)."""
+    wait_until(lambda: not any(alive(p) for p in pids), timeout_s=timeout_s, interval_s=0.1,
+               what=f"processes {sorted(pids)} gone")
 
 
 @contextmanager
@@ -83,7 +83,7 @@ def test_up_then_ctrl_c_stops_everything(tmp_path: Path) -> None:
         assert len(kids) == 4  # master, storage node, valkey, api
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
-        assert wait_gone(kids) == set()
+        wait_gone(kids)
     assert (tmp_path / "valkey" / "appendonlydir").is_dir()  # AOF is on
 
 
@@ -93,7 +93,7 @@ def test_kill_9_of_the_supervisor_leaves_no_orphan(tmp_path: Path) -> None:
         kids = children_of(proc.pid)
         proc.kill()
         proc.wait()
-        assert wait_gone(kids) == set()
+        wait_gone(kids)
 
 
 def test_a_busy_port_is_one_clear_line(tmp_path: Path) -> None:
@@ -108,10 +108,12 @@ def test_a_busy_port_is_one_clear_line(tmp_path: Path) -> None:
 
 
 def test_an_external_redis_is_used_instead_of_our_own(tmp_path: Path,
-                                                      stack_settings: Settings) -> None:
-    assert stack_settings.redis.url
-    with diffcache_up(tmp_path, DIFFCACHE_REDIS__URL=stack_settings.redis.url) as (proc, out):
-        assert f"redis           {stack_settings.redis.url}" in out
+                                                      workerless_stack: Settings) -> None:
+    # A database of its own: the service's sweeps and statuses touch nobody else's keys.
+    url = on_database(workerless_stack, EXTERNAL_REDIS).redis.url
+    assert url
+    with diffcache_up(tmp_path, DIFFCACHE_REDIS__URL=url) as (proc, out):
+        assert f"redis           {url}" in out
         assert len(children_of(proc.pid)) == 3  # no Valkey of its own
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

@@ -12,11 +12,16 @@ import torch
 from cachesvc.connect import open_cache, open_redis, store_endpoints
 from cachesvc.errors import StoreUnavailableError
 from cachesvc.mooncake_store import MooncakeStore, mounted_bytes
+from cachesvc.processes import port_open
 from cachesvc.settings import Settings, load_settings
 from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
+from cachesvc.waiting import wait_until
 from keys import KeyKind, StoreKey
 from tests.counting import counted
+
+# Each test starts a stack of its own and kills part of it: seconds each.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
@@ -36,7 +41,9 @@ def test_store_down_raises_typed_error_and_degrades(
     cache.put(key, torch.ones(4))
     master = next(c for c in stack.children if c.name == "mooncake_master")
     master.kill()
-    time.sleep(0.3)
+    host, _, port = store_endpoints(settings).master_address.rpartition(":")
+    wait_until(lambda: not port_open(host, int(port), timeout_s=0.2), timeout_s=10,
+               what="the killed master's port closed")
     with pytest.raises(StoreUnavailableError) as info:
         cache.get(key)
     assert info.value.retryable and info.value.key == str(key)
@@ -67,10 +74,9 @@ def test_a_store_without_storage_nodes_is_unavailable_not_full(
     stack.child("mooncake_client").kill()
     url = settings.store.master_metrics_url
     assert url is not None
-    deadline = time.monotonic() + 60
-    while mounted_bytes(url) != 0:  # the master forgets the node once its lease runs out
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
+    # The master forgets the node once its lease runs out.
+    wait_until(lambda: mounted_bytes(url) == 0, timeout_s=60, interval_s=0.5,
+               what="the master reporting no mounted storage")
     with pytest.raises(StoreUnavailableError, match="no storage node is mounted"):
         cache.put(StoreKey("acme", KeyKind.SCRATCH, "after"), torch.ones(4))
     cache.close()

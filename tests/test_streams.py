@@ -5,20 +5,19 @@ from __future__ import annotations
 import pytest
 import redis
 
-from cachesvc.connect import open_redis
 from cachesvc.settings import Settings
 from keys import Priority
 from keys.names import request_record, stage_stream
-from workers.credits import Credits
-from workers.messages import Job, Stage
-from workers.streams import StageQueue
+from tests.redis_databases import STREAMS, emptied, on_database
+from workers.queue.credits import Credits
+from workers.queue.messages import Job, Stage
+from workers.queue.streams import StageQueue
 
 
 @pytest.fixture
 def quiet(workerless_stack: Settings) -> redis.Redis:
-    client = open_redis(workerless_stack)
-    client.flushall()
-    return client
+    """An empty Redis database of this module's own, on the stack no worker reads."""
+    return emptied(on_database(workerless_stack, STREAMS))
 
 
 def test_workers_take_interactive_work_first(quiet: redis.Redis) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,20 +16,29 @@ import redis
 from cachesvc.instance_lock import InstanceLock
 from cachesvc.processes import ChildProcess, StartupError
 from cachesvc.supervisor import Backoff, ChildStatus, Supervisor, publish, read_published
+from cachesvc.waiting import WaitTimeout, wait_until
 from keys.names import supervised_children
 from tests.test_stack import alive, diffcache_up
 
 FAST = Backoff(initial_s=0.01, cap_s=0.05, healthy_after_s=60, crash_loop_after=3)
 
 
-def tick_until(supervisor: Supervisor, done: object, timeout_s: float = 10) -> ChildStatus:
-    deadline = time.monotonic() + timeout_s
-    supervisor.tick()
-    while not done(status := supervisor.status()[0]):  # type: ignore[operator]
-        assert time.monotonic() < deadline, status
-        time.sleep(0.01)
+def tick_until(supervisor: Supervisor, done: Callable[[ChildStatus], bool],
+               timeout_s: float = 10) -> ChildStatus:
+    """Tick the supervisor until its first child's status is ``done``; that status."""
+    last: list[ChildStatus] = []
+
+    def ticked() -> ChildStatus | None:
         supervisor.tick()
-    return status
+        status = supervisor.status()[0]
+        last[:] = [status]
+        return status if done(status) else None
+
+    try:
+        return wait_until(ticked, timeout_s=timeout_s, what="the child status awaited")
+    except WaitTimeout as exc:
+        exc.add_note(f"last status: {last}")
+        raise
 
 
 def test_a_killed_child_is_reaped_and_restarted(tmp_path: Path) -> None:

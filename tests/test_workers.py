@@ -3,7 +3,6 @@ monolithic diffusers ``WanPipeline`` on the same saved model: outputs are bit-id
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +12,7 @@ import redis
 from cachesvc.counters import read_totals
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings
+from cachesvc.waiting import wait_until
 from keys.names import dead_letter_stream, stage_stream
 from tests.workers_harness import (
     make_spec,
@@ -20,11 +20,12 @@ from tests.workers_harness import (
     reference,
     run_request,
     start_worker,
+    stop_owner_when,
     wait_done,
-    worker_named,
 )
-from workers.messages import Job, Stage, State
-from workers.submit import submit
+from workers.queue.messages import Job, Stage
+from workers.queue.schema import State
+from workers.queue.submit import submit
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
 pytestmark = pytest.mark.slow
@@ -84,15 +85,15 @@ def test_kill_9_mid_request_completes_once_with_the_same_output(
     spec = make_spec(seed=77, num_inference_steps=40 if stage is Stage.DENOISE else 4,
                      num_frames=33 if stage is Stage.DECODE else 5, width=64, height=64)
     submit(client, spec)
-    running = {Stage.DENOISE: State.DENOISING, Stage.DECODE: State.DECODING}[stage]
-    key = f"v1:{spec.tenant}:req:{spec.request_id}"
-    deadline = time.monotonic() + 120
-    while client.hget(key, "state") != running.value.encode():
-        assert client.hget(key, "state") not in (b"DONE", b"FAILED"), "finished before the kill"
-        assert time.monotonic() < deadline, f"never reached {running}"
-        time.sleep(0.002)
-    owner = client.hget(key, f"worker:{stage.value}")
-    victim = worker_named(pool[stage], owner)
+
+    def mid_job(fields: dict[str, str]) -> bool:
+        """Denoise has reported a step; decode (which reports no steps) has claimed the job."""
+        if stage is Stage.DENOISE:
+            return int(fields.get("step", 0)) >= 1
+        return fields.get("state") == State.DECODING.value
+
+    # Stopped mid-job, as its own record says, then killed there.
+    victim, _ = stop_owner_when(client, spec, stage, pool[stage], mid_job)
     victim.kill()
     pool[stage].remove(victim)
     pool[stage].append(start_worker(worker_settings, stage, tmp_path, client, "replacement"))
@@ -134,10 +135,8 @@ def test_an_identical_seeded_request_is_answered_from_the_output_cache(
     assert "seconds:denoise" not in record.fields  # no denoising at all
     # The hit counts the first request's denoise and decode seconds as saved.
     spent = sum(wait_done(client, first).stage_seconds()[s] for s in ("denoise", "decode"))
-    deadline = time.monotonic() + 10
-    while not read_totals(client, "repeats").get("output.compute_seconds_saved"):
-        assert time.monotonic() < deadline, "no saving counted"
-        time.sleep(0.1)
+    wait_until(lambda: read_totals(client, "repeats").get("output.compute_seconds_saved"),
+               timeout_s=10, interval_s=0.1, what="the saving counted")
     assert 0 < read_totals(client, "repeats")["output.compute_seconds_saved"] <= spent
     assert np.array_equal(frames, repeat)
     changed = make_spec(tenant="repeats", prompt="a green train at night", seed=4243)

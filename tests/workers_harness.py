@@ -3,11 +3,13 @@ and helpers to submit requests and read their outputs."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import redis
@@ -16,13 +18,16 @@ import torch
 from cachesvc.connect import open_cache
 from cachesvc.processes import ChildProcess, free_port
 from cachesvc.settings import ApiSettings, Settings, child_environ
-from keys import GenerationSpec, StoreKey
+from cachesvc.waiting import WaitTimeout, wait_until
+from keys import GenerationSpec, Priority, StoreKey
+from keys.names import consumer_group, request_record, stage_stream
 from workers.launch import wait_joined, worker_argv
-from workers.media import decode_npy
-from workers.messages import Stage, State
-from workers.records import Records, RequestRecord
-from workers.runtime import consumer_name
-from workers.submit import new_request_id, submit
+from workers.queue.messages import Job, Stage
+from workers.queue.records import Records
+from workers.queue.runtime import consumer_name
+from workers.queue.schema import RequestRecord, State
+from workers.queue.submit import new_request_id, submit
+from workers.stages.media import decode_npy
 
 
 def start_worker(settings: Settings, stage: Stage, logs: Path, client: redis.Redis,
@@ -50,26 +55,76 @@ def make_spec(tenant: str = "acme", **changes: object) -> GenerationSpec:
     return GenerationSpec.create(**fields)  # type: ignore[arg-type]
 
 
-def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 120) -> None:
-    """Poll ``predicate`` until it is true; TimeoutError naming ``what`` after ``timeout_s``.
-    Every poll in the tests has a deadline, so a regression fails instead of hanging."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
-        time.sleep(0.01)
+def record_fields(client: redis.Redis, spec: GenerationSpec) -> dict[str, str]:
+    """The request's record as it stands, decoded; empty if there is none."""
+    raw: dict[bytes, bytes] = client.hgetall(  # type: ignore[assignment]
+        request_record(spec.tenant, spec.request_id))
+    return {k.decode(): v.decode() for k, v in raw.items()}
 
 
 def wait_done(client: redis.Redis, spec: GenerationSpec, timeout_s: float = 120) -> RequestRecord:
     records = Records(client)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def finished() -> RequestRecord | None:
         record = records.get(spec.tenant, spec.request_id)
-        if record is not None and record.state.terminal:
-            return record
-        time.sleep(0.05)
-    last = records.get(spec.tenant, spec.request_id)
-    raise TimeoutError(f"request {spec.request_id} not finished: {last}")
+        return record if record is not None and record.state.terminal else None
+
+    try:
+        return wait_until(finished, timeout_s=timeout_s, interval_s=0.05,
+                          what=f"request {spec.request_id} finished")
+    except WaitTimeout as exc:
+        exc.add_note(f"its record: {records.get(spec.tenant, spec.request_id)}")
+        raise
+
+
+def in_hand(client: redis.Redis, stage: Stage, request_id: str) -> bool:
+    """Whether a worker of ``stage`` holds a delivery of ``request_id`` that it has not yet
+    acknowledged: once it is False, that worker is done with the job, whatever it did."""
+    group = consumer_group(stage.value)
+    for priority in Priority:
+        stream = stage_stream(stage.value, priority.value)
+        try:
+            pending: list[dict[str, Any]] = client.xpending_range(stream, group, min="-",
+                                                                  max="+", count=10_000)
+        except redis.ResponseError:  # no such stream or group yet
+            continue
+        for p in pending:
+            entries: list[Any] = client.xrange(stream, p["message_id"], p["message_id"])
+            if entries and Job.from_json(entries[0][1][b"job"]).request_id == request_id:
+                return True
+    return False
+
+
+def stop_owner_when(client: redis.Redis, spec: GenerationSpec, stage: Stage,
+                    children: list[ChildProcess], ready: Callable[[dict[str, str]], bool],
+                    timeout_s: float = 120) -> tuple[ChildProcess, dict[str, str]]:
+    """SIGSTOP the worker of ``children`` that runs ``spec``'s ``stage`` once the progress it
+    reports on the record satisfies ``ready``; that worker, and the record as it left it.
+
+    The record is read again once the worker is stopped (and the worker let go again if it has
+    moved past ``ready`` meanwhile), so what the caller sees is exactly where the worker stands,
+    however fast it runs. The caller kills it, or SIGCONTs it. If the stage finishes before a
+    poll sees it ``ready``, the job is too short for this machine: that fails here, not as a
+    confusing assertion later."""
+    done = f"done:{stage.value}"
+
+    def stopped() -> tuple[ChildProcess, dict[str, str]] | None:
+        fields = record_fields(client, spec)
+        assert done not in fields and fields.get("state") not in ("DONE", "FAILED"), \
+            f"{spec.request_id} finished {stage} before it could be stopped: {fields}"
+        if not ready(fields):
+            return None
+        owner = worker_named(children, fields[f"worker:{stage.value}"])
+        assert owner.pid is not None
+        os.kill(owner.pid, signal.SIGSTOP)
+        fields = record_fields(client, spec)
+        if done not in fields and ready(fields):
+            return owner, fields
+        os.kill(owner.pid, signal.SIGCONT)
+        return None
+
+    return wait_until(stopped, timeout_s=timeout_s, interval_s=0.002,
+                      what=f"{spec.request_id}'s {stage} worker stopped where the test wants it")
 
 
 def run_request(settings: Settings, client: redis.Redis, spec: GenerationSpec) -> np.ndarray:
@@ -116,9 +171,8 @@ def serve_api(settings: Settings, api: ApiSettings) -> Iterator[str]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: server.started, timeout_s=30, interval_s=0.05,
+               what=f"the API serving at {url}")
     try:
         yield url
     finally:
