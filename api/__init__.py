@@ -1,2 +1,2 @@
-"""The REST API. It reaches workers only through ``workers.submit``, ``workers.records`` and
-``workers.streams``, and imports no model code."""
+"""The REST API. It reaches workers only through ``workers.queue`` (submit, records, streams,
+lifecycle) and imports no model code."""

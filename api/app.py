@@ -82,12 +82,13 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = open_redis(settings)
         cache = open_cache(settings, client)
-        app.state.service = Service(settings, client, cache)
+        app.state.service = service = Service(settings, client, cache)
         app.state.registry = registry_with(ClusterCollector(client,
                                                             tenant_labeller(settings.api)))
         try:
             yield
         finally:
+            service.events.close()
             cache.close()
 
     app = FastAPI(title="diffcache", version="0.1.0", lifespan=lifespan, responses=ERRORS)

@@ -4,7 +4,6 @@ queue as ``/v1/generate``."""
 from __future__ import annotations
 
 import base64
-import time
 
 from fastapi import APIRouter, Request, Response
 
@@ -12,8 +11,7 @@ from api.deps import Svc, Tenant
 from api.schemas import GenerateBody, ImagesBody, VideoJob, VideosBody
 from api.service import NotFoundError, NotReadyError, Service, WaitTimeoutError
 from keys import OutputFormat
-from workers.messages import State
-from workers.records import RequestRecord
+from workers.queue.schema import RequestRecord, State
 
 _VIDEO_STATUS = {State.QUEUED: "queued", State.DONE: "completed", State.FAILED: "failed",
                  State.CANCELLED: "cancelled"}
@@ -40,7 +38,7 @@ def video_job(record: RequestRecord) -> VideoJob:
     progress = 100 if record.state is State.DONE else int(100 * record.step / steps)
     return VideoJob(id=record.spec.request_id,
                     status=_VIDEO_STATUS.get(record.state, "in_progress"),
-                    progress=progress, created_at=int(float(record.fields["created_at"])),
+                    progress=progress, created_at=int(record.created_at),
                     error=record.error)
 
 
@@ -70,7 +68,7 @@ def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request) -> dict[st
     else:
         _, data = svc.result(who, request_id)
         item = {"b64_json": base64.b64encode(data).decode()}
-    return {"created": int(float(record.fields["created_at"])), "data": [item]}
+    return {"created": int(record.created_at), "data": [item]}
 
 @router.post("/v1/videos", response_model=VideoJob)
 def create_video(body: VideosBody, who: Tenant, svc: Svc) -> VideoJob:
@@ -94,13 +92,12 @@ def video_content(video_id: str, who: Tenant, svc: Svc) -> Response:
 
 
 def _wait(svc: Service, tenant: str, request_id: str, timeout_s: float) -> RequestRecord:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        record = svc.record(tenant, request_id)
-        if record.state is State.DONE:
-            return record
-        if record.state.terminal:
-            raise NotReadyError(record)
-        time.sleep(0.05)
-    raise WaitTimeoutError(f"request {request_id} did not finish within {timeout_s:.0f} s; "
-                    f"poll /v1/requests/{request_id}")
+    """The request once it is done, woken by its record's notifications."""
+    try:
+        *_, record = svc.events.follow(tenant, request_id, timeout_s)
+    except TimeoutError as exc:
+        raise WaitTimeoutError(f"request {request_id} did not finish within {timeout_s:.0f} s; "
+                               f"poll /v1/requests/{request_id}") from exc
+    if record.state is not State.DONE:
+        raise NotReadyError(record)
+    return record

@@ -19,11 +19,11 @@ from api.deps import Svc, Viewer
 from api.service import Service, status_of
 from cachesvc.counters import read_buckets, read_totals, tenants
 from cachesvc.supervisor import read_published
-from keys import KeyKind
+from keys import KeyKind, Priority
 from keys.names import request_index
-from workers import stage_metrics
-from workers.messages import Stage
-from workers.streams import queue_counts
+from workers.queue import stage_metrics
+from workers.queue.messages import Stage
+from workers.queue.streams import queue_counts
 
 WINDOW_MINUTES = 30
 RECENT = 15
@@ -72,11 +72,12 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
                    **{e: lifetime.get(f"{kind.value}.{e}", 0.0)
                       for e in ("lookups", "hits", "compute_seconds_saved")}}
                   for kind in KINDS]
-    latency = {}
+    latency: dict[str, dict[str, dict[str, float | None]]] = {}
     for stage in Stage:
-        h = stage_metrics.read(svc.redis, stage)
-        latency[stage.value] = {"p50": h.quantile(0.5), "p95": h.quantile(0.95),
-                                "count": h.count}
+        for priority in Priority:
+            h = stage_metrics.read(svc.redis, stage, priority)
+            latency.setdefault(stage.value, {})[priority.value] = {
+                "p50": h.quantile(0.5), "p95": h.quantile(0.95), "count": h.count}
     children = [{"name": c.name, "role": c.role, "alive": c.alive, "restarts": c.restarts,
                  "last_exit": c.describe_exit(), "crash_looping": c.crash_looping}
                 for c in read_published(svc.redis)]

@@ -17,7 +17,7 @@ from api.schemas import (
     segment_texts,
 )
 from keys import CfgCache, CfgMode, GenerationSpec, PromptSegment
-from workers.records import RequestRecord
+from workers.queue.schema import RequestRecord
 
 
 def segments_from(body: list[Segment], default_negative: str, field: str, after_step: int,

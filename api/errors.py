@@ -23,7 +23,7 @@ from api.service import (
     WaitTimeoutError,
 )
 from cachesvc.errors import StoreUnavailableError
-from workers.submit import DurabilityError
+from workers.queue.submit import DurabilityError
 
 
 def _body(status: int, error: str, field: str | None = None,

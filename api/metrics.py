@@ -18,10 +18,11 @@ from prometheus_client.registry import Collector
 from cachesvc.counters import Event, read_totals, tenants
 from cachesvc.settings import ApiSettings
 from cachesvc.supervisor import ChildStatus, read_published
-from workers import stage_metrics
-from workers.messages import Stage
-from workers.served_model import read_served
-from workers.streams import queue_counts
+from keys import Priority
+from workers.queue import stage_metrics
+from workers.queue.messages import Stage
+from workers.queue.served_model import read_served
+from workers.queue.streams import queue_counts
 
 
 def hashed_tenant(tenant: str) -> str:
@@ -61,11 +62,13 @@ class ClusterCollector(Collector):
         yield depth
 
         latency = HistogramMetricFamily("diffcache_stage_seconds", "Seconds per stage job",
-                                        labels=["stage"])
+                                        labels=["stage", "priority"])
         for stage in Stage:
-            h = stage_metrics.read(self._redis, stage)
-            buckets = [("+Inf" if b == float("inf") else str(b), n) for b, n in h.cumulative]
-            latency.add_metric([stage.value], buckets, h.total)
+            for priority in Priority:
+                h = stage_metrics.read(self._redis, stage, priority)
+                buckets = [("+Inf" if b == float("inf") else str(b), n)
+                           for b, n in h.cumulative]
+                latency.add_metric([stage.value, priority.value], buckets, h.total)
         yield latency
         yield from children_families(read_published(self._redis))
         served = read_served(self._redis)

@@ -4,6 +4,7 @@ health and metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -22,10 +23,8 @@ from api.schemas import (
     ResumeBody,
 )
 from api.service import status_of
-from workers.media import CONTENT_TYPES
 
 router = APIRouter()
-EVENT_POLL_S = 0.01  # how often an event stream rereads its record: one HGETALL
 
 
 @router.post("/v1/generate", status_code=202, response_model=Accepted)
@@ -51,7 +50,7 @@ def result(request_id: str, who: Tenant, svc: Svc) -> Response:
     """The output file; 409 while the request is not done."""
     record, data = svc.result(who, request_id)
     fmt = record.spec.output_format
-    return Response(data, media_type=CONTENT_TYPES[fmt], headers={
+    return Response(data, media_type=fmt.content_type, headers={
         "Content-Disposition": f'inline; filename="{request_id}.{fmt.value}"'})
 
 
@@ -82,17 +81,24 @@ async def events(request_id: str, who: Tenant, svc: Svc) -> StreamingResponse:
     await asyncio.to_thread(svc.record, who, request_id)  # a 404 before the stream opens
 
     async def stream() -> AsyncIterator[str]:
-        last = None
-        while True:
-            record = await asyncio.to_thread(svc.record, who, request_id)
-            now = status_of(record)
-            if (now.state, now.step) != last:
-                last = (now.state, now.step)
-                yield f"event: progress\ndata: {now.model_dump_json()}\n\n"
-            if record.state.terminal:
-                yield f"event: end\ndata: {json.dumps({'state': now.state})}\n\n"
-                return
-            await asyncio.sleep(EVENT_POLL_S)
+        # Woken by the record's notifications; the fallback reread bounds what a lost one
+        # costs, and what an idle stream costs Redis.
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+        with svc.events.watching(who, request_id, lambda: loop.call_soon_threadsafe(changed.set)):
+            last = None
+            while True:
+                changed.clear()
+                record = await asyncio.to_thread(svc.record, who, request_id)
+                now = status_of(record)
+                if (now.state, now.step) != last:
+                    last = (now.state, now.step)
+                    yield f"event: progress\ndata: {now.model_dump_json()}\n\n"
+                if record.state.terminal:
+                    yield f"event: end\ndata: {json.dumps({'state': now.state})}\n\n"
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), svc.events.fallback_s)
 
     return StreamingResponse(stream(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cachesvc.settings import ApiSettings
 from keys import CfgMode, OutputFormat, Priority
-from workers.records import PreemptMode
-from workers.served_model import ServedModel
+from workers.queue.schema import PreemptMode
+from workers.queue.served_model import ServedModel
 
 MAX_SEED = 2**63 - 1
 

@@ -1,7 +1,7 @@
 """What the API does with a request, apart from HTTP: canonicalize, admit, submit, look up.
 
 It holds the Redis client and the store connection, and talks to workers only through
-``workers.submit``, ``workers.records``, ``workers.lifecycle`` and ``workers.streams``.
+``workers.queue`` (submit, records, lifecycle, streams).
 """
 
 from __future__ import annotations
@@ -36,12 +36,15 @@ from cachesvc.tensor_cache import TensorCache
 from keys import GenerationSpec, KeyKind, OutputFormat, Priority, StoreKey
 from keys.names import KEY_VERSION, check_tenant
 from keys.spec import valid_request_id
-from workers.lifecycle import Lifecycle, LifecycleError
-from workers.messages import Stage, State
-from workers.records import PreemptMode, Records, RequestRecord
-from workers.runtime import live_workers
-from workers.served_model import DEFAULT_FAMILY, ServedModel, read_served
-from workers.submit import AdmissionError, Bounds, new_request_id, readmit, submit
+from workers.queue.events import RecordEvents
+from workers.queue.lifecycle import Lifecycle, LifecycleError
+from workers.queue.messages import Stage
+from workers.queue.records import Records
+from workers.queue.runtime import live_workers
+from workers.queue.schema import Field, PreemptMode, RequestRecord, State
+from workers.queue.scripts import RecordWrite
+from workers.queue.served_model import DEFAULT_FAMILY, ServedModel, read_served
+from workers.queue.submit import AdmissionError, Bounds, new_request_id, readmit, submit
 
 # A worker beats every workers.heartbeat_s; one silent for this long is taken for gone.
 HEARTBEAT_WITHIN_S = 5.0
@@ -95,7 +98,7 @@ def idempotency_key(tenant: str, key: str) -> str:
 
 
 def model_of(record: RequestRecord) -> dict[str, str] | None:
-    family, _, name = record.fields.get("model", "").partition("/")
+    family, _, name = (record.get(Field.MODEL) or "").partition("/")
     return {"family": family, "name": name} if name else None
 
 
@@ -104,12 +107,12 @@ def status_of(record: RequestRecord) -> RequestStatus:
     return RequestStatus(
         id=spec.request_id, state=record.state.value, step=record.step,
         steps=spec.num_inference_steps, output_format=spec.output_format.value,
-        priority=spec.priority.value, stage_seconds=record.stage_seconds(),
-        cache_hits=record.hits(), resumed_from=record.counter("resumed_from"),
-        checkpoints=sorted(record.checkpoints()), preemptions=record.counter("preemptions"),
+        priority=spec.priority.value,
+        stage_seconds={s.value: v for s, v in record.stage_seconds().items()},
+        cache_hits=record.hits(), resumed_from=record.counter(Field.RESUMED_FROM),
+        checkpoints=sorted(record.checkpoints()), preemptions=record.counter(Field.PREEMPTIONS),
         model=model_of(record), recomputed=record.recomputed(), error=record.error,
-        created_at=float(record.fields["created_at"]),
-        updated_at=float(record.fields["updated_at"]))
+        created_at=record.created_at, updated_at=record.updated_at)
 
 
 @dataclass
@@ -119,6 +122,7 @@ class Service:
     cache: TensorCache
     records: Records = field(init=False)
     lifecycle: Lifecycle = field(init=False)
+    events: RecordEvents = field(init=False)
     bounds: Bounds = field(init=False)
     files: OutputFiles | None = field(init=False)
 
@@ -126,6 +130,7 @@ class Service:
         # Built once: both register their Lua scripts with the client.
         self.records = Records(self.redis)
         self.lifecycle = Lifecycle(self.redis)
+        self.events = RecordEvents(self.redis)
         self.bounds = Bounds(self.settings.api.max_queue_depth,
                              self.settings.api.max_jobs_per_tenant)
         self._forget = self.redis.register_script(_FORGET)
@@ -220,7 +225,7 @@ class Service:
         """Admit and submit in one script, so concurrent submits cannot overshoot a bound."""
         try:
             return submit(self.redis, spec, bounds=self.bounds,
-                          fields={"model": f"{served.family}/{served.name}"})
+                          fields=RecordWrite({Field.MODEL: f"{served.family}/{served.name}"}))
         except AdmissionError as exc:
             raise QueueFullError(exc) from exc
 
@@ -247,7 +252,7 @@ class Service:
             return record, on_disk
         if outage is not None:
             raise outage  # whether the store still has it is unknown until it answers
-        if time.time() > float(record.fields["updated_at"]) + self.settings.cache.output_ttl_s:
+        if time.time() > record.updated_at + self.settings.cache.output_ttl_s:
             raise GoneError(f"the output of {request_id} has expired (cache.output_ttl_s)")
         # Lost before its time, with the store or its file: the request is seeded, so running
         # it again gives the same output.

@@ -22,9 +22,10 @@ from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
 from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat, StoreKey
-from workers.media import decode_npy
-from workers.records import Records, RequestRecord
-from workers.submit import new_request_id, submit
+from workers.queue.records import Records
+from workers.queue.schema import RequestRecord
+from workers.queue.submit import new_request_id, submit
+from workers.stages.media import decode_npy
 
 SEED = 1234
 

@@ -12,10 +12,11 @@ import time
 from bench.common import NOOP_GO, bench_stack, report, start_noop_workers, stop_processes
 from cachesvc.connect import open_redis
 from keys import GenerationSpec, OutputFormat
-from workers.messages import Stage, State
-from workers.records import Records
-from workers.streams import StageQueue, queue_counts
-from workers.submit import new_request_id, submit
+from workers.queue.messages import Stage
+from workers.queue.records import Records
+from workers.queue.schema import State
+from workers.queue.streams import StageQueue, queue_counts
+from workers.queue.submit import new_request_id, submit
 
 BATCH = 32  # workers.batch_size: jobs read, fenced and published per round trip
 

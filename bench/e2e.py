@@ -26,10 +26,11 @@ from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, StoreKey
 from workers.families import family_named
 from workers.families.base import Family, Placement
-from workers.media import decode_npy, encode_frames
-from workers.messages import Stage
-from workers.records import Records, RequestRecord
-from workers.submit import new_request_id, submit
+from workers.queue.messages import Stage
+from workers.queue.records import Records
+from workers.queue.schema import RequestRecord
+from workers.queue.submit import new_request_id, submit
+from workers.stages.media import decode_npy, encode_frames
 
 
 def placement_of(settings: Settings) -> Placement:
@@ -96,7 +97,7 @@ def measure(family: Family, requests: int, seed: int,
         identical = all_identical(settings, family, specs, finished)
 
     latencies = [seconds_to_done(r) for r in finished]
-    seconds = {stage.value: sum(r.stage_seconds().get(stage.value, 0.0) for r in finished)
+    seconds = {stage.value: sum(r.stage_seconds().get(stage, 0.0) for r in finished)
                for stage in Stage}
     total = sum(seconds.values())
     share = {k: round(v / total, 3) for k, v in seconds.items()}

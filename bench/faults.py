@@ -23,9 +23,9 @@ from cachesvc.processes import free_port
 from keys import GenerationSpec, OutputFormat
 from workers.families import family_named
 from workers.families.base import CPU
-from workers.media import decode_npy
-from workers.served_model import DEFAULT_FAMILY
-from workers.submit import new_request_id
+from workers.queue.served_model import DEFAULT_FAMILY
+from workers.queue.submit import new_request_id
+from workers.stages.media import decode_npy
 
 ROLES = ("worker-encode-0", "worker-denoise-0", "worker-decode-0", "api", "valkey",
          "mooncake_client", "mooncake_master")

@@ -18,8 +18,8 @@ from bench.workload import prompt_pool
 from cachesvc.connect import open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, Priority
-from workers.records import Records
-from workers.submit import new_request_id, submit
+from workers.queue.records import Records
+from workers.queue.submit import new_request_id, submit
 
 
 def make(settings: Settings, tenant: str, prompt: str, seed: int, steps: int,
@@ -53,8 +53,8 @@ def phase(settings: Settings, preempt: bool, args: argparse.Namespace) -> dict[s
             submit(client, spec)
             time.sleep(args.every_s)
         done = wait_all(records, batch + interactive)
-    batch_end = max(float(done[s.request_id].fields["updated_at"]) for s in batch)
-    batch_start = min(float(done[s.request_id].fields["created_at"]) for s in batch)
+    batch_end = max(done[s.request_id].updated_at for s in batch)
+    batch_start = min(done[s.request_id].created_at for s in batch)
     latencies = [seconds_to_done(done[s.request_id]) for s in interactive]
     return {
         "interactive_p50_s": float(np.percentile(latencies, 50)),

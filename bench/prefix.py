@@ -18,8 +18,8 @@ from bench.workload import ACTIONS, PLACES, SUBJECTS
 from cachesvc.connect import open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, PromptSegment
-from workers.records import Records
-from workers.submit import new_request_id, submit
+from workers.queue.records import Records
+from workers.queue.submit import new_request_id, submit
 
 
 def group(settings: Settings, n: int, variations: int, tenant: str | None) -> list[

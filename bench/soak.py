@@ -22,10 +22,10 @@ from cachesvc.connect import open_redis
 from cachesvc.settings import RetentionSettings, Settings
 from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import request_index, stage_stream
-from workers import stage_metrics
-from workers.messages import Stage
-from workers.retention import Retention, RetentionError, SweepReport
-from workers.submit import new_request_id, submit
+from workers.queue import stage_metrics
+from workers.queue.messages import Stage
+from workers.queue.retention import Retention, RetentionError, SweepReport
+from workers.queue.submit import new_request_id, submit
 
 TENANT = "bench"
 BATCH = 32  # workers.batch_size, as in bench.dispatch
@@ -74,7 +74,7 @@ def used_memory(client: redis.Redis) -> int:
 def decoded(client: redis.Redis) -> int:
     """Jobs the decode stage has published: the publish script counts each request once, and
     the count outlives the records that retention deletes."""
-    return stage_metrics.read(client, Stage.DECODE).count
+    return sum(stage_metrics.read(client, Stage.DECODE, p).count for p in Priority)
 
 
 def run_jobs(client: redis.Redis, specs: Sequence[GenerationSpec], done_before: int) -> None:

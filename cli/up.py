@@ -158,7 +158,7 @@ class ServiceTree:
         """One child per configured worker; waits until each has joined its stage."""
         from workers.launch import wait_joined, worker_argv
         from workers.main import ensure_model
-        from workers.messages import Stage
+        from workers.queue.messages import Stage
 
         counts = {Stage.ENCODE: settings.workers.encode_workers,
                   Stage.DENOISE: settings.workers.denoise_workers,
@@ -191,7 +191,7 @@ class ServiceTree:
 def sweep_until(stop: threading.Event, settings: Settings) -> None:
     """Remove expired cache entries, output files and old Redis state until ``stop`` is set.
     Every pass survives the store or Redis restarting under it."""
-    from workers.retention import Retention, RetentionError
+    from workers.queue.retention import Retention, RetentionError
 
     client = open_redis(settings)
     index = TtlIndex(client)

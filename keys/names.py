@@ -96,9 +96,10 @@ def stats_total(tenant: str) -> str:
     return f"{KEY_VERSION}:{check_tenant(tenant)}:stats:total"
 
 
-def stage_latency(stage: str) -> str:
-    """Hash: histogram of a stage's job seconds, fields ``le:<bound>``, ``sum`` and ``count``."""
-    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:latency:{stage}"
+def stage_latency(stage: str, priority: str) -> str:
+    """Hash: histogram of the job seconds of one stage and priority class, fields
+    ``le:<bound>``, ``sum`` and ``count``."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:latency:{stage}:{priority}"
 
 
 def tenants_registry() -> str:
@@ -107,7 +108,7 @@ def tenants_registry() -> str:
 
 
 def request_record(tenant: str, request_id: str) -> str:
-    """Hash: the state, timings and results of one request (``workers.records``)."""
+    """Hash: the state, timings and results of one request (``workers.queue.records``)."""
     return f"{KEY_VERSION}:{check_tenant(tenant)}:req:{request_id}"
 
 
@@ -119,7 +120,7 @@ def request_index(tenant: str) -> str:
 def active_requests() -> str:
     """Sorted set: record keys (``request_record``) of every tenant's queued or running
     requests, scored by admission time in unix ms. Members whose request finished, was parked or
-    is gone are dropped lazily at the next admission (``workers.submit``)."""
+    is gone are dropped lazily at the next admission (``workers.queue.submit``)."""
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:active"
 
 

@@ -26,6 +26,14 @@ class OutputFormat(StrEnum):
     PNG = "png"
     NPY = "npy"
 
+    @property
+    def content_type(self) -> str:
+        return _CONTENT_TYPES[self]
+
+
+_CONTENT_TYPES = {OutputFormat.MP4: "video/mp4", OutputFormat.PNG: "image/png",
+                  OutputFormat.NPY: "application/octet-stream"}
+
 
 class Priority(StrEnum):
     """Scheduling class: interactive work is taken first and may preempt batch work."""
@@ -177,6 +185,12 @@ class GenerationSpec:
         return dataclasses.replace(self, request_id=request_id, schedule=(*prefix, *tail),
                                    output_format=output_format or self.output_format,
                                    priority=priority or self.priority)
+
+    def step_segments(self) -> list[int]:
+        """Index of the schedule segment in force at each step."""
+        bounds = [s.until_step for s in self.schedule]
+        return [next(n for n, until in enumerate(bounds) if i < until)
+                for i in range(self.num_inference_steps)]
 
     def guidance_of(self, segment: PromptSegment) -> float:
         return self.guidance_scale if segment.guidance_scale is None else segment.guidance_scale

@@ -298,7 +298,10 @@ def test_health_readiness_and_metrics(http: TestClient) -> None:
     assert 'diffcache_cache_lookups_total{kind="embed",tenant="default"}' in text
     assert 'diffcache_cache_lookups_total{kind="cfg",tenant="default"}' in text
     assert 'diffcache_queue_depth{priority="batch",stage="denoise"}' in text
-    assert 'diffcache_stage_seconds_bucket{le="+Inf",stage="denoise"}' in text
+    # One histogram per stage and class, both classes exported whether or not they ran.
+    for priority in ("interactive", "batch"):
+        assert re.search(r'diffcache_stage_seconds_bucket\{(?=[^}]*le="\+Inf")'
+                         rf'(?=[^}}]*priority="{priority}")(?=[^}}]*stage="denoise")', text)
 
 
 def test_the_api_imports_no_model_code() -> None:

@@ -7,7 +7,7 @@ import json
 
 from keys import CfgCache, CfgMode, PromptSegment
 from tests.workers_harness import make_spec
-from workers.records import spec_from_json, spec_to_json
+from workers.queue.spec_json import spec_from_json, spec_to_json
 
 
 def test_a_spec_round_trips_through_its_record() -> None:

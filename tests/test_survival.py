@@ -14,7 +14,7 @@ from bench.running_service import RunningService
 from cachesvc.processes import free_port
 from keys import GenerationSpec
 from tests.workers_harness import make_spec, reference
-from workers.media import decode_npy
+from workers.stages.media import decode_npy
 
 pytestmark = pytest.mark.slow
 

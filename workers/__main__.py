@@ -5,7 +5,7 @@ import sys
 
 from cachesvc.settings import load_settings
 from workers.main import run
-from workers.messages import Stage
+from workers.queue.messages import Stage
 
 # The level is in every line: `diffcache up` echoes its children's warnings and errors.
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

@@ -7,8 +7,8 @@ import sys
 import redis
 
 from cachesvc.processes import ChildProcess
-from workers.messages import Stage
-from workers.runtime import consumer_name, live_workers
+from workers.queue.messages import Stage
+from workers.queue.runtime import consumer_name, live_workers
 
 STARTUP_TIMEOUT_S = 180.0  # imports and model loading, on a busy 2-core machine
 JOINED_WITHIN_S = 5.0

@@ -11,13 +11,13 @@ import torch
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
-from workers.credits import Credits
 from workers.families import is_built, resolve
 from workers.families.base import Family, Placement
-from workers.messages import Stage
-from workers.preemption import InteractiveWaiting
-from workers.runtime import Handler, Worker, consumer_name
-from workers.served_model import ServedModel, publish_served
+from workers.queue.credits import Credits
+from workers.queue.messages import Stage
+from workers.queue.preemption import InteractiveWaiting
+from workers.queue.runtime import Handler, Worker, consumer_name
+from workers.queue.served_model import ServedModel, publish_served
 
 log = logging.getLogger(__name__)
 
@@ -47,21 +47,21 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
     publish_served(client, ServedModel(family.name, directory.resolve().name))
     handler: Handler
     if stage is Stage.ENCODE:
-        from workers.encode import EncodeHandler
+        from workers.stages.encode import EncodeHandler
 
         handler = EncodeHandler(cache, family.text_encoder(directory, placement),
                                 family.trajectory(directory, placement))
         return Worker(handler, client, settings.workers), handler
     credits = Credits(client, settings.workers.decode_credits)
     if stage is Stage.DENOISE:
-        from workers.denoise import DenoiseHandler
+        from workers.stages.denoise import DenoiseHandler
 
         handler = DenoiseHandler(cache, family.denoiser(directory, placement), settings.workers,
                                  credits)
         waiting = InteractiveWaiting(client, stage, consumer_name(), settings.workers)
         return Worker(handler, client, settings.workers,
                       preemption=waiting.check_for if settings.workers.preempt else None), handler
-    from workers.decode import DecodeHandler
+    from workers.stages.decode import DecodeHandler
 
     files = (OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
              if settings.cache.durable_outputs else None)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from workers.families import qwen_image, wan
 from workers.families.base import Family
-from workers.served_model import DEFAULT_FAMILY
+from workers.queue.served_model import DEFAULT_FAMILY
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (wan.FAMILY, qwen_image.FAMILY)}
 

@@ -21,7 +21,7 @@ from encoders.text import TextModel as TextEncoder
 from encoders.text import TokenizedText as Tokens
 from keys import Fingerprint, GenerationSpec, file_digest, model_fingerprint
 from keys.canonical import Canonical
-from workers.served_model import FamilyLimits
+from workers.queue.served_model import FamilyLimits
 
 __all__ = ["CPU", "Decoder", "Denoiser", "Family", "Placement", "PlacementError",
            "TextEncoder", "Tokens", "Trajectory", "component_fingerprint", "to_uint8"]

@@ -28,7 +28,7 @@ from workers.families.base import (
     placed_pipeline,
     to_uint8,
 )
-from workers.served_model import LIMITS
+from workers.queue.served_model import LIMITS
 
 # QwenImagePipeline's prompt template; its first DROP_IDX tokens (the system prompt) are
 # dropped from the text encoder's hidden states.

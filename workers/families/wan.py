@@ -27,7 +27,7 @@ from workers.families.base import (
     placed_pipeline,
     to_uint8,
 )
-from workers.served_model import LIMITS
+from workers.queue.served_model import LIMITS
 
 MAX_SEQUENCE_LENGTH = 512  # what WanPipeline.__call__ uses (encode_prompt defaults to 226)
 PRESET_FILE = "diffcache-preset.json"

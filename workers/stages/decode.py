@@ -17,11 +17,13 @@ from cachesvc.counters import Event
 from cachesvc.output_files import OutputFiles
 from cachesvc.tensor_cache import TensorCache
 from keys import ChainLink, KeyKind, StoreKey, output_key
-from workers.credits import Credits
 from workers.families.base import Decoder
-from workers.media import encode_frames
-from workers.messages import LATENTS, Job, Stage
-from workers.runtime import InputLostError, JobContext, Outcome
+from workers.queue.credits import Credits
+from workers.queue.messages import LATENTS, Job, Stage
+from workers.queue.runtime import InputLostError, JobContext, Outcome
+from workers.queue.schema import Field, KindField
+from workers.queue.scripts import RecordWrite
+from workers.stages.media import encode_frames
 
 
 class DecodeHandler:
@@ -40,13 +42,10 @@ class DecodeHandler:
         spec = ctx.spec()
         head = ChainLink(job.tenant, job.chain_index, job.chain_head)
         out_key = output_key(head, self.model.fingerprint, spec.output_format.value)
-        # Another request made the same output since this one's encode probe missed (or this
-        # is a redelivery after the output was stored): the record counts it as a hit, so the
-        # counters do too.
+        # Another request may have made the same output since this one's encode probe missed
+        # (or this is a redelivery after the output was stored). A lookup either way, counted
+        # in the record and the counters alike.
         hit = self.cache.exists(out_key)
-        if hit:
-            self.cache.counters.add_many(spec.tenant, KeyKind.OUTPUT,
-                                         {Event.LOOKUPS: 1.0, Event.HITS: 1.0})
         if not hit:
             start = time.perf_counter()
             latents_ref = job.ref(LATENTS)
@@ -60,7 +59,12 @@ class DecodeHandler:
                 self.files.write(out_key, data)
             self.cache.put(out_key, torch.frombuffer(bytearray(data), dtype=torch.uint8),
                            cost_s=cost)
-        return Outcome(None, fields={"output_key": str(out_key), "hits:output": int(hit)})
+        # Counted once the outcome is certain: a recompute for lost latents records no lookup.
+        self.cache.counters.add_many(spec.tenant, KeyKind.OUTPUT,
+                                     {Event.LOOKUPS: 1.0, Event.HITS if hit else Event.MISSES: 1.0})
+        return Outcome(None, fields=RecordWrite(
+            {Field.OUTPUT_KEY: str(out_key)},
+            {KindField.LOOKUPS.of(KeyKind.OUTPUT): 1, KindField.HITS.of(KeyKind.OUTPUT): int(hit)}))
 
     @staticmethod
     def _redo(job: Job) -> Job:

@@ -19,7 +19,9 @@ from cachesvc.codec import TensorSpec
 from cachesvc.counters import Event
 from cachesvc.tensor_cache import TensorCache
 from keys import CfgMode, Fingerprint, GenerationSpec, KeyKind, StoreKey, cfg_key, tensor_digest
-from workers.write_behind import WriteBehind
+from workers.queue.schema import Field, KindField
+from workers.queue.scripts import RecordWrite
+from workers.stages.write_behind import WriteBehind
 
 # (latents, timestep, embeddings) -> prediction: one transformer forward.
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -36,9 +38,12 @@ class GuidanceStats:
     hits: int = 0
     reused: int = 0  # unconditional forwards replaced by the interval residual
 
-    def as_fields(self) -> dict[str, object]:
-        return {"forwards": self.forwards, "lookups:cfg": self.lookups, "hits:cfg": self.hits,
-                "cfg_reused": self.reused}
+    def as_fields(self) -> RecordWrite:
+        """Counters, added to the record: a request's attempts sum to its total."""
+        return RecordWrite(add={Field.FORWARDS: self.forwards,
+                                KindField.LOOKUPS.of(KeyKind.CFG): self.lookups,
+                                KindField.HITS.of(KeyKind.CFG): self.hits,
+                                Field.CFG_REUSED: self.reused})
 
 
 class Guidance:

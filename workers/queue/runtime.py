@@ -23,10 +23,12 @@ from cachesvc.errors import StoreFullError, StoreUnavailableError
 from cachesvc.settings import WorkerSettings
 from keys import GenerationSpec, KeyKind
 from keys.names import worker_heartbeats
-from workers.lifecycle import Lifecycle, Requeued
-from workers.messages import Job, Stage, State
-from workers.records import Claim, PreemptMode, Published, Records, StageResult
-from workers.streams import Delivery, LeaseKeeper, StageQueue
+from workers.queue.lifecycle import Lifecycle
+from workers.queue.messages import Job, Stage
+from workers.queue.records import Records, StageResult
+from workers.queue.schema import Field, PreemptMode, StageField, State
+from workers.queue.scripts import RecordWrite, Result
+from workers.queue.streams import Delivery, LeaseKeeper, StageQueue
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +59,11 @@ class InputLostError(StageError):
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What a handler hands back: the next stage's job and fields for the record."""
+    """What a handler hands back: the next stage's job and what to write to the record."""
 
     next_job: Job | None
-    state: State | None = None  # default: the stage's FINISHED state
-    fields: dict[str, object] = field(default_factory=dict)
+    state: State | None = None  # default: the stage's finished state
+    fields: RecordWrite = field(default_factory=RecordWrite)
     # Set when the job stopped early to be re-queued or parked, not finished.
     preempted: PreemptMode | None = None
 
@@ -87,7 +89,7 @@ class JobContext:
         self._preempt_check = preempt_check
         self._asked: PreemptMode | None = None
         self._stopping = stopping
-        self._pending: dict[str, object] = {}
+        self._pending = RecordWrite()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._done = threading.Event()
@@ -111,9 +113,9 @@ class JobContext:
             raise StageError(self.job, "request record is missing")
         return record.spec
 
-    def progress(self, **fields: object) -> None:
+    def progress(self, fields: RecordWrite) -> None:
         with self._lock:
-            self._pending.update(fields)
+            self._pending |= fields
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
                 self._thread.start()
@@ -121,15 +123,15 @@ class JobContext:
 
     def _flush(self) -> None:
         with self._lock:
-            fields, self._pending = self._pending, {}
+            fields, self._pending = self._pending, RecordWrite()
         try:
-            progress = self._records.update(self.job, self.attempt, **fields)
+            progress = self._records.update(self.job, self.attempt, fields)
             if self._asked is None and progress.preempt is None and self._preempt_check:
                 self._asked = self._preempt_check()
         except redis.RedisError:
             log.warning("progress of %s not written", self.job.request_id, exc_info=True)
             with self._lock:
-                self._pending = {**fields, **self._pending}
+                self._pending = fields | self._pending
             return
         if progress.state is None:
             self.stale.set()
@@ -149,7 +151,7 @@ class JobContext:
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
-        if self._pending:
+        if self._pending.set or self._pending.add:
             self._flush()
 
     @property
@@ -266,15 +268,16 @@ class Worker:
     def process(self, deliveries: list[Delivery]) -> None:
         """Fence, run and publish a batch; one round trip to claim and one to publish it."""
         runnable = [(job, d) for d in deliveries if (job := self._admissible(d)) is not None]
-        stage = self.handler.stage.value
+        stage = self.handler.stage
         claims = self.records.claim_many([
-            (job, d.attempt, {f"attempt:{stage}": d.attempt, f"worker:{stage}":
-                              self.queue.consumer}) for job, d in runnable])
+            (d, job, RecordWrite({StageField.ATTEMPT.of(stage): d.attempt,
+                                  StageField.WORKER.of(stage): self.queue.consumer}))
+            for job, d in runnable])
         owned: list[tuple[Job, Delivery]] = []
         for (job, d), claim in zip(runnable, claims, strict=True):
-            if claim is Claim.OWNED:
+            if claim is Result.OK:
                 owned.append((job, d))
-            elif claim is Claim.STALE:
+            elif claim is Result.STALE:
                 log.warning("request %s: attempt %d is stale", job.request_id, d.attempt)
             else:
                 log.info("request %s: %s needs no work (%s)", job.request_id, stage, claim.name)
@@ -287,16 +290,16 @@ class Worker:
                 self._requeue(result, outcome)
         published = self.records.publish_many([r for r, _ in finished])
         for (result, outcome), status in zip(finished, published, strict=True):
-            if status is Published.PUBLISHED:
+            if status is Result.OK:
                 if self._after_publish is not None:
                     self._after_publish(result.job, outcome)
                 continue
-            if status is Published.STALE:
+            if status is Result.STALE:
                 log.warning("request %s: result of stale attempt %d discarded",
-                            result.job.request_id, result.attempt)
-            # A duplicate's outputs are the ones already handed on: only a stale or cancelled
-            # result owns what it wrote.
-            if status in (Published.STALE, Published.CANCELLED):
+                            result.job.request_id, result.delivery.attempt)
+            # A duplicate's outputs are the ones already handed on: only a stale result, or one
+            # of a request that finished meanwhile, owns what it wrote.
+            if status in (Result.STALE, Result.FINISHED):
                 self.handler.discard(outcome)
 
     def _requeue(self, result: StageResult, outcome: Outcome) -> None:
@@ -305,7 +308,7 @@ class Worker:
         status = self.lifecycle.requeue(job, result.delivery, outcome.preempted, result.fields)
         log.info("request %s preempted at %s (%s): %s", job.request_id, job.stage,
                  outcome.preempted.value, status.name)
-        if status is Requeued.STALE:
+        if status is Result.STALE:
             self.handler.discard(outcome)
 
     def _handle_through_outages(self, ctx: JobContext) -> Outcome:
@@ -322,7 +325,7 @@ class Worker:
                     raise
                 log.warning("request %s: %s; retrying %s in %.1f s", ctx.job.request_id, exc,
                             ctx.job.stage, delay)
-                ctx.progress(waiting=f"store: {exc}")
+                ctx.progress(RecordWrite({Field.WAITING: f"store: {exc}"}))
                 self.stop.wait(delay)
                 delay = min(delay * 2, OUTAGE_MAX_RETRY_S)
 
@@ -362,11 +365,11 @@ class Worker:
             # Left unacknowledged: redelivered after the idle timeout, dead-lettered after
             # max_deliveries. The error is on the record meanwhile.
             log.exception("request %s failed in %s", job.request_id, job.stage)
-            ctx.progress(error=f"{type(exc).__name__}: {exc}")
+            ctx.progress(RecordWrite({Field.ERROR: f"{type(exc).__name__}: {exc}"}))
             ctx.close()
             return None
         ctx.close()
         seconds = time.perf_counter() - start
-        fields = {f"seconds:{job.stage.value}": f"{seconds:.4f}", **outcome.fields}
-        return StageResult(job, delivery.attempt, delivery, outcome.next_job,
-                           outcome.state, seconds, fields), outcome
+        fields = RecordWrite({StageField.SECONDS.of(job.stage): f"{seconds:.4f}"}) | outcome.fields
+        return StageResult(job, delivery, outcome.next_job, outcome.state, seconds,
+                           fields), outcome

@@ -19,40 +19,23 @@ ATTEMPTS_PER_GENERATION = 1_000_000
 
 
 class Stage(StrEnum):
+    """The stages a request passes through, in order."""
+
     ENCODE = "encode"
     DENOISE = "denoise"
     DECODE = "decode"
 
-
-class State(StrEnum):
-    """The life of a request; every change is written to its record."""
-
-    QUEUED = "QUEUED"
-    ENCODING = "ENCODING"
-    ENCODED = "ENCODED"
-    DENOISING = "DENOISING"
-    DENOISED = "DENOISED"
-    DECODING = "DECODING"
-    PREEMPTED = "PREEMPTED"  # parked at a checkpoint until ``POST /v1/resume``
-    DONE = "DONE"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
+    @property
+    def next(self) -> Stage | None:
+        order = list(Stage)
+        i = order.index(self)
+        return order[i + 1] if i + 1 < len(order) else None
 
     @property
-    def terminal(self) -> bool:
-        return self in (State.DONE, State.FAILED, State.CANCELLED)
-
-    @property
-    def resumable(self) -> bool:
-        return self in (State.PREEMPTED, State.FAILED, State.CANCELLED)
-
-
-# The state a stage moves its request into when it starts, and when it publishes.
-RUNNING = {Stage.ENCODE: State.ENCODING, Stage.DENOISE: State.DENOISING,
-           Stage.DECODE: State.DECODING}
-FINISHED = {Stage.ENCODE: State.ENCODED, Stage.DENOISE: State.DENOISED, Stage.DECODE: State.DONE}
-NEXT = {Stage.ENCODE: Stage.DENOISE, Stage.DENOISE: Stage.DECODE, Stage.DECODE: None}
-PREVIOUS = {Stage.DENOISE: Stage.ENCODE, Stage.DECODE: Stage.DENOISE}
+    def previous(self) -> Stage | None:
+        order = list(Stage)
+        i = order.index(self)
+        return order[i - 1] if i > 0 else None
 
 
 class Role(StrEnum):

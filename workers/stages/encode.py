@@ -13,11 +13,13 @@ from __future__ import annotations
 from cachesvc.codec import TensorSpec
 from cachesvc.tensor_cache import TensorCache
 from encoders.text import TextModel, encode_texts
-from keys import GenerationSpec, StoreKey, output_key
+from keys import GenerationSpec, KeyKind, StoreKey, output_key
 from workers.families.base import Trajectory
-from workers.messages import RefName, Role, Stage, State, TensorRef
-from workers.runtime import JobContext, Outcome
-from workers.trajectory import chain_head
+from workers.queue.messages import RefName, Role, Stage, TensorRef
+from workers.queue.runtime import JobContext, Outcome
+from workers.queue.schema import Field, KindField, State
+from workers.queue.scripts import RecordWrite
+from workers.stages.trajectory import chain_head
 
 
 class EncodeHandler:
@@ -43,13 +45,16 @@ class EncodeHandler:
                 e = encoded[text]
                 spec_ = TensorSpec.of(e.tensor)
                 refs.append(TensorRef.of(RefName(role, i), str(e.key), spec_.dtype, spec_.shape))
-        fields: dict[str, object] = {"hits:embed": sum(e.hit for e in encoded.values()),
-                                     "lookups:embed": len(encoded)}
         cached = self._cached_output(spec, refs)
+        counts = RecordWrite(add={
+            KindField.LOOKUPS.of(KeyKind.EMBEDDING): len(encoded),
+            KindField.HITS.of(KeyKind.EMBEDDING): sum(e.hit for e in encoded.values()),
+            KindField.LOOKUPS.of(KeyKind.OUTPUT): 1,
+            KindField.HITS.of(KeyKind.OUTPUT): int(cached is not None)})
         if cached is not None:
-            return Outcome(None, State.DONE, {**fields, "output_key": str(cached),
-                                              "hits:output": 1})
-        return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=fields)
+            return Outcome(None, State.DONE,
+                           RecordWrite({Field.OUTPUT_KEY: str(cached)}) | counts)
+        return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=counts)
 
     def discard(self, outcome: Outcome) -> None:
         """Embeddings are content-addressed and shared: nothing belongs to one attempt."""

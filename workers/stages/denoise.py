@@ -25,15 +25,17 @@ from cachesvc.counters import Event
 from cachesvc.settings import WorkerSettings
 from cachesvc.tensor_cache import TensorCache
 from keys import ChainLink, GenerationSpec, KeyKind, StoreKey, latents_key
-from workers.checkpoint import Checkpoint, CheckpointError
-from workers.credits import Credits
 from workers.families.base import Denoiser
-from workers.guidance import Guidance
-from workers.interrupt import BlockInterrupts, StepInterrupted
-from workers.messages import LATENTS, Job, RefName, Role, Stage, State, TensorRef
-from workers.runtime import InputLostError, JobContext, Outcome
-from workers.trajectory import chain_links, checkpoint_steps, step_segments
-from workers.write_behind import WriteBehind
+from workers.queue.credits import Credits
+from workers.queue.messages import LATENTS, Job, RefName, Role, Stage, TensorRef
+from workers.queue.runtime import InputLostError, JobContext, Outcome
+from workers.queue.schema import Field, KindField, State, checkpoint_field
+from workers.queue.scripts import RecordWrite
+from workers.stages.checkpoint import Checkpoint, CheckpointError
+from workers.stages.guidance import Guidance
+from workers.stages.interrupt import BlockInterrupts, StepInterrupted
+from workers.stages.trajectory import chain_links, checkpoint_steps
+from workers.stages.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ class DenoiseHandler:
         if not self._take_credit(ctx):
             return self._stopped(ctx, run)
         saves = checkpoint_steps(spec, self.settings.checkpoint_every)
-        segments = step_segments(spec)
+        segments = spec.step_segments()
         with self._interrupts.watching(lambda: ctx.should_stop or ctx.preempt is not None):
             while run.step < spec.num_inference_steps:
                 if ctx.should_stop or ctx.preempt is not None:
@@ -97,9 +99,9 @@ class DenoiseHandler:
                 except StepInterrupted:
                     # Abandoned mid-step: nothing of it was applied, and the checkpoint is
                     # of the last whole step.
-                    ctx.progress(stopped_mid_step=run.step)
+                    ctx.progress(RecordWrite({Field.STOPPED_MID_STEP: run.step}))
                     return self._stopped(ctx, run)
-                ctx.progress(step=run.step)
+                ctx.progress(RecordWrite({Field.STEP: run.step}))
                 if run.step in saves:
                     self._save(ctx, run)
         self._writes.drain()
@@ -160,7 +162,8 @@ class DenoiseHandler:
         links = chain_links(spec, {name: key for name, (key, _) in embeds.items()},
                             self.model.fingerprint, self.model.scheduler_config,
                             scheduler.timesteps)
-        found = self._latest_checkpoint(ctx, links)
+        found, lookups = self._latest_checkpoint(ctx, links)
+        ctx.progress(lookups)
         if found is None:
             latents, rng = self.model.initial_latents(spec)
             run = _Run(spec, links, scheduler, rng, latents, 0, 0.0, self._guidance(spec, None))
@@ -171,8 +174,9 @@ class DenoiseHandler:
             residual = None if found.cfg_residual is None else found.cfg_residual.to(device)
             run = _Run(spec, links, scheduler, rng, found.latents.to(device), found.step,
                        found.compute_s, self._guidance(spec, residual))
-            ctx.progress(**{f"ckpt:{found.step}": str(links[found.step].checkpoint_key())})
-        ctx.progress(step=run.step, resumed_from=run.step)
+            ctx.progress(RecordWrite({
+                checkpoint_field(found.step): str(links[found.step].checkpoint_key())}))
+        ctx.progress(RecordWrite({Field.STEP: run.step, Field.RESUMED_FROM: run.step}))
         return run
 
     def _guidance(self, spec: GenerationSpec, residual: torch.Tensor | None) -> Guidance:
@@ -181,26 +185,35 @@ class DenoiseHandler:
                         lookup=self.settings.cfg_cache, cond_pool=self._cond_pool,
                         write_behind=self._writes, residual=residual)
 
-    def _latest_checkpoint(self, ctx: JobContext, links: list[ChainLink]) -> Checkpoint | None:
+    def _latest_checkpoint(self, ctx: JobContext,
+                           links: list[ChainLink]) -> tuple[Checkpoint | None, RecordWrite]:
         """The checkpoint furthest along ``links``: one existence round trip for the chain,
-        then reads from the end until one is intact."""
+        then reads from the end until one is intact. Also the lookups and hits, as counted in
+        the cache counters, for the record."""
         keys = [link.checkpoint_key() for link in links[1:]]
         present = [k for k, ok in zip(keys, self.cache.batch_exists(keys), strict=True) if ok]
+        lookups, hits = 0, 0
         if not present:  # a lookup that found nothing is a miss, or hit rates lie
             self.cache.counters.add_many(ctx.job.tenant, KeyKind.CHECKPOINT,
                                          {Event.LOOKUPS: 1.0, Event.MISSES: 1.0})
+            lookups = 1
+        found = None
         for key in reversed(present):
             entry = self.cache.get(key)  # a counted lookup: its cost is the compute saved
+            lookups += 1
             if entry is None:
                 continue  # evicted or expired since the existence check
+            hits += 1
             try:
-                return Checkpoint.from_bytes(entry.numpy().tobytes())
+                found = Checkpoint.from_bytes(entry.numpy().tobytes())
+                break
             except CheckpointError:
                 # Written by an incompatible release: drop it so nobody trips on it again.
                 log.warning("request %s: unreadable checkpoint %s removed",
                             ctx.job.request_id, key, exc_info=True)
                 self.cache.remove(key)
-        return None
+        return found, RecordWrite(add={KindField.LOOKUPS.of(KeyKind.CHECKPOINT): lookups,
+                                       KindField.HITS.of(KeyKind.CHECKPOINT): hits})
 
     def _take_credit(self, ctx: JobContext) -> bool:
         """Wait for a decode credit; False if the job was cancelled or preempted meanwhile."""
@@ -208,13 +221,13 @@ class DenoiseHandler:
         waiting = False
         while not self.credits.acquire(job.tenant, job.request_id, int(time.time() * 1000)):
             if not waiting:
-                ctx.progress(waiting="decode credit")
+                ctx.progress(RecordWrite({Field.WAITING: "decode credit"}))
                 waiting = True
             if ctx.should_stop or ctx.preempt is not None:
                 return False
             time.sleep(CREDIT_POLL_S)
         if waiting:
-            ctx.progress(waiting="")
+            ctx.progress(RecordWrite({Field.WAITING: ""}))
         return True
 
     def _save(self, ctx: JobContext, run: _Run) -> None:
@@ -225,7 +238,8 @@ class DenoiseHandler:
             data = snapshot.to_bytes()
             self.cache.put(key, torch.frombuffer(bytearray(data), dtype=torch.uint8),
                            cost_s=snapshot.compute_s)
-            ctx.progress(**{f"ckpt:{snapshot.step}": str(key), "checkpoint_step": snapshot.step})
+            ctx.progress(RecordWrite({checkpoint_field(snapshot.step): str(key),
+                                      Field.CHECKPOINT_STEP: snapshot.step}))
 
         self._writes.submit(f"checkpoint {key}", write)
 

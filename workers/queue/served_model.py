@@ -15,7 +15,6 @@ from pydantic import TypeAdapter, ValidationError
 
 from keys import GenerationSpec
 from keys.names import served_model
-from workers.trajectory import step_segments
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ class FamilyLimits:
         frames = (spec.num_frames - 1) // self.frame_multiple + 1
         patches = (spec.height // self.spatial_multiple) * (spec.width // self.spatial_multiple)
         forwards = sum(2 if spec.segment_uses_cfg(spec.schedule[seg]) else 1
-                       for seg in step_segments(spec))
+                       for seg in spec.step_segments())
         return frames * patches * forwards
 
 

@@ -15,10 +15,10 @@ import redis
 from cachesvc.settings import WorkerSettings
 from keys import Priority
 from keys.names import preempt_ticket
-from workers.messages import Job, Stage
-from workers.records import PreemptMode
-from workers.runtime import PreemptCheck
-from workers.streams import oldest_waiting
+from workers.queue.messages import Job, Stage
+from workers.queue.runtime import PreemptCheck
+from workers.queue.schema import PreemptMode
+from workers.queue.streams import oldest_waiting
 
 TICKET_TTL_MS = 60_000
 

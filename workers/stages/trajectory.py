@@ -8,14 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from keys import ChainLink, Fingerprint, GenerationSpec, StepInputs, StoreKey, chain, chain_root
 from keys.canonical import Canonical
-from workers.messages import RefName, Role
-
-
-def step_segments(spec: GenerationSpec) -> list[int]:
-    """Index of the schedule segment in force at each step."""
-    bounds = [s.until_step for s in spec.schedule]
-    return [next(n for n, until in enumerate(bounds) if i < until)
-            for i in range(spec.num_inference_steps)]
+from workers.queue.messages import RefName, Role
 
 
 def chain_links(spec: GenerationSpec, embedding_keys: Mapping[RefName, StoreKey],
@@ -24,7 +17,7 @@ def chain_links(spec: GenerationSpec, embedding_keys: Mapping[RefName, StoreKey]
     """``h(0)..h(N)`` for ``spec``; ``embedding_keys`` holds each segment's prompt and, for
     segments with guidance, its negative prompt."""
     steps = []
-    for t, seg in zip(timesteps, step_segments(spec), strict=True):
+    for t, seg in zip(timesteps, spec.step_segments(), strict=True):
         segment = spec.schedule[seg]
         uncond = (embedding_keys[RefName(Role.NEGATIVE, seg)]
                   if spec.segment_uses_cfg(segment) else None)

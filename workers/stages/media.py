@@ -16,9 +16,6 @@ import numpy as np
 
 from keys import OutputFormat
 
-CONTENT_TYPES = {OutputFormat.MP4: "video/mp4", OutputFormat.PNG: "image/png",
-                 OutputFormat.NPY: "application/octet-stream"}
-
 
 def encode_frames(chunks: Iterable[np.ndarray], fmt: OutputFormat, fps: int) -> bytes:
     """Bytes of the output file for uint8 frames (F, H, W, 3), given chunk by chunk."""

@@ -21,7 +21,7 @@ import redis
 
 from keys import Priority
 from keys.names import consumer_group, stage_stream
-from workers.messages import Job, Stage
+from workers.queue.messages import Job, Stage
 
 # The order workers take work in.
 PRIORITY_ORDER = (Priority.INTERACTIVE, Priority.BATCH)

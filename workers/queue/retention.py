@@ -26,89 +26,14 @@ from keys.names import (
     stage_stream,
     tenants_registry,
 )
-from workers.messages import Stage, State
+from workers.queue.messages import Stage
+from workers.queue.script_args import ExpireRecordsArgs, TrimStreamArgs
+from workers.queue.scripts import Scripts
 
 log = logging.getLogger(__name__)
 
 # Index entries read per round trip; a sweep reads up to ``sweep_batch`` per tenant.
 _PAGE = 500
-
-# KEYS[1] a stage stream. ARGV[1]: idle ms after which a consumer with nothing pending is
-# forgotten. Returns {entries trimmed, consumers forgotten}.
-#
-# One script, so no group can read or claim between finding the floor and trimming to it. The
-# floor is the lowest id any group still needs: its oldest pending entry, or, with nothing
-# pending, the entry after its last-delivered id (everything after that is unread). Exact MINID
-# drops whole nodes (up to 100 entries each) in one step and walks only the node at the floor,
-# so a call costs about one step per hundred entries acknowledged since the previous sweep.
-_TRIM_STREAM = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0} end
-local floor_ms, floor_seq
-local forgotten = 0
-local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
-if #groups == 0 then return {0, 0} end  -- no reader yet: every entry is unread
-for _, raw in ipairs(groups) do
-  local g = {}
-  for i = 1, #raw, 2 do g[raw[i]] = raw[i + 1] end
-  local ms, seq
-  if tonumber(g['pending']) > 0 then
-    local oldest = redis.call('XPENDING', KEYS[1], g['name'])[2]
-    ms, seq = string.match(oldest, '^(%d+)-(%d+)$')
-    ms, seq = tonumber(ms), tonumber(seq)
-  else
-    ms, seq = string.match(g['last-delivered-id'], '^(%d+)-(%d+)$')
-    -- Sequence numbers count entries added within one millisecond: far below 2^53.
-    ms, seq = tonumber(ms), tonumber(seq) + 1
-  end
-  if not floor_ms or ms < floor_ms or (ms == floor_ms and seq < floor_seq) then
-    floor_ms, floor_seq = ms, seq
-  end
-  for _, rawc in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], g['name'])) do
-    local c = {}
-    for i = 1, #rawc, 2 do c[rawc[i]] = rawc[i + 1] end
-    if tonumber(c['pending']) == 0 and tonumber(c['idle']) > tonumber(ARGV[1]) then
-      redis.call('XGROUP', 'DELCONSUMER', KEYS[1], g['name'], c['name'])
-      forgotten = forgotten + 1
-    end
-  end
-end
-local floor = string.format('%.0f-%.0f', floor_ms, floor_seq)
-return {redis.call('XTRIM', KEYS[1], 'MINID', floor), forgotten}
-"""
-
-# KEYS[1] a tenant's request index, then the records of ARGV[2..]. ARGV[1]: the cutoff in unix
-# seconds, then the request ids. Returns 1 per request whose record is gone, 0 per one kept.
-#
-# Records are deleted here rather than given an EXPIRE: a FAILED or CANCELLED request can be
-# resumed, and a TTL set before that would delete it mid-flight. The script checks the state
-# and the last change at the moment of deletion, so it cannot race a resume or a late write,
-# and it drops the index entry in the same step, so the index never names a missing record.
-_EXPIRE_RECORDS = """
-local cutoff = tonumber(ARGV[1])
-local gone = {}
-for i = 2, #KEYS do
-  local state, updated, created = unpack(redis.call('HMGET', KEYS[i], 'state', 'updated_at',
-                                                    'created_at'))
-  local remove = false
-  if TERMINAL then
-    local at = tonumber(updated or created or '')
-    if at and at <= cutoff then
-      redis.call('DEL', KEYS[i])
-      remove = true
-    end
-  elseif not state then
-    remove = redis.call('EXISTS', KEYS[i]) == 0  -- deleted by hand: a dangling index entry
-  end
-  if remove then
-    redis.call('ZREM', KEYS[1], ARGV[i])
-    gone[#gone + 1] = 1
-  else
-    gone[#gone + 1] = 0
-  end
-end
-return gone
-""".replace("TERMINAL", " or ".join(f"state == '{s.value}'" for s in State if s.terminal))
-
 
 class RetentionError(RuntimeError):
     """A sweep step failed against Redis; the message names the step. The next sweep retries."""
@@ -150,8 +75,7 @@ class Retention:
     def __init__(self, client: redis.Redis, settings: RetentionSettings) -> None:
         self.redis = client
         self.settings = settings
-        self._trim_stream = client.register_script(_TRIM_STREAM)
-        self._expire = client.register_script(_EXPIRE_RECORDS)
+        self.scripts = Scripts(client)
         self._cursors: dict[str, _Cursor] = {}
         # Tenants found by scanning for request indexes: a tenant whose requests never reached
         # the cache (all cancelled while queued, say) never joins the tenants registry.
@@ -177,7 +101,7 @@ class Retention:
         streams = [stage_stream(stage.value, p.value) for stage in Stage for p in Priority]
         pipe = self.redis.pipeline(transaction=False)
         for stream in streams:
-            self._trim_stream(keys=[stream], args=[idle_ms], client=pipe)
+            self.scripts.run(TrimStreamArgs(stream, idle_ms), pipe)
         try:
             results: list[Any] = pipe.execute()
         except redis.RedisError as exc:
@@ -242,9 +166,9 @@ class Retention:
                 self._cursors.pop(tenant, None)  # reached the cutoff: start over next time
                 return removed, False
             ids = [raw.decode() for raw, _ in page]
-            gone: list[int] = self._expire(
-                keys=[index, *(request_record(tenant, i) for i in ids)],
-                args=[f"{cutoff_ms / 1000:.3f}", *ids])
+            gone: list[int] = self.scripts.run(ExpireRecordsArgs(
+                index, tuple(request_record(tenant, i) for i in ids),
+                f"{cutoff_ms / 1000:.3f}", tuple(ids)))
             removed += sum(gone)
             if len(page) < min(budget, _PAGE):
                 self._cursors.pop(tenant, None)

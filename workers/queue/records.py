@@ -1,0 +1,133 @@
+"""Request records: one Redis hash per request, the single source of truth for its state.
+
+Every state change goes through a script in ``lua/`` that checks the writer's fencing token (the
+delivery attempt it holds), so a worker that was paused past its lease and wakes up can neither
+overwrite a newer attempt's progress nor publish a result twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+
+from keys import GenerationSpec
+from keys.names import (
+    consumer_group,
+    dead_letter_stream,
+    request_record,
+    stage_latency,
+    stage_stream,
+)
+from workers.queue import stage_metrics
+from workers.queue.messages import Job
+from workers.queue.schema import Field, PreemptMode, RequestRecord, State
+from workers.queue.script_args import (
+    CancelArgs,
+    ClaimArgs,
+    DeadLetterArgs,
+    PublishArgs,
+    UpdateArgs,
+)
+from workers.queue.scripts import RecordWrite, Result, Scripts
+from workers.queue.spec_json import spec_to_json
+from workers.queue.streams import Delivery
+
+
+@dataclass(frozen=True, slots=True)
+class StageResult:
+    """What a stage produced for one delivery, ready to publish."""
+
+    job: Job
+    delivery: Delivery
+    next_job: Job | None
+    state: State | None  # None: the stage's finished state
+    seconds: float
+    fields: RecordWrite
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What a progress write learns: the request's state (None if the writer is stale) and
+    whether someone asked for it to be preempted."""
+
+    state: State | None
+    preempt: PreemptMode | None
+
+
+def timestamp() -> str:
+    return f"{time.time():.3f}"
+
+
+def initial_fields(spec: GenerationSpec) -> RecordWrite:
+    """The record of a request just accepted."""
+    now = timestamp()
+    return RecordWrite({Field.SPEC: spec_to_json(spec), Field.STATE: State.QUEUED.value,
+                        Field.STEP: 0, Field.STEPS: spec.num_inference_steps,
+                        Field.CREATED_AT: now, Field.UPDATED_AT: now})
+
+
+class Records:
+    """Reads and fenced writes of request records."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.redis = client
+        self.scripts = Scripts(client)
+
+    def get(self, tenant: str, request_id: str) -> RequestRecord | None:
+        raw = self.redis.hgetall(request_record(tenant, request_id))
+        if not raw:
+            return None
+        return RequestRecord.parse({k.decode(): v.decode()  # type: ignore[union-attr]
+                                    for k, v in raw.items()})
+
+    def claim_many(self, claims: Sequence[tuple[Delivery, Job, RecordWrite]]) -> list[Result]:
+        """Fence several jobs in one round trip: each job's claim is checked on its own."""
+        return self.scripts.results([
+            ClaimArgs(request_record(job.tenant, job.request_id), job.stage.value,
+                      job.fence_token(d.attempt), job.generation, State.running(job.stage),
+                      timestamp(), fields) for d, job, fields in claims])
+
+    def update(self, job: Job, attempt: int, fields: RecordWrite) -> Progress:
+        """Write progress if ``attempt`` still owns the request."""
+        code, state, preempt = (v.decode() if isinstance(v, bytes) else v for v in self.scripts.run(
+            UpdateArgs(request_record(job.tenant, job.request_id), job.stage.value,
+                       job.fence_token(attempt), timestamp(), fields)))
+        if Result(int(code)) is Result.STALE:
+            return Progress(None, None)
+        return Progress(State(state), PreemptMode(preempt) if preempt else None)
+
+    def publish_many(self, results: Sequence[StageResult]) -> list[Result]:
+        """Atomically per job: hand on the next job, record the state and latency, ack.
+        All of them travel in one round trip."""
+        return self.scripts.results([self._publish_args(r) for r in results])
+
+    @staticmethod
+    def _publish_args(r: StageResult) -> PublishArgs:
+        job = r.job
+        record = request_record(job.tenant, job.request_id)
+        following = job.stage.next
+        return PublishArgs(
+            record, r.delivery.stream,
+            stage_stream(following.value, job.priority.value) if following else record,
+            stage_latency(job.stage.value, job.priority.value), job.stage.value,
+            job.fence_token(r.delivery.attempt), consumer_group(job.stage.value),
+            r.delivery.entry_id, r.next_job.to_json() if r.next_job else "",
+            r.state or State.finished(job.stage), timestamp(),
+            stage_metrics.bucket_field(r.seconds), f"{r.seconds:.6f}", r.fields)
+
+    def dead_letter(self, job: Job, delivery: Delivery, reason: str) -> None:
+        self.scripts.run(DeadLetterArgs(
+            request_record(job.tenant, job.request_id), delivery.stream, dead_letter_stream(),
+            consumer_group(job.stage.value), delivery.entry_id, job.to_json(), reason,
+            timestamp(), job.generation))
+
+    def cancel(self, tenant: str, request_id: str) -> bool:
+        """Ask workers to stop at the next step boundary; False if already finished.
+
+        One script, so a request that finishes at the same moment is never marked CANCELLED
+        after DONE."""
+        return self.scripts.result(CancelArgs(request_record(tenant, request_id),
+                                              timestamp())) is Result.OK

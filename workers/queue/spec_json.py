@@ -1,0 +1,38 @@
+"""The canonical request as a record holds it: JSON, read back with validation, never
+unpickled. Records written by older versions read with today's defaults."""
+
+from __future__ import annotations
+
+import json
+
+from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat, Priority, PromptSegment
+
+
+def spec_to_json(spec: GenerationSpec) -> str:
+    return json.dumps({
+        "request_id": spec.request_id, "tenant": spec.tenant,
+        "schedule": [[s.prompt, s.negative_prompt, s.until_step, s.guidance_scale]
+                     for s in spec.schedule],
+        "width": spec.width, "height": spec.height, "num_frames": spec.num_frames,
+        "num_inference_steps": spec.num_inference_steps,
+        "guidance_scale": spec.guidance_scale, "seed": spec.seed,
+        "output_format": spec.output_format.value, "priority": spec.priority.value,
+        "cfg_cache": [spec.cfg_cache.mode.value, spec.cfg_cache.interval],
+    })
+
+
+def spec_from_json(raw: str | bytes) -> GenerationSpec:
+    """The spec a record holds. Records written before per-segment guidance and the CFG cache
+    existed read with their defaults, so requests in flight survive an upgrade."""
+    d = json.loads(raw)
+    mode, interval = d.get("cfg_cache", [CfgMode.EXACT.value, 1])
+    return GenerationSpec(
+        request_id=d["request_id"], tenant=d["tenant"],
+        schedule=tuple(PromptSegment(p, n, int(u), None if not g or g[0] is None
+                                     else float(g[0]))
+                       for p, n, u, *g in d["schedule"]),
+        width=int(d["width"]), height=int(d["height"]), num_frames=int(d["num_frames"]),
+        num_inference_steps=int(d["num_inference_steps"]),
+        guidance_scale=float(d["guidance_scale"]), seed=int(d["seed"]),
+        output_format=OutputFormat(d["output_format"]), priority=Priority(d["priority"]),
+        cfg_cache=CfgCache(CfgMode(mode), int(interval)))
