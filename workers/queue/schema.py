@@ -140,6 +140,15 @@ class KindField(StrEnum):
         return f"{self.value}:{kind.value}"
 
 
+# Fields added to rather than set: they sum over every attempt, refused ones included.
+COUNTERS = frozenset({Field.PREEMPTIONS, Field.RESUMES, Field.RECOMPUTES, Field.FORWARDS,
+                      Field.CFG_REUSED})
+
+
+def is_counter(name: str) -> bool:
+    return name in COUNTERS or name.partition(":")[0] in KindField.__members__.values()
+
+
 CHECKPOINT_PREFIX = "ckpt"
 
 
