@@ -11,7 +11,7 @@ import redis
 from cachesvc.connect import open_cache
 from cachesvc.settings import Settings
 from keys import CfgCache, CfgMode, StoreKey
-from tests.workers_harness import make_spec, reference, run_request, wait_done
+from tests.workers_harness import lose_output, make_spec, reference, run_request, wait_done
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
 pytestmark = pytest.mark.slow
@@ -56,8 +56,7 @@ def test_the_interval_tier_skips_branches_and_resumes_bit_exactly(
         for step, key in record.checkpoints().items():
             if step > 3:
                 cache.remove(StoreKey.parse(key))
-        assert record.output_key is not None
-        cache.remove(StoreKey.parse(record.output_key))
+        lose_output(worker_settings, cache, record)
     finally:
         cache.close()
     again = make_spec(prompt="a small boat at sea", seed=52, num_inference_steps=STEPS,

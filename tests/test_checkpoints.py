@@ -18,6 +18,7 @@ from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
 from keys import PromptSegment, StoreKey
 from tests.workers_harness import (
+    lose_output,
     make_spec,
     read_frames,
     reference,
@@ -81,8 +82,7 @@ def test_resuming_from_every_checkpoint_is_bit_identical(
             for step, key in checkpoints.items():
                 if step > k:
                     cache.remove(StoreKey.parse(key))
-            assert record.output_key is not None
-            cache.remove(StoreKey.parse(record.output_key))
+            lose_output(worker_settings, cache, record)
             again = make_spec(seed=21, num_inference_steps=6)
             frames = run_request(worker_settings, client, again)
             resumed = wait_done(client, again)
@@ -146,9 +146,7 @@ def test_a_start_without_a_checkpoint_counts_a_checkpoint_miss(
     again = make_spec(tenant="ckpt-counts", seed=4401, num_inference_steps=4)
     cache = open_cache(worker_settings)
     try:  # drop the output, so the repeat denoises and finds the last checkpoint
-        record = wait_done(client, first)
-        assert record.output_key is not None
-        cache.remove(StoreKey.parse(record.output_key))
+        lose_output(worker_settings, cache, wait_done(client, first))
     finally:
         cache.close()
     run_request(worker_settings, client, again)

@@ -17,7 +17,7 @@ from cachesvc.connect import open_cache
 from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, KeyKind, StoreKey
-from tests.workers_harness import make_spec, record_fields, wait_done
+from tests.workers_harness import lose_output, make_spec, record_fields, wait_done
 from workers.queue.lifecycle import Lifecycle
 from workers.queue.records import Records
 from workers.queue.schema import KindField, PreemptMode, RequestRecord, State
@@ -101,8 +101,7 @@ class Workload:
         """Take ``record``'s output, and its checkpoints past ``step``, out of the store."""
         cache = open_cache(self.settings)
         try:
-            assert record.output_key is not None
-            assert cache.remove(StoreKey.parse(record.output_key))
+            assert lose_output(self.settings, cache, record)
             for after, key in record.checkpoints().items():
                 if after > step:
                     assert cache.remove(StoreKey.parse(key))

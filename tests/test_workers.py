@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import redis
 
+from cachesvc.connect import open_cache
 from cachesvc.counters import read_totals
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
+from keys import KeyKind, StoreKey
 from keys.names import dead_letter_stream, stage_stream
 from tests.workers_harness import (
     make_spec,
@@ -24,7 +26,7 @@ from tests.workers_harness import (
     wait_done,
 )
 from workers.queue.messages import Job, Stage
-from workers.queue.schema import State
+from workers.queue.schema import KindField, State
 from workers.queue.submit import submit
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
@@ -142,3 +144,25 @@ def test_an_identical_seeded_request_is_answered_from_the_output_cache(
     changed = make_spec(tenant="repeats", prompt="a green train at night", seed=4243)
     run_request(worker_settings, client, changed)
     assert "seconds:denoise" in wait_done(client, changed).fields  # another seed: computed
+
+
+def test_an_output_evicted_from_the_store_but_on_disk_still_answers_a_repeat(
+        worker_settings: Settings, client: redis.Redis, pool: object) -> None:
+    first = make_spec(tenant="repeats", prompt="a red kite over a field", seed=5151)
+    frames = run_request(worker_settings, client, first)
+    output = StoreKey.parse(wait_done(client, first).output_key or "")
+    cache = open_cache(worker_settings)
+    try:
+        assert cache.remove(output)  # as eviction under memory pressure would
+        again = make_spec(tenant="repeats", prompt="a red kite over a field", seed=5151)
+        repeat = run_request(worker_settings, client, again)
+        record = wait_done(client, again)
+        # Present on disk is present: the repeat ends at encode, and the output is back in the
+        # store for the next one. Two lookups: the store's miss, then the restored entry.
+        assert "seconds:denoise" not in record.fields
+        assert record.hits()["output"] == 1
+        assert record.counter(KindField.LOOKUPS.of(KeyKind.OUTPUT)) == 2
+        assert cache.exists(output)
+    finally:
+        cache.close()
+    assert np.array_equal(frames, repeat)

@@ -16,8 +16,10 @@ import redis
 import torch
 
 from cachesvc.connect import open_cache
+from cachesvc.output_files import OutputFiles
 from cachesvc.processes import ChildProcess, free_port
 from cachesvc.settings import ApiSettings, Settings, child_environ
+from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import WaitTimeout, wait_until
 from keys import GenerationSpec, Priority, StoreKey
 from keys.names import consumer_group, request_record, stage_stream
@@ -44,6 +46,16 @@ def worker_named(children: list[ChildProcess], name: str | bytes) -> ChildProces
     ``name``."""
     text = name.decode() if isinstance(name, bytes) else name
     return next(c for c in children if c.alive() and consumer_name(c.pid) == text)
+
+
+def lose_output(settings: Settings, cache: TensorCache, record: RequestRecord) -> bool:
+    """Lose a request's output wherever it is kept, the store and the disk, so that a repeat
+    computes it again; whether the store had it."""
+    assert record.output_key is not None
+    key = StoreKey.parse(record.output_key)
+    OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s).path(key).unlink(
+        missing_ok=True)
+    return cache.remove(key)
 
 
 def make_spec(tenant: str = "acme", **changes: object) -> GenerationSpec:

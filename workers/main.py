@@ -46,11 +46,13 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
     directory = settings.model_dir
     publish_served(client, ServedModel(family.name, directory.resolve().name))
     handler: Handler
+    files = (OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
+             if settings.cache.durable_outputs else None)
     if stage is Stage.ENCODE:
         from workers.stages.encode import EncodeHandler
 
         handler = EncodeHandler(cache, family.text_encoder(directory, placement),
-                                family.trajectory(directory, placement))
+                                family.trajectory(directory, placement), files)
         return Worker(handler, client, settings.workers), handler
     credits = Credits(client, settings.workers.decode_credits)
     if stage is Stage.DENOISE:
@@ -63,8 +65,6 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
                       preemption=waiting.check_for if settings.workers.preempt else None), handler
     from workers.stages.decode import DecodeHandler
 
-    files = (OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
-             if settings.cache.durable_outputs else None)
     decode = DecodeHandler(cache, family.decoder(directory, placement), settings.workers.fps,
                            credits, files)
     return Worker(decode, client, settings.workers, after_publish=decode.after_publish), decode

@@ -10,7 +10,10 @@ then DONE without denoising.
 
 from __future__ import annotations
 
+import torch
+
 from cachesvc.codec import TensorSpec
+from cachesvc.output_files import OutputFiles
 from cachesvc.tensor_cache import TensorCache
 from encoders.text import TextModel, encode_texts
 from keys import GenerationSpec, KeyKind, StoreKey, output_key
@@ -25,10 +28,12 @@ from workers.stages.trajectory import chain_head
 class EncodeHandler:
     stage = Stage.ENCODE
 
-    def __init__(self, cache: TensorCache, model: TextModel, trajectory: Trajectory) -> None:
+    def __init__(self, cache: TensorCache, model: TextModel, trajectory: Trajectory,
+                 files: OutputFiles | None = None) -> None:
         self.cache = cache
         self.model = model
         self.trajectory = trajectory
+        self.files = files
 
     def handle(self, ctx: JobContext) -> Outcome:
         job = ctx.job
@@ -45,11 +50,11 @@ class EncodeHandler:
                 e = encoded[text]
                 spec_ = TensorSpec.of(e.tensor)
                 refs.append(TensorRef.of(RefName(role, i), str(e.key), spec_.dtype, spec_.shape))
-        cached = self._cached_output(spec, refs)
+        cached, lookups = self._cached_output(spec, refs)
         counts = RecordWrite(add={
             KindField.LOOKUPS.of(KeyKind.EMBEDDING): len(encoded),
             KindField.HITS.of(KeyKind.EMBEDDING): sum(e.hit for e in encoded.values()),
-            KindField.LOOKUPS.of(KeyKind.OUTPUT): 1,
+            KindField.LOOKUPS.of(KeyKind.OUTPUT): lookups,
             KindField.HITS.of(KeyKind.OUTPUT): int(cached is not None)})
         if cached is not None:
             return Outcome(None, State.DONE,
@@ -59,12 +64,22 @@ class EncodeHandler:
     def discard(self, outcome: Outcome) -> None:
         """Embeddings are content-addressed and shared: nothing belongs to one attempt."""
 
-    def _cached_output(self, spec: GenerationSpec, refs: list[TensorRef]) -> StoreKey | None:
-        """The output entry of this exact trajectory, if another request already made it."""
+    def _cached_output(self, spec: GenerationSpec,
+                       refs: list[TensorRef]) -> tuple[StoreKey | None, int]:
+        """The output entry of this exact trajectory, if another request already made it, and
+        the counted lookups it took."""
         t = self.trajectory
         head = chain_head(spec, {r.ref_name: StoreKey.parse(r.key) for r in refs}, t.fingerprint,
                           t.scheduler_config, t.scheduler(spec).timesteps)
         key = output_key(head, t.decoder_fingerprint, spec.output_format.value)
         # A counted lookup: a hit counts the compute recorded with the output as saved. The
         # read is one small file, against the seconds of denoising it replaces.
-        return key if self.cache.get(key) is not None else None
+        if self.cache.get(key) is not None:
+            return key, 1
+        # Evicted from the store under memory pressure, but still on disk (durable outputs):
+        # present, so put it back for this and every later repeat, and count that lookup too.
+        data = self.files.read(key) if self.files is not None else None
+        if data is None:
+            return None, 1
+        self.cache.put(key, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return (key if self.cache.contains(key) else None), 2
