@@ -12,9 +12,8 @@ from rich.progress import Progress
 
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings
-from cachesvc.waiting import WaitTimeout, wait_until
 from keys import GenerationSpec, OutputFormat, StoreKey
-from workers.queue.records import Records
+from workers.queue.events import RecordEvents
 from workers.queue.schema import RequestRecord, State
 from workers.queue.submit import new_request_id, submit
 
@@ -33,27 +32,25 @@ def submit_and_wait(settings: Settings, prompt: str, negative_prompt: str, seed:
         guidance_scale=m.guidance_scale, seed=seed, output_format=OutputFormat(output_format))
     client = open_redis(settings)
     submit(client, spec)
-    records = Records(client)
+    events = RecordEvents(client)
+    # Woken by the record's notifications, not by polling it.
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("queued", total=spec.num_inference_steps)
-        last: list[RequestRecord] = []
-
-        def finished() -> RequestRecord | None:
-            """Show where the request stands; the record once it has ended."""
-            record = records.get(tenant, spec.request_id)
-            if record is None:
-                raise SystemExit(f"request {spec.request_id} has no record any more")
-            last[:] = [record]
-            progress.update(task, completed=record.step, description=record.state.value.lower())
-            return record if record.state.terminal else None
-
+        record: RequestRecord | None = None
         try:
-            record = wait_until(finished, timeout_s=timeout_s, interval_s=0.1,
-                                what=f"request {spec.request_id} finished")
-        except WaitTimeout as exc:
-            state = last[0].state.value if last else "unknown"
+            for record in events.follow(tenant, spec.request_id, timeout_s):
+                progress.update(task, completed=record.step,
+                                description=record.state.value.lower())
+        except TimeoutError as exc:
+            state = record.state.value if record is not None else "unknown"
             raise SystemExit(f"gave up waiting ({exc}); the request is {state} and keeps "
                              "running") from None
+        except KeyError as exc:
+            raise SystemExit(f"request {spec.request_id} has no record any more") from exc
+        finally:
+            events.close()
+    if record is None:  # ``follow`` yields at least once or raises: unreachable
+        raise SystemExit(f"request {spec.request_id} was never read")
     if record.state is not State.DONE or record.output_key is None:
         raise SystemExit(f"request {spec.request_id} ended {record.state}: {record.error}")
     cache = open_cache(settings, client)
