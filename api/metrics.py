@@ -1,7 +1,8 @@
 """``/metrics``: cluster-wide figures read from Redis at scrape time.
 
 Cache counters (per kind and tenant) and stage latencies are written to Redis by every worker,
-so one scrape of the API covers the whole cluster; queue depths are read from the streams.
+so one scrape of the API covers the whole cluster; queue depths, in-flight counts and the oldest
+waiting age are read from the streams.
 A scrape needs no key, so tenant names are replaced by digests once tenants have keys.
 """
 
@@ -22,7 +23,7 @@ from keys import Priority
 from workers.queue import stage_metrics
 from workers.queue.messages import Stage
 from workers.queue.served_model import read_served
-from workers.queue.streams import queue_counts
+from workers.queue.streams import oldest_waiting, queue_counts
 
 
 def hashed_tenant(tenant: str) -> str:
@@ -55,11 +56,7 @@ class ClusterCollector(Collector):
                     families[Event(event)].add_metric([kind, self._label(tenant)], value)
         yield from families.values()
 
-        depth = GaugeMetricFamily("diffcache_queue_depth", "Jobs waiting or in progress",
-                                  labels=["stage", "priority"])
-        for (stage, priority), counts in queue_counts(self._redis).items():
-            depth.add_metric([stage.value, priority.value], sum(counts))
-        yield depth
+        yield from self._queue_families()
 
         latency = HistogramMetricFamily("diffcache_stage_seconds", "Seconds per stage job",
                                         labels=["stage", "priority"])
@@ -77,6 +74,35 @@ class ClusterCollector(Collector):
                                      "serve", labels=["family", "name"])
             info.add_metric([served.family, served.name], 1)
             yield info
+
+    def _queue_families(self) -> Iterator[GaugeMetricFamily]:
+        """Depth, in-flight count and oldest waiting age per stage and class: the signals an
+        autoscaler or an alert on a stuck pool needs."""
+        labels = ["stage", "priority"]
+        depth = GaugeMetricFamily("diffcache_queue_depth", "Jobs waiting or in progress",
+                                  labels=labels)
+        in_flight = GaugeMetricFamily("diffcache_queue_in_flight", "Jobs a worker has taken "
+                                      "and not yet acknowledged", labels=labels)
+        oldest = GaugeMetricFamily("diffcache_queue_oldest_waiting_seconds", "Seconds since "
+                                   "the oldest job no worker has taken was added; 0 when none "
+                                   "waits", labels=labels)
+        counts = queue_counts(self._redis)
+        # Entry ids carry the Redis server's clock, so the age is measured on that clock too,
+        # not on this host's, which may be skewed on another machine.
+        now_ms = _redis_now_ms(self._redis) if any(w for w, _ in counts.values()) else 0
+        for (stage, priority), (waiting, taken) in counts.items():
+            key = [stage.value, priority.value]
+            depth.add_metric(key, waiting + taken)
+            in_flight.add_metric(key, taken)
+            entry = oldest_waiting(self._redis, stage, priority) if waiting else None
+            added_ms = int(entry.partition("-")[0]) if entry else now_ms
+            oldest.add_metric(key, max(0, now_ms - added_ms) / 1000)
+        yield from (depth, in_flight, oldest)
+
+
+def _redis_now_ms(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
 
 
 def children_families(children: list[ChildStatus]) -> Iterator[CounterMetricFamily |
