@@ -37,6 +37,8 @@ class StoreSettings(_Section):
                                            "every storage node")
     protocol: Literal["tcp", "rdma"] = "tcp"
     rdma_devices: str = ""
+    # The address this process's Mooncake client advertises for transfers; a node of a cluster
+    # sets it (``diffcache head`` and ``node`` default it to ``bind_host``).
     local_hostname: str = "127.0.0.1"
     connect_timeout_s: float = Field(3.0, gt=0)
     # Embedded master and storage node; 0 picks a free port.
@@ -54,8 +56,11 @@ class StoreSettings(_Section):
 class RedisSettings(_Section):
     """Redis or Valkey for streams and records; the embedded Valkey when ``url`` is unset."""
 
-    url: str | None = Field(None, description="redis://host:port/db of an external server")
+    url: str | None = Field(None, description="redis[s]://[:password@]host:port/db of an "
+                            "external server")
     port: int = Field(0, ge=0, le=65535, description="port of the embedded Valkey; 0 = free")
+    # Required (``requirepass``) when the embedded Valkey binds beyond loopback.
+    password: str | None = Field(None, description="password of the embedded Valkey")
 
 
 class CacheSettings(_Section):

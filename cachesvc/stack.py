@@ -1,8 +1,10 @@
 """The embedded stack: Mooncake master, one storage node and Valkey, as supervised children.
 
-Each is started only when the settings name no external one. Every listener that Mooncake lets
-us bind is bound to ``settings.bind_host``; the rest (transfer ports, the metadata server on
-some builds) listen on every interface, which is why the store belongs on a private network.
+A head runs Valkey and the master, a node runs a storage node against a head, and one machine
+(``diffcache up``) runs both. Each is started only when the settings name no external one. Every
+listener that Mooncake lets us bind is bound to ``settings.bind_host``; the rest (transfer ports,
+the metadata server on some builds) listen on every interface, which is why the store belongs
+on a private network.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 import torch
@@ -29,6 +32,23 @@ _FIX_INSTALL = "Run `make up` (it installs everything), or `bash scripts/bootstr
 class StackAddresses:
     redis_url: str
     store: StoreEndpoints
+
+
+@dataclass(frozen=True, slots=True)
+class Roles:
+    """What one process tree contributes: the head (Valkey, master), a node (storage)."""
+
+    head: bool = True
+    node: bool = True
+
+
+ONE_MACHINE = Roles()
+HEAD = Roles(head=True, node=False)
+NODE = Roles(head=False, node=True)
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _mooncake_binary(name: str) -> Path:
@@ -86,8 +106,9 @@ def redis_ping(url: str) -> bool:
 class EmbeddedStack:
     """Starts what the settings do not point elsewhere; ``stop`` ends every child it started."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, roles: Roles = ONE_MACHINE) -> None:
         self.settings = settings
+        self.roles = roles
         self.children: list[ChildProcess] = []
         self.addresses: StackAddresses | None = None  # once started
         self._logs = settings.data_dir / "logs"
@@ -103,16 +124,26 @@ class EmbeddedStack:
         self.stop()
 
     def start(self) -> StackAddresses:
+        store = self.settings.store
+        joining = bool(store.master_address and store.metadata_server)
+        if not self.roles.head and not (joining and self.settings.redis.url):
+            raise StartupError("node", "a node needs its head's addresses",
+                               "Run the line `diffcache head` printed (it sets "
+                               "DIFFCACHE_REDIS__URL and DIFFCACHE_STORE__*)")
         redis_url = self.settings.redis.url or self._start_valkey()
         if not redis_ping(redis_url):
             raise StartupError("redis", f"nothing answers at {redis_url}",
-                               "Check DIFFCACHE_REDIS__URL")
-        store = self.settings.store
-        if store.master_address and store.metadata_server:
-            endpoints = StoreEndpoints(store.master_address, store.metadata_server,
+                               "Check DIFFCACHE_REDIS__URL and its password")
+        if joining:
+            endpoints = StoreEndpoints(store.master_address or "", store.metadata_server or "",
                                        store.master_metrics_url)
         else:
-            endpoints = self._start_mooncake()
+            endpoints = self._start_master()
+        if self.roles.node:
+            self._start_storage_node(endpoints)
+        else:  # a head without storage: its nodes bring the memory
+            self.addresses = StackAddresses(redis_url, endpoints)
+            return self.addresses
         deadline = time.monotonic() + 20
         while not store_round_trip(endpoints, self.settings):
             if time.monotonic() > deadline:
@@ -154,7 +185,11 @@ class EmbeddedStack:
         return child
 
     def _start_valkey(self) -> str:
-        host = self.settings.bind_host
+        host, password = self.settings.bind_host, self.settings.redis.password
+        if not is_loopback(host) and not password:
+            raise StartupError("valkey", f"an embedded Valkey bound to {host} would take "
+                               "commands from anyone on that network",
+                               "Set DIFFCACHE_REDIS__PASSWORD")
         port = require_free("valkey", host, self.settings.redis.port, "DIFFCACHE_REDIS__PORT")
         data = (self.settings.data_dir / "valkey").resolve()
         data.mkdir(parents=True, exist_ok=True)
@@ -162,12 +197,13 @@ class EmbeddedStack:
             str(_valkey_binary()), "--bind", host, "--port", str(port), "--dir", str(data),
             # Acceptance is durable: every write is fsynced before the reply.
             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
-            "--daemonize", "no"])
-        url = f"redis://{host}:{port}/0"
+            "--daemonize", "no", *(["--requirepass", password] if password else [])])
+        auth = f":{quote(password, safe='')}@" if password else ""
+        url = f"redis://{auth}{host}:{port}/0"
         child.wait_healthy(lambda: redis_ping(url), 20, "See the Valkey log")
         return url
 
-    def _start_mooncake(self) -> StoreEndpoints:
+    def _start_master(self) -> StoreEndpoints:
         cfg, host = self.settings.store, self.settings.bind_host
         rpc = require_free("mooncake_master", host, cfg.master_port,
                            "DIFFCACHE_STORE__MASTER_PORT")
@@ -175,8 +211,6 @@ class EmbeddedStack:
                             "DIFFCACHE_STORE__METADATA_PORT")
         metrics = require_free("mooncake_master", host, cfg.metrics_port,
                                "DIFFCACHE_STORE__METRICS_PORT")
-        storage = require_free("mooncake_client", host, cfg.storage_port,
-                               "DIFFCACHE_STORE__STORAGE_PORT")
         endpoints = StoreEndpoints(f"{host}:{rpc}", f"http://{host}:{meta}/metadata",
                                    f"http://{host}:{metrics}/metrics")
         master = self.spawn("mooncake_master", [
@@ -188,6 +222,12 @@ class EmbeddedStack:
             f"--default_kv_lease_ttl={cfg.lease_ttl_ms}", "--logtostderr=true"])
         master.wait_healthy(lambda: port_open(host, rpc) and port_open(host, meta), 20,
                             "See the mooncake_master log")
+        return endpoints
+
+    def _start_storage_node(self, endpoints: StoreEndpoints) -> None:
+        cfg, host = self.settings.store, self.settings.bind_host
+        storage = require_free("mooncake_client", host, cfg.storage_port,
+                               "DIFFCACHE_STORE__STORAGE_PORT")
         node = self.spawn("mooncake_client", [
             str(_mooncake_binary("mooncake_client")),
             f"--master_server_address={endpoints.master_address}",
@@ -196,4 +236,3 @@ class EmbeddedStack:
             f"--device_names={cfg.rdma_devices}",
             f"--global_segment_size={cfg.segment_mib}MB", "--logtostderr=true"])
         node.wait_healthy(lambda: port_open(host, storage), 20, "See the mooncake_client log")
-        return endpoints

@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from cachesvc.processes import StartupError
 from cachesvc.settings import Settings, SettingsError, load_settings
+from cachesvc.stack import HEAD, NODE, ONE_MACHINE, Roles
 from cli.console import detach_native_stderr
 from cli.up import ServiceTree, api_url, endpoints_path
 
@@ -64,13 +65,64 @@ def up(
     overrides: dict[str, object] = {"data_dir": data_dir}
     if segment_mib is not None:
         overrides["store"] = {"segment_mib": segment_mib}
-    settings = _settings(**overrides)
-    terminal = detach_native_stderr(settings.logs_dir / "up.log")
+    _serve(_settings(**overrides), ONE_MACHINE, "up")
+
+
+@app.command()
+def head(
+    data_dir: str | None = typer.Option(None, help="where logs and Valkey's AOF live"),
+    bind_host: str | None = typer.Option(None, help="the address nodes reach this head at"),
+) -> None:
+    """Run a cluster's head: Valkey, the Mooncake master, the API and the sweeper. It prints
+    the line that makes another machine a node."""
+    _serve(_cluster_settings(data_dir, bind_host), HEAD, "head")
+
+
+@app.command()
+def node(
+    data_dir: str | None = typer.Option(None, help="this node's logs and outputs"),
+    bind_host: str | None = typer.Option(None, help="this machine's address on the cluster "
+                                         "network"),
+    segment_mib: int | None = typer.Option(None, help="memory this node's storage contributes"),
+    stages: str = typer.Option("encode,denoise,decode", help="the stages this node runs "
+                               "workers for (counts: DIFFCACHE_WORKERS__<STAGE>_WORKERS)"),
+) -> None:
+    """Join a head (the line it printed sets its addresses): contribute a storage node and
+    stage workers, reading this machine's own model folder."""
+    from workers.queue.messages import Stage
+
+    wanted = [s.strip() for s in stages.split(",") if s.strip()]
+    unknown = [s for s in wanted if s not in Stage.__members__.values()]
+    if unknown or not wanted:
+        errors.print(f"[red]error:[/red] --stages: {', '.join(unknown) or 'none given'}; "
+                     f"choose from {', '.join(s.value for s in Stage)}")
+        raise typer.Exit(2)
+    settings = _cluster_settings(data_dir, bind_host, segment_mib)
+    counts = {f"{s.value}_workers": 0 for s in Stage if s.value not in wanted}
+    _serve(settings.model_copy(update={
+        "workers": settings.workers.model_copy(update=counts)}), NODE, "node")
+
+
+def _cluster_settings(data_dir: str | None, bind_host: str | None,
+                      segment_mib: int | None = None) -> Settings:
+    """Settings of a head or a node: Mooncake clients advertise the bind address unless
+    ``store.local_hostname`` says otherwise."""
+    settings = _settings(data_dir=data_dir, bind_host=bind_host)
+    store: dict[str, object] = {}
+    if "local_hostname" not in settings.store.model_fields_set:
+        store["local_hostname"] = settings.bind_host
+    if segment_mib is not None:
+        store["segment_mib"] = segment_mib
+    return settings.model_copy(update={"store": settings.store.model_copy(update=store)})
+
+
+def _serve(settings: Settings, roles: Roles, command: str) -> None:
+    terminal = detach_native_stderr(settings.logs_dir / f"{command}.log")
     console = Console(file=terminal, soft_wrap=True)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=terminal)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe
     try:
-        ServiceTree(settings, console).run()
+        ServiceTree(settings, console, roles).run()
     except StartupError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from exc

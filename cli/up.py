@@ -1,15 +1,17 @@
-"""``diffcache up``: the whole service on one machine, as a tree of supervised processes.
+"""``diffcache up``, ``head`` and ``node``: the service as a tree of supervised processes.
 
-It takes the data directory's lock, checks every fixed port, starts the store, Valkey, the
-workers and the API, then keeps them running: a child that exits is restarted with back-off.
-On SIGTERM the workers stop taking jobs first (denoise checkpoints), then the API, the store
-and Valkey stop, so nothing made during shutdown is lost.
+A head runs Valkey, the Mooncake master, the API and the sweeper; a node runs a storage node and
+stage workers against a head; ``up`` is both on one machine. Each takes its data directory's
+lock, checks its fixed ports, starts its part, then keeps it running: a child that exits is
+restarted with back-off. On SIGTERM the workers stop taking jobs first (denoise checkpoints),
+then the API, the store and Valkey stop, so nothing made during shutdown is lost.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shlex
 import signal
 import sys
 import threading
@@ -28,7 +30,7 @@ from cachesvc.mooncake_store import MooncakeStore
 from cachesvc.output_files import OutputFiles
 from cachesvc.processes import require_free
 from cachesvc.settings import Settings, child_environ
-from cachesvc.stack import EmbeddedStack, StackAddresses
+from cachesvc.stack import ONE_MACHINE, EmbeddedStack, Roles, StackAddresses
 from cachesvc.supervisor import Supervisor, publish
 from cachesvc.ttl_index import TtlIndex
 from cli.console import LogEcho
@@ -53,28 +55,41 @@ def role_of(child_name: str) -> str:
     return head if head.startswith("worker-") and index.isdigit() else child_name
 
 
-def check_fixed_ports(settings: Settings) -> None:
+def check_fixed_ports(settings: Settings, roles: Roles = ONE_MACHINE) -> None:
     """Fail before starting anything if a configured (non-zero) port is taken."""
     host, store = settings.bind_host, settings.store
-    for component, port, setting in (
-            ("valkey", settings.redis.port if not settings.redis.url else 0,
+    head = [("valkey", settings.redis.port if not settings.redis.url else 0,
              "DIFFCACHE_REDIS__PORT"),
             ("mooncake_master", store.master_port, "DIFFCACHE_STORE__MASTER_PORT"),
             ("mooncake_master", store.metadata_port, "DIFFCACHE_STORE__METADATA_PORT"),
-            ("mooncake_master", store.metrics_port, "DIFFCACHE_STORE__METRICS_PORT"),
-            ("mooncake_client", store.storage_port, "DIFFCACHE_STORE__STORAGE_PORT")):
+            ("mooncake_master", store.metrics_port, "DIFFCACHE_STORE__METRICS_PORT")]
+    node = [("mooncake_client", store.storage_port, "DIFFCACHE_STORE__STORAGE_PORT")]
+    for component, port, setting in (head if roles.head else []) + (node if roles.node else []):
         if port:
             require_free(component, host, port, setting)
-    require_free("api", settings.api.host, settings.api.port, "DIFFCACHE_API__PORT")
+    if roles.head:
+        require_free("api", settings.api.host, settings.api.port, "DIFFCACHE_API__PORT")
+
+
+def join_line(addresses: StackAddresses) -> str:
+    """The command that makes another machine a node of this head."""
+    settings = {"DIFFCACHE_REDIS__URL": addresses.redis_url,
+                "DIFFCACHE_STORE__MASTER_ADDRESS": addresses.store.master_address,
+                "DIFFCACHE_STORE__METADATA_SERVER": addresses.store.metadata_server,
+                "DIFFCACHE_STORE__MASTER_METRICS_URL": addresses.store.metrics_url or ""}
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in settings.items() if v) + \
+        " diffcache node"
 
 
 class ServiceTree:
     """The processes of one ``diffcache up``, from start to an orderly stop."""
 
-    def __init__(self, settings: Settings, console: Console) -> None:
+    def __init__(self, settings: Settings, console: Console,
+                 roles: Roles = ONE_MACHINE) -> None:
         self.settings = settings
         self.console = console
-        self.stack = EmbeddedStack(settings)
+        self.roles = roles
+        self.stack = EmbeddedStack(settings, roles)
         self.supervisor = Supervisor()
         self.stop_event = threading.Event()
         self.stopped_by = "stop"
@@ -85,26 +100,33 @@ class ServiceTree:
         """Start everything, supervise until SIGTERM or SIGINT, then stop in order."""
         self._lock.acquire(api_url(self.settings))
         try:
-            check_fixed_ports(self.settings)
+            check_fixed_ports(self.settings, self.roles)
             self._catch_signals()
             addresses = self.stack.start()
             resolved = self.stack.resolved(addresses)
             self._print_addresses(addresses)
-            self._write_endpoints(addresses)
-            self._start_workers(resolved)
-            self._start_api(resolved)
+            if self.roles.node:
+                self._start_workers(resolved)
+            if self.roles.head:
+                self._write_endpoints(addresses)
+                self._start_api(resolved)
             for child in self.stack.children:
                 self.supervisor.adopt(child, role_of(child.name))
                 self._echo.follow(child.name, child.log_path)
             client = open_redis(resolved)
             publish(client, self.supervisor.status())
+            if self.roles.head and not self.roles.node:
+                self.console.print(f"join a node with:\n  {join_line(addresses)}")
             self.console.print("[green]diffcache is up[/green]; Ctrl-C to stop")
-            sweeper = threading.Thread(target=sweep_until, args=(self.stop_event, resolved),
-                                       name="sweeper", daemon=True)
-            sweeper.start()
+            sweeper = None
+            if self.roles.head:  # one sweeper per cluster
+                sweeper = threading.Thread(target=sweep_until, args=(self.stop_event, resolved),
+                                           name="sweeper", daemon=True)
+                sweeper.start()
             self._supervise(client)
             self._shut_down()
-            sweeper.join(5)
+            if sweeper is not None:
+                sweeper.join(5)
         finally:
             self.stack.stop()  # whatever is left, e.g. after a start-up failure
             self._echo.close()

@@ -2,7 +2,8 @@
 # Installs everything `make up` and `make test` need on a fresh machine; safe to rerun.
 # System: Debian's libibverbs1 (Mooncake's binaries link it even for TCP).
 # Python: .venv with torch (a pinned CPU build where there is no GPU) and the project.
-# `--test` only adds what the tests need on top: Debian's chromium, for the dashboard test.
+# `--test` only adds what the tests need on top: Debian's chromium, for the dashboard test, and
+# iproute2 and util-linux, for the multi-host test's network namespaces.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +17,8 @@ apt_install() {
 
 if [ "${1:-}" = "--test" ]; then
     command -v chromium >/dev/null 2>&1 || apt_install chromium
+    command -v ip >/dev/null 2>&1 || apt_install iproute2
+    command -v unshare >/dev/null 2>&1 || apt_install util-linux
     exit 0
 fi
 

@@ -1,0 +1,135 @@
+"""Machines for the multi-host test: Linux network namespaces joined by veth pairs to a bridge
+that the test creates. Each has an address from 198.51.100.0/24 that exists only inside it (the
+bridge has none, so nothing routes there) and a hostname of its own; all is removed on exit."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+SUBNET = "198.51.100"
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    if shutil.which("ip") is None or shutil.which("unshare") is None:
+        return "iproute2's `ip` and util-linux's `unshare` are needed"
+    probe = f"dcprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
+                          check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` fails here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    namespace: str
+    address: str
+
+    def argv(self, command: list[str]) -> list[str]:
+        """``command`` run on this machine: in its namespace, under its own hostname."""
+        return ["ip", "netns", "exec", self.namespace, "unshare", "--uts", "sh", "-c",
+                'hostname "$0" && exec "$@"', self.name, *command]
+
+    def spawn(self, command: list[str], env: Mapping[str, str], log: Path,
+              stdin: int | None = None) -> subprocess.Popen[bytes]:
+        with log.open("ab") as out:
+            return subprocess.Popen(self.argv(command), env=dict(env), stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=stdin,
+                                    start_new_session=True)
+
+    def kill_everything(self) -> None:
+        """The machine is gone: every process in its namespace dies at once."""
+        pids = subprocess.run(["ip", "netns", "pids", self.namespace], capture_output=True,
+                              text=True, check=False).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+@contextmanager
+def network(names: list[str]) -> Iterator[dict[str, Host]]:
+    """One machine per name, the first at .1; everything is removed on exit, also on failure."""
+    tag = uuid.uuid4().hex[:5]
+    bridge = f"dcbr{tag}"
+    hosts = {name: Host(name, f"dc{tag}{i}", f"{SUBNET}.{i + 1}")
+             for i, name in enumerate(names)}
+    try:
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("link", "set", bridge, "up")
+        for i, host in enumerate(hosts.values()):
+            outer, inner = f"dc{tag}h{i}", f"dc{tag}n{i}"
+            _ip("netns", "add", host.namespace)
+            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            _ip("link", "set", inner, "netns", host.namespace)
+            _ip("-n", host.namespace, "link", "set", inner, "name", "eth0")
+            _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
+            _ip("-n", host.namespace, "link", "set", "eth0", "up")
+            _ip("-n", host.namespace, "link", "set", "lo", "up")
+            _ip("link", "set", outer, "master", bridge)
+            _ip("link", "set", outer, "up")
+        yield hosts
+    finally:
+        for i, host in enumerate(hosts.values()):
+            host.kill_everything()
+            subprocess.run(["ip", "netns", "del", host.namespace], capture_output=True,
+                           check=False)
+            # The namespace may outlive its name for a while (the kernel frees it lazily):
+            # deleting our end of the pair removes both ends now.
+            subprocess.run(["ip", "link", "del", f"dc{tag}h{i}"], capture_output=True,
+                           check=False)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True, check=False)
+
+
+class Driver:
+    """A Python process on one machine that runs the test's calls there (``cluster_driver``),
+    one JSON line in, one out: the test itself stays in the root namespace."""
+
+    def __init__(self, host: Host, api_url: str, env: Mapping[str, str], log: Path) -> None:
+        self._proc = host.spawn([sys.executable, "-m", "tests.cluster_driver", api_url], env,
+                                log, stdin=subprocess.PIPE)
+        self._log = log
+        self._out = Path(f"{log}.out")
+
+    def call(self, op: str, **args: Any) -> Any:
+        stdin: IO[bytes] | None = self._proc.stdin
+        assert stdin is not None
+        self._out.unlink(missing_ok=True)
+        stdin.write(json.dumps({"op": op, "args": args, "reply": str(self._out)}).encode() +
+                    b"\n")
+        stdin.flush()
+        from cachesvc.waiting import wait_until
+
+        wait_until(lambda: self._out.exists() or self._proc.poll() is not None,
+                   timeout_s=300, interval_s=0.01, what=f"the driver's answer to {op}")
+        if not self._out.exists():
+            raise RuntimeError(f"the driver exited; see {self._log}")
+        reply = json.loads(self._out.read_text())
+        if "error" in reply:
+            raise RuntimeError(f"{op}: {reply['error']}")
+        return reply["result"]
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        self._proc.wait(10)
