@@ -7,10 +7,7 @@ intra-op thread per op in every worker and in the reference."""
 from __future__ import annotations
 
 import os
-import shlex
-import shutil
 import signal
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,9 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cachesvc.settings import ENV_PREFIX
-from cachesvc.waiting import wait_until
-from tests.netns_cluster import Driver, Host, network, unavailable
+from bench.netns import Driver, Host, NodeSpec, network, start_cluster, unavailable
 from tests.workers_harness import reference
 from workers.queue.spec_json import spec_from_json
 from workers.stages.media import decode_npy
@@ -30,7 +25,6 @@ WHY_NOT = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
 
 API_PORT = 8000
-PASSWORD = "cluster-test-password"
 # node -> the stages it runs; n3 can stand in for n1 (encode) and n2 (denoise).
 NODES = {"n1": "encode", "n2": "denoise", "n3": "decode,encode,denoise"}
 SMALL = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 4,
@@ -77,48 +71,13 @@ def host_of(fields: dict[str, str], stage: str) -> str:
     return fields[f"worker:{stage}"].rpartition("-")[0]
 
 
-def base_environ() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith(ENV_PREFIX)}
-    return {**env, "DIFFCACHE_REDIS__PASSWORD": PASSWORD,
-            "DIFFCACHE_WORKERS__IDLE_TIMEOUT_S": "3", "DIFFCACHE_WORKERS__PREEMPT": "false"}
-
-
-def join_settings(head_log: Path) -> dict[str, str]:
-    """The settings of the one line ``diffcache head`` prints for a node to join."""
-    def printed() -> str | None:
-        lines = head_log.read_text(errors="replace").splitlines() if head_log.exists() else []
-        return next((ln for ln in lines if ln.strip().endswith("diffcache node")), None)
-
-    line = wait_until(printed, timeout_s=120, interval_s=0.1, what="the head's join line")
-    return dict(word.split("=", 1) for word in shlex.split(line)[:-2])
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("cluster")
-    diffcache = [sys.executable, "-m", "cli"]
     with network(["head", *NODES]) as hosts:
-        head = hosts["head"]
-        env = {**base_environ(), "DIFFCACHE_API__HOST": head.address,
-               "DIFFCACHE_API__PORT": str(API_PORT)}
-        head.spawn([*diffcache, "head", "--data-dir", str(tmp / "head"), "--bind-host",
-                    head.address], env, tmp / "head.out")
-        joined = join_settings(tmp / "head.out")
-        for name, stages in NODES.items():
-            host = hosts[name]
-            # Each machine reads its own copy of the model: nothing is shared on disk.
-            model = shutil.copytree(model_dir, tmp / name / "model")
-            host.spawn([*diffcache, "node", "--data-dir", str(tmp / name), "--bind-host",
-                        host.address, "--segment-mib", "64", "--stages", stages],
-                       {**base_environ(), **joined, "DIFFCACHE_MODEL__DIR": str(model)},
-                       tmp / f"{name}.out")
-        for name in NODES:
-            wait_until(lambda n=name: "diffcache is up" in (tmp / f"{n}.out").read_text(
-                errors="replace"), timeout_s=300, interval_s=0.2, what=f"node {name} up")
-        driver = Driver(head, f"http://{head.address}:{API_PORT}", {**base_environ(), **joined},
-                        tmp / "driver.log")
-        wait_until(lambda: driver.call("ready"), timeout_s=60, interval_s=0.2,
-                   what="the head's /readyz")
+        driver = start_cluster(hosts, {n: NodeSpec(stages) for n, stages in NODES.items()},
+                               model_dir, tmp, API_PORT, DIFFCACHE_WORKERS__IDLE_TIMEOUT_S="3",
+                               DIFFCACHE_WORKERS__PREEMPT="false")
         try:
             yield Cluster(hosts, driver, tmp)
         finally:

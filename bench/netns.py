@@ -1,12 +1,15 @@
-"""Machines for the multi-host test: Linux network namespaces joined by veth pairs to a bridge
-that the test creates. Each has an address from 198.51.100.0/24 that exists only inside it (the
-bridge has none, so nothing routes there) and a hostname of its own; all is removed on exit."""
+"""Machines for the multi-host test and ``bench.cluster``: Linux network namespaces joined by
+veth pairs to a bridge made for the run. Each has an address from 198.51.100.0/24 that exists
+only inside it (the bridge has none, so nothing routes there) and a hostname of its own; a head
+and nodes run on them as on real machines, and everything is removed on exit."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -46,17 +49,25 @@ class Host:
     namespace: str
     address: str
 
-    def argv(self, command: list[str]) -> list[str]:
-        """``command`` run on this machine: in its namespace, under its own hostname."""
+    def argv(self, command: list[str], cpus: str | None = None) -> list[str]:
+        """``command`` run on this machine: in its namespace, under its own hostname, on
+        ``cpus`` only if given (a machine of that many cores)."""
+        pinned = ["taskset", "-c", cpus, *command] if cpus else command
         return ["ip", "netns", "exec", self.namespace, "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', self.name, *command]
+                'hostname "$0" && exec "$@"', self.name, *pinned]
 
     def spawn(self, command: list[str], env: Mapping[str, str], log: Path,
-              stdin: int | None = None) -> subprocess.Popen[bytes]:
+              stdin: int | None = None, cpus: str | None = None) -> subprocess.Popen[bytes]:
         with log.open("ab") as out:
-            return subprocess.Popen(self.argv(command), env=dict(env), stdout=out,
+            return subprocess.Popen(self.argv(command, cpus), env=dict(env), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=stdin,
                                     start_new_session=True)
+
+    def sent_bytes(self) -> int:
+        """Bytes this machine has sent over its network interface."""
+        shown = subprocess.run(["ip", "-n", self.namespace, "-j", "-s", "link", "show", "eth0"],
+                               capture_output=True, text=True, check=True).stdout
+        return int(json.loads(shown)[0]["stats64"]["tx"]["bytes"])
 
     def kill_everything(self) -> None:
         """The machine is gone: every process in its namespace dies at once."""
@@ -106,7 +117,7 @@ class Driver:
     one JSON line in, one out: the test itself stays in the root namespace."""
 
     def __init__(self, host: Host, api_url: str, env: Mapping[str, str], log: Path) -> None:
-        self._proc = host.spawn([sys.executable, "-m", "tests.cluster_driver", api_url], env,
+        self._proc = host.spawn([sys.executable, "-m", "bench.cluster_driver", api_url], env,
                                 log, stdin=subprocess.PIPE)
         self._log = log
         self._out = Path(f"{log}.out")
@@ -133,3 +144,70 @@ class Driver:
         if self._proc.stdin is not None:
             self._proc.stdin.close()
         self._proc.wait(10)
+
+
+DIFFCACHE = [sys.executable, "-m", "cli"]
+PASSWORD = "netns-cluster-password"
+
+
+def base_environ(**settings: str) -> dict[str, str]:
+    """This process's environment without its DIFFCACHE_* settings, plus ``settings``."""
+    from cachesvc.settings import ENV_PREFIX
+
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith(ENV_PREFIX)}
+    return {**env, "DIFFCACHE_REDIS__PASSWORD": PASSWORD, **settings}
+
+
+def _says(log: Path, text: str) -> bool:
+    return text in log.read_text(errors="replace")
+
+
+def join_settings(head_log: Path) -> dict[str, str]:
+    """The settings of the one line ``diffcache head`` prints for a node to join."""
+    from cachesvc.waiting import wait_until
+
+    def printed() -> str | None:
+        lines = head_log.read_text(errors="replace").splitlines() if head_log.exists() else []
+        return next((ln for ln in lines if ln.strip().endswith("diffcache node")), None)
+
+    line = wait_until(printed, timeout_s=120, interval_s=0.1, what="the head's join line")
+    return dict(word.split("=", 1) for word in shlex.split(line)[:-2])
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    stages: str = "encode,denoise,decode"
+    cpus: str | None = None
+    segment_mib: int = 64
+
+
+def start_cluster(hosts: Mapping[str, Host], nodes: Mapping[str, NodeSpec], model_dir: Path,
+                  tmp: Path, api_port: int, **settings: str) -> Driver:
+    """``diffcache head`` on the first host, ``diffcache node`` on the ones ``nodes`` names
+    (each with its own copy of ``model_dir``), and a driver on the head's machine once its
+    /readyz answers."""
+    from cachesvc.waiting import wait_until
+
+    head = next(iter(hosts.values()))
+    head.spawn([*DIFFCACHE, "head", "--data-dir", str(tmp / "head"), "--bind-host",
+                head.address],
+               base_environ(DIFFCACHE_API__HOST=head.address,
+                            DIFFCACHE_API__PORT=str(api_port), **settings), tmp / "head.out")
+    joined = join_settings(tmp / "head.out")
+    for name, node in nodes.items():
+        host = hosts[name]
+        # Each machine reads its own copy of the model: nothing is shared on disk.
+        model = shutil.copytree(model_dir, tmp / name / "model", dirs_exist_ok=True)
+        host.spawn([*DIFFCACHE, "node", "--data-dir", str(tmp / name), "--bind-host",
+                    host.address, "--segment-mib", str(node.segment_mib), "--stages",
+                    node.stages],
+                   base_environ(DIFFCACHE_MODEL__DIR=str(model), **joined, **settings),
+                   tmp / f"{name}.out", cpus=node.cpus)
+    for name in nodes:
+        wait_until(functools.partial(_says, tmp / f"{name}.out", "diffcache is up"),
+                   timeout_s=300, interval_s=0.2, what=f"node {name} up")
+    driver = Driver(head, f"http://{head.address}:{api_port}", base_environ(**joined),
+                    tmp / "driver.log")
+    wait_until(lambda: driver.call("ready"), timeout_s=60, interval_s=0.2,
+               what="the head's /readyz")
+    return driver

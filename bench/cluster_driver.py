@@ -1,12 +1,13 @@
 """The multi-host test's hands on the head's machine: read JSON calls from stdin, run them
 against the head's API and Redis from inside its network namespace, and write each answer to
-the file the call names. Started by ``tests.netns_cluster.Driver``."""
+the file the call names. Started by ``bench.netns.Driver``."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,19 +49,36 @@ class Calls:
             Path(out).write_bytes(self.http.get(f"/v1/requests/{id}/result").content)
         return status
 
+    def run_batch(self, bodies: list[dict[str, Any]], out_dir: str) -> dict[str, Any]:
+        """Submit every body at once and wait for all; ids in order, wall seconds, and each
+        one's output in ``out_dir``/<index>.npy."""
+        start = time.perf_counter()
+        ids = [self.generate(body) for body in bodies]
+        for i, request_id in enumerate(ids):
+            status = self.wait(request_id, f"{out_dir}/{i}.npy")
+            if status["state"] != "DONE":
+                raise RuntimeError(f"request {request_id} ended {status}")
+        return {"ids": ids, "seconds": time.perf_counter() - start}
+
     def fields(self, id: str) -> dict[str, str]:
         raw: dict[bytes, bytes] = self.redis.hgetall(  # type: ignore[assignment]
             request_record(TENANT, id))
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     def wait_fields(self, id: str, field: str, at_least: int) -> dict[str, str]:
-        return wait_until(lambda: (f := self.fields(id)) and int(f.get(field, 0)) >= at_least
-                          and f, timeout_s=120, interval_s=0.005,
+        def reached() -> dict[str, str] | None:
+            fields = self.fields(id)
+            return fields if int(fields.get(field, 0)) >= at_least else None
+
+        return wait_until(reached, timeout_s=120, interval_s=0.005,
                           what=f"{id}'s {field} at {at_least}")
 
     def wait_state(self, id: str, state: str) -> dict[str, str]:
-        return wait_until(lambda: (f := self.fields(id)).get("state") == state and f,
-                          timeout_s=120, what=f"{id} {state}")
+        def reached() -> dict[str, str] | None:
+            fields = self.fields(id)
+            return fields if fields.get("state") == state else None
+
+        return wait_until(reached, timeout_s=120, what=f"{id} {state}")
 
     def preempt(self, id: str, mode: str) -> dict[str, Any]:
         response = self.http.post(f"/v1/requests/{id}/preempt", json={"mode": mode})
