@@ -1,14 +1,18 @@
 """What cachesvc adds to Mooncake's raw zero-copy calls on the same data and buffers.
 
-For each size, the raw ``put_from``/``get_into`` on a registered buffer is timed against
-``TensorCache.put_from``/``get_into`` (header, checksum, verification, counters) on the same
-buffer, interleaved so that drift in the machine hits both alike. Ratios are medians.
+For each size, ``TensorCache.put_from``/``get_into`` (header, checksum, verification, counters)
+is timed against the raw ``put_from``/``get_into`` on the same registered buffer, against the raw
+session calls that the cache itself makes from 256 KiB up (start, one ranged transfer, end), and
+the raw call against itself (a second, identical call: the noise floor of the method on this
+machine). Calls are interleaved, in an order that rotates each round, so drift in the machine
+hits every variant alike; each ratio is one of medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -20,65 +24,90 @@ from cachesvc.tensor_cache import TensorCache, TensorSlot
 from keys import KeyKind, StoreKey
 
 SIZES_MIB = [0.0625, 0.25, 1, 4, 16, 64]
+OPS = ("put", "get")
+VARIANTS = ("raw", "raw_again", "session", "cache")
 
 
-def one_round(cache: TensorCache, slot: TensorSlot, config: object, i: int) -> dict[str, float]:
-    """Seconds each of the four calls took on one fresh pair of keys."""
-    buf, size = slot.buffer, slot.spec.entry_bytes
-    raw_key, key = f"v1:bench:scratch:raw{i}", StoreKey("bench", KeyKind.SCRATCH, f"c{i}")
+def one_round(cache: TensorCache, slot: TensorSlot, config: object,
+              i: int) -> dict[tuple[str, str], float]:
+    """Seconds each call took, by (op, variant), on fresh keys."""
+    buf, size, store = slot.buffer, slot.spec.entry_bytes, cache.store
+    names = {v: f"v1:bench:scratch:{v}{i}" for v in ("raw", "raw_again", "session")}
+    key = StoreKey("bench", KeyKind.SCRATCH, f"c{i}")
 
-    def run(name: str) -> float:
-        start = time.perf_counter()
-        if name == "raw_put":
-            cache.store.put_from(raw_key, buf.ptr, size, config)
-        elif name == "put":
-            cache.put_from(key, slot)
-        elif name == "raw_get":
-            cache.store.get_into(raw_key, buf.ptr, buf.capacity)
-        else:
-            cache.get_into(key, buf)
-        return time.perf_counter() - start
+    def session_put() -> None:
+        store.begin_put(names["session"], size, config)
+        store.put_range(names["session"], buf.ptr, size, 0)
+        store.end_put(names["session"])
 
+    def session_get() -> None:
+        store.begin_get(names["session"])
+        store.get_range(names["session"], buf.ptr, size, 0)
+        store.end_get(names["session"])
+
+    calls: dict[tuple[str, str], Callable[[], object]] = {
+        ("put", "raw"): lambda: store.put_from(names["raw"], buf.ptr, size, config),
+        ("put", "raw_again"): lambda: store.put_from(names["raw_again"], buf.ptr, size, config),
+        ("put", "session"): session_put,
+        ("put", "cache"): lambda: cache.put_from(key, slot),
+        ("get", "raw"): lambda: store.get_into(names["raw"], buf.ptr, buf.capacity),
+        ("get", "raw_again"): lambda: store.get_into(names["raw_again"], buf.ptr, buf.capacity),
+        ("get", "session"): session_get,
+        ("get", "cache"): lambda: cache.get_into(key, slot),
+    }
     times = {}
-    # Alternate which side goes first, so ordering effects hit both alike.
-    for pair in (("raw_put", "put"), ("raw_get", "get")):
-        for name in pair if i % 2 else pair[::-1]:
-            times[name] = run(name)
-    cache.store.remove(raw_key)
+    order = VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]  # who goes first rotates
+    for op in OPS:
+        for variant in order:
+            start = time.perf_counter()
+            calls[op, variant]()
+            times[op, variant] = time.perf_counter() - start
+    for name in names.values():
+        store.remove(name)
     cache.remove(key)
     return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=15, help="timed runs per size (>= 7)")
+    parser.add_argument("--repeats", type=int, default=41, help="timed runs per size (>= 7)")
     args = parser.parse_args()
 
-    rows, put_ratios, get_ratios = [], [], []
+    rows: list[list[object]] = []
+    ratios: dict[str, list[float]] = {f"{op}_{name}": [] for name in (
+        "ratio", "ratio_vs_session", "ratio_noise") for op in OPS}
     with bench_stack(segment_mib=1024) as settings:
         cache = open_cache(settings.model_copy(update={"store": settings.store.model_copy(
             update={"buffer_slab_mib": 80, "buffer_slabs": 1})}))
         config = replicate_config(soft_pin=False)
         for mib in SIZES_MIB:
             spec = TensorSpec("float32", (int(mib * (1 << 20)) // 4,))
-            times: dict[str, list[float]] = {"raw_put": [], "put": [], "raw_get": [], "get": []}
+            times: dict[tuple[str, str], list[float]] = {(op, v): [] for op in OPS
+                                                         for v in VARIANTS}
             with cache.slot(spec) as slot:
                 slot.tensor.copy_(torch.randn(spec.shape))
                 cache.put_from(StoreKey("bench", KeyKind.SCRATCH, "seed"), slot)
-                for i in range(args.repeats + 2):  # the first two rounds warm up
+                for i in range(args.repeats + 4):  # the first four rounds warm up
                     for name, dt in one_round(cache, slot, config, i).items():
-                        if i >= 2:
+                        if i >= 4:
                             times[name].append(dt)
             med = {k: median(v) for k, v in times.items()}
-            put_ratios.append(round(med["put"] / med["raw_put"], 4))
-            get_ratios.append(round(med["get"] / med["raw_get"], 4))
-            rows.append([mib, med["raw_put"] * 1e3, med["put"] * 1e3, put_ratios[-1],
-                         med["raw_get"] * 1e3, med["get"] * 1e3, get_ratios[-1]])
+            for op in OPS:
+                raw, session, cached = med[op, "raw"], med[op, "session"], med[op, "cache"]
+                ratios[f"{op}_ratio"].append(round(cached / raw, 4))
+                ratios[f"{op}_ratio_vs_session"].append(round(cached / session, 4))
+                ratios[f"{op}_ratio_noise"].append(round(med[op, "raw_again"] / raw, 4))
+                rows.append([mib, op, raw * 1e3, session * 1e3, cached * 1e3,
+                             *(ratios[f"{op}_{name}"][-1] for name in (
+                                 "ratio", "ratio_vs_session", "ratio_noise"))])
         cache.close()
-    report("cachesvc overhead over raw Mooncake (median ms)",
-           ["MiB", "raw put", "put", "put ratio", "raw get", "get", "get ratio"], rows,
-           {"bench": "cache_overhead", "sizes_mib": SIZES_MIB, "put_ratio": put_ratios,
-            "get_ratio": get_ratios})
+    from_1mib = [i for i, mib in enumerate(SIZES_MIB) if mib >= 1]
+    worst = {f"worst_{op}_{name}_from_1mib": max(ratios[f"{op}_{name}"][i] for i in from_1mib)
+             for name in ("ratio", "ratio_noise") for op in OPS}
+    report("cachesvc over raw Mooncake (put_from/get_into), median ms; session: the calls the "
+           "cache makes from 256 KiB up; raw/raw: a second identical raw call, the noise floor",
+           ["MiB", "op", "raw", "session", "cache", "cache/raw", "cache/ses", "raw/raw"], rows,
+           {"bench": "cache_overhead", "sizes_mib": SIZES_MIB, **ratios, **worst})
 
 
 if __name__ == "__main__":

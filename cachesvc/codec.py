@@ -2,7 +2,8 @@
 
 The header names magic, version, dtype, shape, payload length, an xxh3-64 checksum of the payload,
 the measured cost of computing the entry and its expiry. Nothing here ever unpickles: reading an
-entry is a ``struct`` parse plus a typed view of the bytes that follow.
+entry is a ``struct`` parse plus a typed view of the bytes that follow. ``Layout`` is the header
+as a spec fixes it, for sealing and checking entries of a known spec without parsing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ MAX_NDIM = 8
 # '<': little-endian, no implicit padding.
 # magic, version, dtype code, ndim, header size, payload bytes, checksum, cost us, expiry ms
 _FIXED = struct.Struct("<4sHBBIQQQQ")
+# The per-entry fields (checksum, cost, expiry) sit between what the spec fixes: the first
+# 20 bytes, and the shape with its zero padding after the fixed part.
+_PER_ENTRY = struct.Struct("<QQQ")
+_PER_ENTRY_AT = 20
 
 _DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1,
@@ -38,6 +43,7 @@ _DTYPE_CODES: dict[torch.dtype, int] = {
 }
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 _DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in _DTYPE_CODES}
+_CODE_NAMES = {code: str(dtype).removeprefix("torch.") for code, dtype in _CODE_DTYPES.items()}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -94,9 +100,14 @@ class TensorSpec:
 class Header:
     spec: TensorSpec
     size: int
+    payload_bytes: int
     checksum: int
     cost_us: int
     expires_at_ms: int
+
+    @property
+    def entry_bytes(self) -> int:
+        return self.size + self.payload_bytes
 
 
 def header_size(ndim: int) -> int:
@@ -106,6 +117,22 @@ def header_size(ndim: int) -> int:
 
 def checksum(payload: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload)
+
+
+class Checksum:
+    """``checksum`` of a payload fed in consecutive pieces; the same value as in one call."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self) -> None:
+        self._state = xxhash.xxh3_64()
+
+    def update(self, piece: memoryview) -> None:
+        self._state.update(piece)
+
+    @property
+    def value(self) -> int:
+        return self._state.intdigest()
 
 
 def write_header(buf: memoryview, spec: TensorSpec, *, checksum: int, cost_us: int,
@@ -120,25 +147,67 @@ def write_header(buf: memoryview, spec: TensorSpec, *, checksum: int, cost_us: i
     return size
 
 
-def read_header(buf: memoryview, entry_size: int) -> Header:
-    """Parse and validate the header of an entry of ``entry_size`` bytes held in ``buf``."""
-    if entry_size < _FIXED.size:
-        raise CodecError(f"entry of {entry_size} bytes is shorter than a header")
+def parse_header(buf: memoryview) -> Header:
+    """Parse and validate the header at the start of ``buf``, whose entry size is not known
+    yet (a read sized from what the caller expects); ``read_header`` when it is."""
+    if len(buf) < _FIXED.size:
+        raise CodecError(f"entry of {len(buf)} bytes is shorter than a header")
     magic, version, code, ndim, size, payload, csum, cost_us, expires = _FIXED.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CodecError(f"bad magic {magic!r}")
     if version != VERSION:
         raise CodecError(f"unsupported entry version {version}")
-    if code not in _CODE_DTYPES or ndim > MAX_NDIM or size != header_size(ndim):
+    if code not in _CODE_DTYPES or ndim > MAX_NDIM or size != header_size(ndim) or size > len(buf):
         raise CodecError(f"malformed header (dtype code {code}, ndim {ndim}, size {size})")
     shape = struct.unpack_from(f"<{ndim}Q", buf, _FIXED.size)
-    spec = TensorSpec(dtype_name(_CODE_DTYPES[code]), tuple(shape))
-    if payload != spec.payload_bytes or size + payload != entry_size:
+    spec = TensorSpec(_CODE_NAMES[code], shape)
+    if payload != spec.payload_bytes:
+        raise CodecError(f"lengths disagree: header says {payload} payload bytes for {spec}")
+    return Header(spec, size, payload, csum, cost_us, expires)
+
+
+def read_header(buf: memoryview, entry_size: int) -> Header:
+    """Parse and validate the header of an entry of ``entry_size`` bytes held in ``buf``."""
+    header = parse_header(buf[:entry_size])
+    if header.entry_bytes != entry_size:
         raise CodecError(
-            f"lengths disagree: header says {payload} payload bytes for {spec}, "
-            f"entry holds {entry_size - size}"
+            f"lengths disagree: header says {header.payload_bytes} payload bytes for "
+            f"{header.spec}, entry holds {entry_size - header.size}"
         )
-    return Header(spec, size, csum, cost_us, expires)
+    return header
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The header bytes that ``spec`` alone fixes. An entry of ``spec`` is sealed by copying
+    them and packing three numbers, and a read that expects ``spec`` checks its header with two
+    byte comparisons: after a transfer's wait, with caches gone cold, parsing costs far more."""
+
+    spec: TensorSpec
+    template: bytes
+    fixed_head: bytes  # magic, version, dtype, ndim, header size, payload length
+    fixed_tail: bytes  # shape and padding
+
+    @classmethod
+    def of(cls, spec: TensorSpec) -> Layout:
+        template = bytearray(spec.header_bytes)
+        write_header(memoryview(template), spec, checksum=0, cost_us=0, expires_at_ms=0)
+        return cls(spec, bytes(template), bytes(template[:_PER_ENTRY_AT]),
+                   bytes(template[_FIXED.size:]))
+
+    def write(self, buf: memoryview, *, checksum: int, cost_us: int, expires_at_ms: int) -> None:
+        """Write this layout's header, with these per-entry fields, at the start of ``buf``."""
+        buf[:len(self.template)] = self.template
+        _PER_ENTRY.pack_into(buf, _PER_ENTRY_AT, checksum, cost_us, expires_at_ms)
+
+    def header(self, buf: memoryview) -> Header | None:
+        """The header at the start of ``buf`` if it is one of this layout's, else None (the
+        bytes may still be a valid header of another spec: ``parse_header`` decides)."""
+        size = len(self.template)
+        if buf[:_PER_ENTRY_AT] != self.fixed_head or buf[_FIXED.size:size] != self.fixed_tail:
+            return None
+        csum, cost_us, expires = _PER_ENTRY.unpack_from(buf, _PER_ENTRY_AT)
+        return Header(self.spec, size, self.spec.payload_bytes, csum, cost_us, expires)
 
 
 def typed_view(raw: torch.Tensor, offset: int, spec: TensorSpec) -> torch.Tensor:

@@ -29,6 +29,8 @@ INVALID_PARAMS = -600  # among others: the buffer given to get_into is too small
 # does for an entry that exists (keys name content, so both write the same bytes).
 REPLICA_IS_NOT_READY = -703
 OBJECT_NOT_FOUND = -704
+# A put session on a key another client has written, or is writing: the first writer wins.
+OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
 # A storage node holding the replica did not answer the transfer: it died or restarts. The
 # master forgets its segment within seconds, after which the key reads as a miss.
@@ -184,6 +186,62 @@ class MooncakeStore:
         codes = self._client.batch_get_into(keys, ptrs, capacities)
         return [None if c in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY)
                 else check_code(c, op="batch_get", key=k) for k, c in zip(keys, codes, strict=True)]
+
+    # Sessions and ranged transfers ------------------------------------------------------------
+    # One master round trip opens a session; byte ranges then move without another. The caller's
+    # wait for a range sleeps where put_from/get_into spin, which on a machine short of cores
+    # leaves the core to the transfer itself.
+
+    def begin_put(self, key: str, size: int, config: Any) -> bool:
+        """Reserve ``size`` bytes for ``key``, unreadable until ``end_put``; False when the key
+        exists or another writer (another client, or another thread here) holds it."""
+        code = self._client.batch_put_session_start([key], [size], config)[0]
+        # INVALID_PARAMS here means this process already has a session on the key: every
+        # entry is at least a header long, so the size is never what is refused.
+        if code in (OBJECT_ALREADY_EXISTS, REPLICA_IS_NOT_READY, INVALID_PARAMS):
+            return False
+        check_code(code, op="put", key=key)
+        return True
+
+    def put_range(self, key: str, ptr: int, size: int, offset: int) -> None:
+        """Write ``size`` bytes from ``ptr`` at ``offset`` of a reserved entry."""
+        code = self._client.batch_put_from_multi_buffer_ranges([key], [[ptr]], [[size]],
+                                                               [[offset]])[0]
+        if check_code(code, op="put", key=key) != size:
+            raise StoreOperationError("short ranged write", code=code, key=key, op="put")
+
+    def end_put(self, key: str) -> None:
+        """Make a reserved entry readable. Mooncake does not check that every byte was
+        written: the caller ends only a session whose ranges all succeeded."""
+        check_code(self._client.batch_put_session_end([key])[0], op="put", key=key)
+
+    def revoke_put(self, key: str) -> None:
+        """Drop a reservation whose writes did not all succeed."""
+        check_code(self._client.batch_put_session_revoke([key])[0], op="put", key=key)
+
+    def begin_get(self, key: str) -> bool:
+        """Look ``key`` up once and lease it for ranged reads until ``end_get``; False on a
+        miss."""
+        code = self._client.batch_get_session_start([key])[0]
+        if code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
+            return False
+        check_code(code, op="get", key=key)
+        return True
+
+    def get_range(self, key: str, ptr: int, size: int, offset: int) -> bool:
+        """Read ``size`` bytes at ``offset`` of a leased entry into ``ptr``; False when the
+        range is not inside the entry (or this process's session on it has ended)."""
+        code = self._client.batch_get_into_multi_buffer_ranges([key], [[ptr]], [[size]],
+                                                               [[offset]])[0]
+        if code == INVALID_PARAMS:
+            return False
+        if check_code(code, op="get", key=key) != size:
+            raise StoreOperationError("short ranged read", code=code, key=key, op="get")
+        return True
+
+    def end_get(self, key: str) -> None:
+        """Release the lease of ``begin_get``; local, and it never fails the read."""
+        self._client.batch_get_session_end([key])
 
 
 def replicate_config(*, soft_pin: bool) -> Any:

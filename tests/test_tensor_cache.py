@@ -4,23 +4,67 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 import pytest
 import redis
 import torch
 
-from cachesvc import codec
+from cachesvc import codec, tensor_cache
 from cachesvc.codec import TensorSpec
 from cachesvc.connect import store_endpoints
+from cachesvc.errors import StoreUnavailableError
 from cachesvc.mooncake_store import MooncakeStore, replicate_config
 from cachesvc.settings import Settings
-from cachesvc.tensor_cache import TensorCache
+from cachesvc.tensor_cache import SESSION_MIN_BYTES, TensorCache
 from keys import KeyKind, StoreKey
 from tests.counting import counted
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 SHAPES = [(), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 4), (1, 2, 3, 2, 5)]
+# Element counts (float32) on either side of the session threshold.
+SMALL, LARGE = 100, SESSION_MIN_BYTES // 4 + 1000
 _ids = itertools.count()
+
+
+def sessions_for_large_puts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let LARGE entries be written through a session too, as entries of 4 MiB and more are."""
+    monkeypatch.setattr(tensor_cache, "PUT_SESSION_MIN_BYTES", SESSION_MIN_BYTES)
+
+
+@pytest.fixture(params=["one-call", "session", "pieces"])
+def n(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The element count of a test entry, for each way an entry moves: a small one by
+    put_from/get_into, a large one by sessions, and (read into a slot) in pieces, made small
+    here so that a large entry arrives in five."""
+    if request.param != "one-call":
+        sessions_for_large_puts(monkeypatch)
+    if request.param == "pieces":
+        monkeypatch.setattr(tensor_cache, "READ_PIECE_BYTES", 64 << 10)
+    return SMALL if request.param == "one-call" else LARGE
+
+
+def read_get(cache: TensorCache, k: StoreKey, spec: TensorSpec) -> torch.Tensor | None:
+    return cache.get(k)
+
+
+def read_batch_get(cache: TensorCache, k: StoreKey, spec: TensorSpec) -> torch.Tensor | None:
+    return cache.batch_get([k])[0]
+
+
+def read_into_buffer(cache: TensorCache, k: StoreKey, spec: TensorSpec) -> torch.Tensor | None:
+    with cache.slot(spec) as target:
+        view = cache.get_into(k, target.buffer)
+        return None if view is None else view.clone()
+
+
+def read_into_slot(cache: TensorCache, k: StoreKey, spec: TensorSpec) -> torch.Tensor | None:
+    with cache.slot(spec) as target:
+        view = cache.get_into(k, target)
+        return None if view is None else view.clone()
+
+
+READS = [read_get, read_batch_get, read_into_buffer, read_into_slot]
 
 
 def key(kind: KeyKind = KeyKind.SCRATCH, tenant: str = "acme") -> StoreKey:
@@ -70,22 +114,105 @@ def test_hit_counts_bytes_and_recorded_compute_seconds(cache: TensorCache,
     assert fields["embed.compute_seconds_saved"] == pytest.approx(1.25)
 
 
-def test_corrupt_entry_is_counted_removed_and_missed(cache: TensorCache,
-                                                     redis_client: redis.Redis) -> None:
-    k, t = key(), torch.arange(100, dtype=torch.float32)
+def store_damaged(cache: TensorCache, k: StoreKey, t: torch.Tensor,
+                  damage: Callable[[memoryview, TensorSpec], None]) -> None:
+    """Store ``t`` as a well-formed entry, then change it as storage or a transfer might,
+    bypassing the cache's write path."""
     spec = TensorSpec.of(t)
-    # Write a well-formed header over a payload that does not match its checksum.
     with cache.slot(spec) as slot:
         slot.tensor.copy_(t)
         view = slot.buffer.memoryview(spec.entry_bytes)
-        codec.write_header(view, spec, checksum=codec.checksum(view[spec.header_bytes:]) ^ 1,
+        codec.write_header(view, spec, checksum=codec.checksum(view[spec.header_bytes:]),
                            cost_us=0, expires_at_ms=0)
+        damage(view, spec)
         cache.store.put_from(str(k), slot.buffer.ptr, spec.entry_bytes,
                              replicate_config(soft_pin=False))
+
+
+def first_payload_bit(view: memoryview, spec: TensorSpec) -> None:
+    view[spec.header_bytes] ^= 1
+
+
+def last_payload_bit(view: memoryview, spec: TensorSpec) -> None:
+    view[spec.entry_bytes - 1] ^= 1
+
+
+def checksum_field(view: memoryview, spec: TensorSpec) -> None:
+    view[20] ^= 1  # the header's checksum, whose payload is intact
+
+
+def magic(view: memoryview, spec: TensorSpec) -> None:
+    view[0] ^= 0xFF
+
+
+@pytest.mark.parametrize("read", READS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("damage", [first_payload_bit, last_payload_bit, checksum_field, magic],
+                         ids=lambda f: f.__name__)
+def test_corrupt_entry_is_counted_removed_and_missed(
+        cache: TensorCache, redis_client: redis.Redis, n: int,
+        damage: Callable[[memoryview, TensorSpec], None],
+        read: Callable[[TensorCache, StoreKey, TensorSpec], torch.Tensor | None]) -> None:
+    """Every read path verifies the header and the whole payload before it returns anything,
+    whichever way the entry moved: in one call, in a session, or in pieces."""
+    k, t = key(), torch.arange(n, dtype=torch.float32)
+    store_damaged(cache, k, t, damage)
     assert cache.exists(k)
-    assert cache.get(k) is None
+    assert read(cache, k, TensorSpec.of(t)) is None
     assert not cache.exists(k)
     assert counted(cache, redis_client, "acme").get("scratch.corrupt", 0) == 1
+
+
+@pytest.mark.parametrize("read", READS, ids=lambda f: f.__name__)
+def test_every_read_path_returns_what_every_write_path_stored(
+        cache: TensorCache, n: int,
+        read: Callable[[TensorCache, StoreKey, TensorSpec], torch.Tensor | None]) -> None:
+    single, batched, t = key(), key(), torch.randn(n)
+    cache.put(single, t)
+    cache.batch_put([(batched, t)])
+    for k in (single, batched):
+        back = read(cache, k, TensorSpec.of(t))
+        assert back is not None and torch.equal(back, t)
+
+
+@pytest.mark.parametrize("stored", [
+    torch.randn(LARGE + 16),  # the entry is longer than the slot expects
+    torch.randn(LARGE - 16),  # shorter
+    torch.arange(LARGE, dtype=torch.int32),  # as long, of another dtype
+], ids=["longer", "shorter", "other-dtype"])
+def test_a_slot_of_another_spec_gets_the_entry_as_it_is(
+        cache: TensorCache, redis_client: redis.Redis, stored: torch.Tensor) -> None:
+    """A slot sizes the read; it does not decide what the entry is. A valid entry of another
+    spec is read whole, verified and returned, and is not taken for corrupt."""
+    k = key()
+    cache.put(k, stored)
+    with cache.slot(TensorSpec("float32", (LARGE,))) as target:
+        view = cache.get_into(k, target)
+        assert view is not None and view.dtype == stored.dtype and torch.equal(view, stored)
+    assert cache.exists(k)
+    assert counted(cache, redis_client, "acme").get("scratch.corrupt", 0) == 0
+
+
+def test_a_put_that_fails_midway_publishes_nothing(cache: TensorCache,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session whose transfer failed is revoked, never ended: ending it would publish the
+    bytes that were not written, and would keep the key from a later writer."""
+    k, t = key(), torch.randn(LARGE)
+    transfer = cache.store.put_range
+    failed: list[str] = []
+
+    def fails_once(name: str, ptr: int, size: int, offset: int) -> None:
+        if not failed:
+            failed.append(name)
+            raise StoreUnavailableError("the storage node did not answer", key=name, op="put")
+        transfer(name, ptr, size, offset)
+
+    sessions_for_large_puts(monkeypatch)
+    monkeypatch.setattr(cache.store, "put_range", fails_once)
+    with pytest.raises(StoreUnavailableError):
+        cache.put(k, t)
+    assert failed == [str(k)] and not cache.exists(k)
+    cache.put(k, t)  # through a session again: the revoked key is free
+    assert torch.equal(cache.get(k), t)  # type: ignore[arg-type]
 
 
 def test_ttl_expiry_on_read_and_by_sweep(stack_settings: Settings, cache: TensorCache,
@@ -99,9 +226,14 @@ def test_ttl_expiry_on_read_and_by_sweep(stack_settings: Settings, cache: Tensor
             KeyKind.EMBEDDING)
         for k in (read_me, never_read, pinned):
             ttl_cache.put(k, torch.ones(4))
-        assert ttl_cache.get(read_me) is not None
-        time.sleep(0.5)
-        assert ttl_cache.get(read_me) is None and not ttl_cache.exists(read_me)
+        large, large_spec = key(KeyKind.OUTPUT), TensorSpec("float32", (LARGE,))
+        ttl_cache.put(large, torch.ones(LARGE))
+        with ttl_cache.slot(large_spec) as target:
+            assert ttl_cache.get(read_me) is not None
+            assert ttl_cache.get_into(large, target) is not None
+            time.sleep(0.5)
+            assert ttl_cache.get(read_me) is None and not ttl_cache.exists(read_me)
+            assert ttl_cache.get_into(large, target) is None and not ttl_cache.exists(large)
         assert ttl_cache.exists(never_read)
         assert ttl_cache.ttl_index.sweep(cache.store) == 1
         assert not ttl_cache.exists(never_read)
@@ -143,17 +275,19 @@ def test_batch_operations(cache: TensorCache) -> None:
     assert cache.exists(ks[0])  # and nothing was taken for corrupt
 
 
-def test_zero_copy_put_from_and_get_into(cache: TensorCache) -> None:
-    k, t = key(KeyKind.CHECKPOINT), torch.randn(64, 64)
+def test_zero_copy_put_from_and_get_into(cache: TensorCache, n: int) -> None:
+    k, t = key(KeyKind.CHECKPOINT), torch.randn(n, 4)
     spec = TensorSpec.of(t)
     with cache.slot(spec) as slot:
         slot.tensor.copy_(t)
         cache.put_from(k, slot)
     with cache.slot(spec) as target:
-        view = cache.get_into(k, target.buffer)
-        assert view is not None and torch.equal(view, t)
-        # A view into the caller's registered memory, not a copy.
-        assert view.data_ptr() == target.buffer.ptr + spec.header_bytes
+        for into in (target.buffer, target):
+            target.tensor.zero_()
+            view = cache.get_into(k, into)
+            assert view is not None and torch.equal(view, t)
+            # A view into the caller's registered memory, not a copy.
+            assert view.data_ptr() == target.buffer.ptr + spec.header_bytes
 
 
 def test_entries_larger_than_a_slab(cache: TensorCache) -> None:
