@@ -23,13 +23,14 @@ PROMPTS = ["a lighthouse in fog", "a red kite over a field", "a paper boat on a 
            "a lantern on a snowy street", "a fox in tall grass", "rain on a tin roof"]
 
 
-def bodies(requests: int, steps: int) -> list[dict[str, Any]]:
+def bodies(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [{"prompt": PROMPTS[i % len(PROMPTS)], "negative_prompt": "blurry", "seed": 1000 + i,
-             "width": 32, "height": 32, "num_frames": 5, "num_inference_steps": steps,
-             "guidance_scale": 5.0, "output_format": "npy"} for i in range(requests)]
+             "width": args.size, "height": args.size, "num_frames": args.frames,
+             "num_inference_steps": args.steps, "guidance_scale": 5.0, "output_format": "npy"}
+            for i in range(args.requests)]
 
 
-def run(nodes: int, model_dir: Path, work: Path, requests: int, steps: int) -> dict[str, Any]:
+def run(nodes: int, model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One cluster of ``nodes`` one-core nodes; the batch's wall time, traffic and hits."""
     names = [f"n{i + 1}" for i in range(nodes)]
     work.mkdir(parents=True)
@@ -42,7 +43,7 @@ def run(nodes: int, model_dir: Path, work: Path, requests: int, steps: int) -> d
             sent = sum(hosts[n].sent_bytes() for n in names)
             out = work / "outputs"
             out.mkdir()
-            batch = driver.call("run_batch", bodies=bodies(requests, steps), out_dir=str(out))
+            batch = driver.call("run_batch", bodies=bodies(args), out_dir=str(out))
             sent = sum(hosts[n].sent_bytes() for n in names) - sent
             records = [driver.call("fields", id=i) for i in batch["ids"]]
         finally:
@@ -51,21 +52,23 @@ def run(nodes: int, model_dir: Path, work: Path, requests: int, steps: int) -> d
     hits = sum(int(r.get("hits:embed", 0)) for r in records)
     return {"seconds": batch["seconds"], "sent_bytes": sent,
             "hit_rate": hits / lookups if lookups else 0.0,
-            "outputs": [(out / f"{i}.npy").read_bytes() for i in range(requests)]}
+            "outputs": [(out / f"{i}.npy").read_bytes() for i in range(args.requests)]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--size", type=int, default=64, help="width and height")
+    parser.add_argument("--frames", type=int, default=9)
     args = parser.parse_args()
     if (why := unavailable()) is not None:
         raise SystemExit(f"bench.cluster needs network namespaces: {why}")
     with tempfile.TemporaryDirectory(prefix="diffcache-cluster-") as tmp:
         model_dir = Path(tmp) / "model"
         wan.build(model_dir, "test")
-        one = run(1, model_dir, Path(tmp) / "one", args.requests, args.steps)
-        two = run(2, model_dir, Path(tmp) / "two", args.requests, args.steps)
+        one = run(1, model_dir, Path(tmp) / "one", args)
+        two = run(2, model_dir, Path(tmp) / "two", args)
     result = {"bench": "cluster", "requests": args.requests, "nodes": [1, 2],
               "throughput_ratio": round(one["seconds"] / two["seconds"], 3),
               "cross_node_bytes": two["sent_bytes"],
