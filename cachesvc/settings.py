@@ -144,6 +144,7 @@ class WorkerSettings(_Section):
     # a crash loses about a tenth of a job), at every prompt switch and when it stops early.
     checkpoint_every: int = Field(0, ge=0)
     cfg_cache: bool = Field(True, description="exact reuse of unconditional predictions")
+    lora_slots: int = Field(4, ge=1, description="LoRA adapters a denoise worker keeps loaded")
     decode_credits: int = Field(8, ge=1, description="trajectories denoising or awaiting decode")
     preempt: bool = Field(True, description="waiting interactive work preempts batch work")
     # An interactive entry must wait this long before it preempts: an idle worker takes it

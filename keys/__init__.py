@@ -9,6 +9,8 @@ from keys.builders import (
     FieldPolicy,
     Fingerprint,
     StepInputs,
+    adapted,
+    adapter_key,
     cfg_key,
     chain,
     chain_next,
@@ -22,7 +24,15 @@ from keys.builders import (
 )
 from keys.canonical import canonical_bytes, digest
 from keys.names import KEY_VERSION, InvalidTenantError, KeyKind, StoreKey, check_tenant
-from keys.spec import CfgCache, CfgMode, GenerationSpec, OutputFormat, Priority, PromptSegment
+from keys.spec import (
+    CfgCache,
+    CfgMode,
+    GenerationSpec,
+    LoraUse,
+    OutputFormat,
+    Priority,
+    PromptSegment,
+)
 
 __all__ = [
     "FIELD_POLICIES",
@@ -35,11 +45,14 @@ __all__ = [
     "GenerationSpec",
     "InvalidTenantError",
     "KeyKind",
+    "LoraUse",
     "OutputFormat",
     "Priority",
     "PromptSegment",
     "StepInputs",
     "StoreKey",
+    "adapted",
+    "adapter_key",
     "canonical_bytes",
     "cfg_key",
     "chain",

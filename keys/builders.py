@@ -16,7 +16,7 @@ import xxhash
 
 from keys.canonical import Canonical, digest
 from keys.names import KeyKind, StoreKey, check_tenant
-from keys.spec import SPEC_FIELDS, GenerationSpec
+from keys.spec import SPEC_FIELDS, GenerationSpec, LoraUse
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,7 @@ EMBEDDING_FIELDS = FieldPolicy(
     includes=frozenset({"tenant", "schedule"}),
     ignores={
         **_ROUTING,
+        "loras": "adapters apply to the denoiser only (text-encoder adapters are refused)",
         "width": "the text encoder never sees the output size",
         "height": "the text encoder never sees the output size",
         "num_frames": "the text encoder never sees the output size",
@@ -57,9 +58,10 @@ EMBEDDING_FIELDS = FieldPolicy(
 )
 CHAIN_FIELDS = FieldPolicy(
     # cfg_cache counts only in its approximate mode; the exact tier never changes an output.
+    # loras enter through the denoiser's fingerprint (``adapted``), which every DiT key holds.
     includes=frozenset(
         {"tenant", "schedule", "width", "height", "num_frames", "num_inference_steps",
-         "guidance_scale", "seed", "cfg_cache"}
+         "guidance_scale", "seed", "cfg_cache", "loras"}
     ),
     ignores={**_ROUTING, "output_format": "applied after decode"},
 )
@@ -125,6 +127,21 @@ def model_fingerprint(
         "device_class": device_class,
     }
     return Fingerprint(role=role, hex=digest("model", payload))
+
+
+def adapted(model: Fingerprint, loras: Sequence[LoraUse]) -> Fingerprint:
+    """The denoiser as a request runs it: ``model`` with ``loras`` applied at their scales.
+    Without adapters it is ``model`` itself, so every existing key stays valid."""
+    if not loras:
+        return model
+    payload: dict[str, Canonical] = {
+        "model": model.hex, "loras": [[lora.hash, float(lora.scale)] for lora in loras]}
+    return Fingerprint(role=model.role, hex=digest("adapted", payload))
+
+
+def adapter_key(tenant: str, content_hash: str) -> StoreKey:
+    """A LoRA adapter's safetensors bytes, named by their content."""
+    return StoreKey(check_tenant(tenant), KeyKind.ADAPTER, content_hash)
 
 
 # --- store keys -------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class KeyKind(StrEnum):
     CHECKPOINT = "ckpt"
     LATENTS = "latents"
     OUTPUT = "output"
+    ADAPTER = "adapter"  # a LoRA's safetensors, by content hash, uploaded per tenant
     # Entries written by tests and benchmarks that do not belong to the pipeline.
     SCRATCH = "scratch"
 

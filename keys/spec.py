@@ -73,6 +73,21 @@ class CfgCache:
         return self.mode is not CfgMode.INTERVAL or step % self.interval == 0
 
 
+_ADAPTER_HASH_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraUse:
+    """One LoRA adapter a request applies: its content hash and its scale."""
+
+    hash: str
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not _ADAPTER_HASH_RE.fullmatch(self.hash):
+            raise ValueError(f"lora hash {self.hash!r} must be 32 lowercase hex digits")
+
+
 @dataclass(frozen=True, slots=True)
 class PromptSegment:
     """Prompt, negative prompt and guidance in force for the steps before ``until_step``.
@@ -103,9 +118,15 @@ class GenerationSpec:
     output_format: OutputFormat
     priority: Priority
     cfg_cache: CfgCache = CfgCache()
+    # Applied to the denoiser, sorted by hash: the same set in any order is the same request.
+    loras: tuple[LoraUse, ...] = ()
 
     def __post_init__(self) -> None:
         check_tenant(self.tenant)
+        if list(self.loras) != sorted(self.loras, key=lambda lora: lora.hash) or \
+                len({lora.hash for lora in self.loras}) != len(self.loras):
+            raise ValueError("loras must be distinct and sorted by hash (GenerationSpec.create "
+                             "sorts them)")
         if not valid_request_id(self.request_id):
             raise ValueError(f"request_id {self.request_id!r} must match {_REQUEST_ID_RE.pattern}")
         if self.num_inference_steps < 1:
@@ -139,6 +160,7 @@ class GenerationSpec:
         priority: Priority = Priority.INTERACTIVE,
         schedule: tuple[PromptSegment, ...] | None = None,
         cfg_cache: CfgCache = CfgCache(),
+        loras: tuple[LoraUse, ...] = (),
     ) -> GenerationSpec:
         """Build a spec; without ``schedule``, prompt and negative prompt hold for every step."""
         if schedule is None:
@@ -156,6 +178,7 @@ class GenerationSpec:
             output_format=OutputFormat(output_format),
             priority=Priority(priority),
             cfg_cache=cfg_cache,
+            loras=tuple(sorted(loras, key=lambda lora: lora.hash)),
         )
 
     def segment_at(self, step: int) -> PromptSegment:

@@ -19,8 +19,10 @@ from keys import (
     CfgMode,
     GenerationSpec,
     KeyKind,
+    LoraUse,
     PromptSegment,
     StoreKey,
+    adapted,
     canonical_bytes,
     cfg_key,
     chain_root,
@@ -76,7 +78,9 @@ def timesteps(spec: GenerationSpec) -> list[float]:
 def all_keys(spec: GenerationSpec) -> dict[KeyKind, str]:
     """Every key a request derives, from the spec alone, through the functions the workers
     call: the chain is ``trajectory.chain_links``, so a change there changes these keys."""
-    links = chain_links(spec, embedding_keys(spec), MODEL, SCHEDULER, timesteps(spec))
+    # The denoiser as the request runs it, adapters applied, as denoise and encode key it.
+    model = adapted(MODEL, spec.loras)
+    links = chain_links(spec, embedding_keys(spec), model, SCHEDULER, timesteps(spec))
     first = spec.schedule[0]
     # The digest of the latent a step sees carries the trajectory so far: the chain head stands in.
     latent_digest = links[-1].hex
@@ -84,7 +88,7 @@ def all_keys(spec: GenerationSpec) -> dict[KeyKind, str]:
         KeyKind.EMBEDDING: "|".join(str(text_key(spec, t))
                                     for t in (first.prompt, first.negative_prompt)),
         KeyKind.CHECKPOINT: str(links[-1].checkpoint_key()),
-        KeyKind.CFG: str(cfg_key(spec.tenant, MODEL, text_key(spec, first.negative_prompt),
+        KeyKind.CFG: str(cfg_key(spec.tenant, model, text_key(spec, first.negative_prompt),
                                  timesteps(spec)[0], latent_digest)),
         KeyKind.LATENTS: str(latents_key(spec.tenant, spec.request_id, 1)),
         KeyKind.OUTPUT: str(output_key(links[-1], DECODER, spec.output_format)),
@@ -182,6 +186,10 @@ CHANGES = {
     "priority": st.sampled_from(["batch"]),
     # Only the approximate mode changes outputs; exact and off must share every key.
     "cfg_cache": st.sampled_from([CfgCache(CfgMode.INTERVAL, 2), CfgCache(CfgMode.INTERVAL, 5)]),
+    # Any adapter, or the same adapter at another scale, is another denoiser.
+    "loras": st.dictionaries(st.from_regex(r"[0-9a-f]{32}", fullmatch=True),
+                             st.floats(0.1, 2.0), min_size=1, max_size=3).map(
+        lambda d: tuple(LoraUse(h, s) for h, s in sorted(d.items()))),
 }
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import json
 
-from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat, Priority, PromptSegment
+from keys import (
+    CfgCache,
+    CfgMode,
+    GenerationSpec,
+    LoraUse,
+    OutputFormat,
+    Priority,
+    PromptSegment,
+)
 
 
 def spec_to_json(spec: GenerationSpec) -> str:
@@ -18,12 +26,13 @@ def spec_to_json(spec: GenerationSpec) -> str:
         "guidance_scale": spec.guidance_scale, "seed": spec.seed,
         "output_format": spec.output_format.value, "priority": spec.priority.value,
         "cfg_cache": [spec.cfg_cache.mode.value, spec.cfg_cache.interval],
+        "loras": [[lora.hash, lora.scale] for lora in spec.loras],
     })
 
 
 def spec_from_json(raw: str | bytes) -> GenerationSpec:
-    """The spec a record holds. Records written before per-segment guidance and the CFG cache
-    existed read with their defaults, so requests in flight survive an upgrade."""
+    """The spec a record holds. Records written before per-segment guidance, the CFG cache or
+    LoRA adapters existed read with their defaults, so requests in flight survive an upgrade."""
     d = json.loads(raw)
     mode, interval = d.get("cfg_cache", [CfgMode.EXACT.value, 1])
     return GenerationSpec(
@@ -35,4 +44,5 @@ def spec_from_json(raw: str | bytes) -> GenerationSpec:
         num_inference_steps=int(d["num_inference_steps"]),
         guidance_scale=float(d["guidance_scale"]), seed=int(d["seed"]),
         output_format=OutputFormat(d["output_format"]), priority=Priority(d["priority"]),
-        cfg_cache=CfgCache(CfgMode(mode), int(interval)))
+        cfg_cache=CfgCache(CfgMode(mode), int(interval)),
+        loras=tuple(LoraUse(h, float(s)) for h, s in d.get("loras", [])))

@@ -24,13 +24,14 @@ from cachesvc.codec import TensorSpec
 from cachesvc.counters import Event
 from cachesvc.settings import WorkerSettings
 from cachesvc.tensor_cache import TensorCache
-from keys import ChainLink, GenerationSpec, KeyKind, StoreKey, latents_key
+from keys import ChainLink, GenerationSpec, KeyKind, StoreKey, adapted, latents_key
 from workers.families.base import Denoiser
 from workers.queue.credits import Credits
 from workers.queue.messages import LATENTS, Job, RefName, Role, Stage, TensorRef
 from workers.queue.runtime import InputLostError, JobContext, Outcome
 from workers.queue.schema import Field, KindField, State, checkpoint_field
 from workers.queue.scripts import RecordWrite
+from workers.stages.adapters import LoadedAdapters
 from workers.stages.checkpoint import Checkpoint, CheckpointError
 from workers.stages.guidance import Guidance
 from workers.stages.interrupt import BlockInterrupts, StepInterrupted
@@ -80,11 +81,13 @@ class DenoiseHandler:
                            if settings.cfg_parallel else None)
         self._writes = WriteBehind()
         self._interrupts = BlockInterrupts(model.transformer)
+        self.adapters = LoadedAdapters(cache, model.transformer, settings.lora_slots)
 
     def handle(self, ctx: JobContext) -> Outcome:
         job = ctx.job
         spec = ctx.spec()
         embeds = self._embeddings(ctx)
+        self.adapters.apply(spec.tenant, spec.loras)  # at the job boundary, never mid-step
         run = self._start(ctx, spec, embeds)
         if not self._take_credit(ctx):
             return self._stopped(ctx, run)
@@ -160,7 +163,8 @@ class DenoiseHandler:
         """The trajectory at its latest cached checkpoint, or at step 0."""
         scheduler = self.model.scheduler(spec)
         links = chain_links(spec, {name: key for name, (key, _) in embeds.items()},
-                            self.model.fingerprint, self.model.scheduler_config,
+                            adapted(self.model.fingerprint, spec.loras),
+                            self.model.scheduler_config,
                             scheduler.timesteps)
         found, lookups = self._latest_checkpoint(ctx, links)
         ctx.progress(lookups)
@@ -181,7 +185,8 @@ class DenoiseHandler:
 
     def _guidance(self, spec: GenerationSpec, residual: torch.Tensor | None) -> Guidance:
         forward = functools.partial(_forward, self.model, spec)
-        return Guidance(self.cache, forward, self.model.guide, self.model.fingerprint, spec,
+        return Guidance(self.cache, forward, self.model.guide,
+                        adapted(self.model.fingerprint, spec.loras), spec,
                         lookup=self.settings.cfg_cache, cond_pool=self._cond_pool,
                         write_behind=self._writes, residual=residual)
 

@@ -16,7 +16,7 @@ from cachesvc.codec import TensorSpec
 from cachesvc.output_files import OutputFiles
 from cachesvc.tensor_cache import TensorCache
 from encoders.text import TextModel, encode_texts
-from keys import GenerationSpec, KeyKind, StoreKey, output_key
+from keys import GenerationSpec, KeyKind, StoreKey, adapted, output_key
 from workers.families.base import Trajectory
 from workers.queue.messages import RefName, Role, Stage, TensorRef
 from workers.queue.runtime import JobContext, Outcome
@@ -69,8 +69,9 @@ class EncodeHandler:
         """The output entry of this exact trajectory, if another request already made it, and
         the counted lookups it took."""
         t = self.trajectory
-        head = chain_head(spec, {r.ref_name: StoreKey.parse(r.key) for r in refs}, t.fingerprint,
-                          t.scheduler_config, t.scheduler(spec).timesteps)
+        head = chain_head(spec, {r.ref_name: StoreKey.parse(r.key) for r in refs},
+                          adapted(t.fingerprint, spec.loras), t.scheduler_config,
+                          t.scheduler(spec).timesteps)
         key = output_key(head, t.decoder_fingerprint, spec.output_format.value)
         # A counted lookup: a hit counts the compute recorded with the output as saved. The
         # read is one small file, against the seconds of denoising it replaces.
