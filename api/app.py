@@ -11,7 +11,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api import compat, dashboard, errors, routes
+from api import adapters, compat, dashboard, errors, routes
 from api.metrics import ClusterCollector, registry_with, tenant_labeller
 from api.schemas import ErrorBody
 from api.service import Service
@@ -23,8 +23,12 @@ ERRORS: dict[int | str, dict[str, object]] = {
 
 
 class BodyTooLargeError(HTTPException):
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"body is larger than {limit} bytes (api.max_body_bytes)")
+    def __init__(self, limit: int, setting: str) -> None:
+        super().__init__(413, f"body is larger than {limit} bytes ({setting})")
+
+
+# Paths whose bodies have a limit of their own: adapter uploads are files, not JSON.
+ADAPTER_UPLOADS = "/v1/adapters"
 
 
 class BodyLimit:
@@ -35,17 +39,20 @@ class BodyLimit:
     raises, which the app's HTTPException handler turns into the error body.
     """
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, adapter_limit: int) -> None:
         self.app = app
-        self.limit = limit
+        self.limits = (limit, "api.max_body_bytes")
+        self.adapter_limits = (adapter_limit, "api.max_adapter_bytes")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit, setting = (self.adapter_limits if scope["path"] == ADAPTER_UPLOADS
+                          else self.limits)
         length = Headers(scope=scope).get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.limit):
-            await self._refuse(scope, receive, send)
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            await self._refuse(scope, receive, send, limit, setting)
             return
         seen = 0
         started = False
@@ -55,8 +62,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise BodyTooLargeError(self.limit)
+                if seen > limit:
+                    raise BodyTooLargeError(limit, setting)
             return message
 
         async def sending(message: Message) -> None:
@@ -70,10 +77,12 @@ class BodyLimit:
             # Read outside FastAPI's body parsing (its handlers never saw it): answer here.
             if started:
                 raise
-            await self._refuse(scope, receive, send)
+            await self._refuse(scope, receive, send, limit, setting)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = BodyTooLargeError(self.limit)
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Receive, send: Send, limit: int,
+                      setting: str) -> None:
+        error = BodyTooLargeError(limit, setting)
         await JSONResponse({"error": error.detail}, status_code=413)(scope, receive, send)
 
 
@@ -94,8 +103,10 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="diffcache", version="0.1.0", lifespan=lifespan, responses=ERRORS)
     app.state.settings = settings
     errors.install(app, settings.api.retry_after_s)
-    app.add_middleware(BodyLimit, limit=settings.api.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.api.max_body_bytes,
+                       adapter_limit=settings.api.max_adapter_bytes)
     app.include_router(routes.router)
+    app.include_router(adapters.router)
     app.include_router(compat.router)
     app.include_router(dashboard.router)
     return app

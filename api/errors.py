@@ -16,12 +16,14 @@ from starlette.exceptions import HTTPException
 from api.schemas import FieldError
 from api.service import (
     GoneError,
+    NoDenoiserError,
     NotFoundError,
     NotReadyError,
     QueueFullError,
     RecomputingError,
     WaitTimeoutError,
 )
+from cachesvc.adapters import AdapterError
 from cachesvc.errors import StoreUnavailableError
 from workers.queue.submit import DurabilityError
 
@@ -68,10 +70,15 @@ def install(app: FastAPI, retry_after_s: int) -> None:
     async def out_of_limits(_: Request, exc: FieldError) -> JSONResponse:
         return _body(422, str(exc), exc.field)
 
+    @app.exception_handler(AdapterError)
+    async def bad_adapter(_: Request, exc: AdapterError) -> JSONResponse:
+        return _body(422, str(exc), exc.field)
+
     # Exception type -> status, and whether the client should retry after a pause. Subclasses
     # map as their base does: redis-py's BusyLoadingError is a ConnectionError, for one.
     table: dict[type[Exception], tuple[int, bool]] = {
         QueueFullError: (429, True), NotFoundError: (404, False), NotReadyError: (409, False),
+        NoDenoiserError: (503, True),
         GoneError: (410, False), WaitTimeoutError: (504, False), RecomputingError: (503, True),
         StoreUnavailableError: (503, True), DurabilityError: (503, True),
         redis.ConnectionError: (503, True), redis.TimeoutError: (503, True)}

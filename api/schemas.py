@@ -53,6 +53,26 @@ class CfgCacheBody(BaseModel):
     interval: int | None = Field(None, ge=2, le=100, description="interval mode only")
 
 
+class LoraBody(BaseModel):
+    """One LoRA adapter a request applies, by the name it was uploaded under or its hash."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, max_length=64)
+    hash: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
+    scale: float = Field(1.0, gt=0, le=10)
+
+
+class AdapterOut(BaseModel):
+    """An uploaded LoRA adapter."""
+
+    name: str
+    hash: str = Field(description="xxh3-128 of the file: what requests and keys hold")
+    size: int
+    rank: int
+    targets: int = Field(description="linear layers of the denoiser it adapts")
+
+
 class GenerateBody(BaseModel):
     """``POST /v1/generate``. Deployment limits are applied by ``check_limits``."""
 
@@ -74,6 +94,8 @@ class GenerateBody(BaseModel):
                                                "model, png for an image model")
     priority: Priority = Priority.INTERACTIVE
     cfg_cache: CfgCacheBody = CfgCacheBody()
+    loras: list[LoraBody] = Field(default_factory=list, description="LoRA adapters to apply "
+                                  "(at most api.max_loras), uploaded with POST /v1/adapters")
 
 
 class Overrides(BaseModel):
@@ -208,6 +230,8 @@ class RequestStatus(BaseModel):
                                          "the request")
     recomputed: dict[str, int] = Field(description="kind -> times an entry of that kind was "
                                        "lost from the cache and made again")
+    loras: list[dict[str, str | float]] = Field(default_factory=list, description="the "
+                                                "adapters applied: hash and scale")
     error: str | None
     created_at: float
     updated_at: float

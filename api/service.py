@@ -21,6 +21,7 @@ from api.schemas import (
     ChildState,
     FieldError,
     GenerateBody,
+    LoraBody,
     Readiness,
     RequestStatus,
     ResumeBody,
@@ -28,12 +29,13 @@ from api.schemas import (
     check_limits,
 )
 from api.tokens import token_counter
+from cachesvc.adapters import AdapterInfo, AdapterRegistry
 from cachesvc.errors import CacheError, StoreUnavailableError
 from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from cachesvc.supervisor import ChildStatus, read_published
 from cachesvc.tensor_cache import TensorCache
-from keys import GenerationSpec, KeyKind, OutputFormat, Priority, StoreKey
+from keys import GenerationSpec, KeyKind, LoraUse, OutputFormat, Priority, StoreKey
 from keys.names import KEY_VERSION, check_tenant
 from keys.spec import valid_request_id
 from workers.queue.events import RecordEvents
@@ -43,7 +45,12 @@ from workers.queue.records import Records
 from workers.queue.runtime import live_workers
 from workers.queue.schema import Field, PreemptMode, RequestRecord, State
 from workers.queue.scripts import RecordWrite
-from workers.queue.served_model import DEFAULT_FAMILY, ServedModel, read_served
+from workers.queue.served_model import (
+    DEFAULT_FAMILY,
+    ServedModel,
+    read_lora_targets,
+    read_served,
+)
 from workers.queue.submit import AdmissionError, Bounds, new_request_id, readmit, submit
 
 # A worker beats every workers.heartbeat_s; one silent for this long is taken for gone.
@@ -70,6 +77,10 @@ class QueueFullError(RuntimeError):
 
 class RecomputingError(RuntimeError):
     """A DONE request's output was lost before its TTL; it is being made again."""
+
+
+class NoDenoiserError(RuntimeError):
+    """Nothing to validate an adapter against yet; retry once a denoise worker runs."""
 
 
 class NotFoundError(LookupError):
@@ -112,6 +123,7 @@ def status_of(record: RequestRecord) -> RequestStatus:
         cache_hits=record.hits(), resumed_from=record.counter(Field.RESUMED_FROM),
         checkpoints=sorted(record.checkpoints()), preemptions=record.counter(Field.PREEMPTIONS),
         model=model_of(record), recomputed=record.recomputed(), error=record.error,
+        loras=[{"hash": lora.hash, "scale": lora.scale} for lora in spec.loras],
         created_at=record.created_at, updated_at=record.updated_at)
 
 
@@ -123,6 +135,7 @@ class Service:
     records: Records = field(init=False)
     lifecycle: Lifecycle = field(init=False)
     events: RecordEvents = field(init=False)
+    adapters: AdapterRegistry = field(init=False)
     bounds: Bounds = field(init=False)
     files: OutputFiles | None = field(init=False)
 
@@ -131,6 +144,7 @@ class Service:
         self.records = Records(self.redis)
         self.lifecycle = Lifecycle(self.redis)
         self.events = RecordEvents(self.redis)
+        self.adapters = AdapterRegistry(self.cache, self.redis)
         self.bounds = Bounds(self.settings.api.max_queue_depth,
                              self.settings.api.max_jobs_per_tenant)
         self._forget = self.redis.register_script(_FORGET)
@@ -166,8 +180,34 @@ class Service:
             else body.guidance_scale,
             seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
             output_format=output_format, priority=body.priority,
-            cfg_cache=cfg_cache_from(body.cfg_cache))
+            cfg_cache=cfg_cache_from(body.cfg_cache), loras=self.loras_for(tenant, body.loras))
         return self._within_cost(spec, served)
+
+    def loras_for(self, tenant: str, loras: list[LoraBody]) -> tuple[LoraUse, ...]:
+        """The tenant's adapters a request names; another tenant's read as unknown (404)."""
+        limit = self.settings.api.max_loras
+        if len(loras) > limit:
+            raise FieldError("loras", f"{len(loras)} adapters; at most {limit} "
+                             "(api.max_loras)")
+        uses: dict[str, LoraUse] = {}
+        for i, lora in enumerate(loras):
+            if (lora.name is None) == (lora.hash is None):
+                raise FieldError(f"loras[{i}]", "give either name or hash (exactly one)")
+            found = self.adapters.find(tenant, name=lora.name, content_hash=lora.hash)
+            if found is None:
+                raise NotFoundError(f"loras[{i}]: no adapter {lora.name or lora.hash}; "
+                                    "upload it with POST /v1/adapters")
+            if found.hash in uses:
+                raise FieldError(f"loras[{i}]", f"adapter {found.name} is named twice")
+            uses[found.hash] = LoraUse(found.hash, lora.scale)
+        return tuple(uses.values())
+
+    def add_adapter(self, tenant: str, name: str, data: bytes) -> AdapterInfo:
+        linears = read_lora_targets(self.redis)
+        if not linears:
+            raise NoDenoiserError("no denoise worker has said which layers it serves yet; "
+                                  "retry once one has started")
+        return self.adapters.add(tenant, name, data, linears)
 
     def _within_cost(self, spec: GenerationSpec, served: ServedModel) -> GenerationSpec:
         """Refuse a request that would hold a worker too long; run a costly interactive one

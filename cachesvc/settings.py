@@ -180,6 +180,8 @@ class ApiSettings(_Section):
     # labels plain names without keys and a short digest (t-<12 hex>) once keys are set.
     metrics_tenant_labels: Literal["auto", "plain", "hashed"] = "auto"
     max_body_bytes: int = Field(65536, ge=1024)
+    max_adapter_bytes: int = Field(512 * 2**20, ge=1024, description="largest LoRA upload")
+    max_loras: int = Field(4, ge=1, description="adapters one request may apply")
     max_queue_depth: int = Field(1000, ge=1, description="deeper than this answers 429")
     max_jobs_per_tenant: int = Field(200, ge=1, description="one tenant's queued plus running "
                                      "requests; more answers 429")

@@ -108,6 +108,17 @@ def tenants_registry() -> str:
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:tenants"
 
 
+def adapter_index(tenant: str) -> str:
+    """Hash: a tenant's LoRA adapters, name -> JSON (hash, size, rank, targets)."""
+    return f"{KEY_VERSION}:{check_tenant(tenant)}:adapters"
+
+
+def lora_targets() -> str:
+    """Hash: the served denoiser's linear layers, module name -> "out,in", published by denoise
+    workers so the API can validate an adapter without loading the model."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:lora-targets"
+
+
 def request_record(tenant: str, request_id: str) -> str:
     """Hash: the state, timings and results of one request (``workers.queue.records``)."""
     return f"{KEY_VERSION}:{check_tenant(tenant)}:req:{request_id}"

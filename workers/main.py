@@ -17,7 +17,7 @@ from workers.queue.credits import Credits
 from workers.queue.messages import Stage
 from workers.queue.preemption import InteractiveWaiting
 from workers.queue.runtime import Handler, Worker, consumer_name
-from workers.queue.served_model import ServedModel, publish_served
+from workers.queue.served_model import ServedModel, publish_lora_targets, publish_served
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,12 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
     if stage is Stage.DENOISE:
         from workers.stages.denoise import DenoiseHandler
 
-        handler = DenoiseHandler(cache, family.denoiser(directory, placement), settings.workers,
-                                 credits)
+        denoiser = family.denoiser(directory, placement)
+        handler = DenoiseHandler(cache, denoiser, settings.workers, credits)
+        publish_lora_targets(client, {
+            name: (m.out_features, m.in_features)
+            for name, m in denoiser.transformer.named_modules()
+            if isinstance(m, torch.nn.Linear)})
         waiting = InteractiveWaiting(client, stage, consumer_name(), settings.workers)
         return Worker(handler, client, settings.workers,
                       preemption=waiting.check_for if settings.workers.preempt else None), handler

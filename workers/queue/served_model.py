@@ -8,13 +8,14 @@ model in records, ``/metrics`` and the dashboard.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import redis
 from pydantic import TypeAdapter, ValidationError
 
 from keys import GenerationSpec
-from keys.names import served_model
+from keys.names import lora_targets, served_model
 
 log = logging.getLogger(__name__)
 
@@ -78,3 +79,22 @@ def read_served(client: redis.Redis) -> ServedModel | None:
         log.warning("ignoring an unreadable served-model entry")
         return None
     return found if found.family in LIMITS else None
+
+
+def publish_lora_targets(client: redis.Redis, linears: Mapping[str, tuple[int, int]]) -> None:
+    """The served denoiser's linear layers (name -> (out, in)), which adapters must fit."""
+    pipe = client.pipeline()
+    pipe.delete(lora_targets())
+    if linears:
+        pipe.hset(lora_targets(), mapping={k: f"{o},{i}" for k, (o, i) in linears.items()})
+    pipe.execute()
+
+
+def read_lora_targets(client: redis.Redis) -> dict[str, tuple[int, int]]:
+    """What denoise workers last published; empty before one started."""
+    raw: dict[bytes, bytes] = client.hgetall(lora_targets())  # type: ignore[assignment]
+    out: dict[str, tuple[int, int]] = {}
+    for name, value in raw.items():
+        o, _, i = value.decode().partition(",")
+        out[name.decode()] = (int(o), int(i))
+    return out
