@@ -21,6 +21,7 @@ from cachesvc.settings import ApiSettings
 from cachesvc.supervisor import ChildStatus, read_published
 from keys import Priority
 from workers.queue import stage_metrics
+from workers.queue.adapter_stats import WorkerAdapters, read_adapter_stats
 from workers.queue.messages import Stage
 from workers.queue.served_model import read_served
 from workers.queue.streams import oldest_waiting, queue_counts
@@ -68,6 +69,7 @@ class ClusterCollector(Collector):
                 latency.add_metric([stage.value, priority.value], buckets, h.total)
         yield latency
         yield from children_families(read_published(self._redis))
+        yield from adapter_families(read_adapter_stats(self._redis))
         served = read_served(self._redis)
         if served is not None:
             info = GaugeMetricFamily("diffcache_served_model_info", "The model the workers "
@@ -119,6 +121,25 @@ def children_families(children: list[ChildStatus]) -> Iterator[CounterMetricFami
         up.add_metric([c.role, c.name], int(c.alive))
         looping.add_metric([c.role, c.name], int(c.crash_looping))
     yield from (restarts, up, looping)
+
+
+def adapter_families(workers: list[WorkerAdapters]) -> Iterator[CounterMetricFamily |
+                                                                GaugeMetricFamily]:
+    """LoRA loads, swaps, load seconds and adapters held, per denoise worker."""
+    loads = CounterMetricFamily("diffcache_lora_loads", "LoRA adapters a worker loaded from "
+                                "the store", labels=["worker"])
+    swaps = CounterMetricFamily("diffcache_lora_swaps", "Times a worker changed the adapters "
+                                "it runs with", labels=["worker"])
+    seconds = CounterMetricFamily("diffcache_lora_load_seconds", "Seconds spent loading "
+                                  "adapters", labels=["worker"])
+    held = GaugeMetricFamily("diffcache_lora_held", "Adapters a worker keeps loaded",
+                             labels=["worker"])
+    for w in workers:
+        loads.add_metric([w.consumer], w.loads)
+        swaps.add_metric([w.consumer], w.swaps)
+        seconds.add_metric([w.consumer], w.load_seconds)
+        held.add_metric([w.consumer], len(w.held))
+    yield from (loads, swaps, seconds, held)
 
 
 def registry_with(collector: Collector) -> CollectorRegistry:

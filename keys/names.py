@@ -113,6 +113,11 @@ def adapter_index(tenant: str) -> str:
     return f"{KEY_VERSION}:{check_tenant(tenant)}:adapters"
 
 
+def adapter_stats() -> str:
+    """Hash: consumer name -> JSON of that denoise worker's adapter loads, swaps and holdings."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:adapter-stats"
+
+
 def lora_targets() -> str:
     """Hash: the served denoiser's linear layers, module name -> "out,in", published by denoise
     workers so the API can validate an adapter without loading the model."""

@@ -13,6 +13,7 @@ import torch
 import xxhash
 from safetensors.torch import save as save_safetensors
 
+from api.metrics import ClusterCollector, registry_with
 from cachesvc.connect import open_cache
 from cachesvc.settings import Settings
 from keys import LoraUse, adapter_key
@@ -77,3 +78,11 @@ def test_adapters_apply_bit_identically_and_key_every_entry(
     assert not np.array_equal(frames, other)
     # Without adapters the same worker runs the base model exactly: they were disabled.
     assert np.array_equal(run_request(worker_settings, client, base), reference(pipe, base))
+
+    # /metrics shows what the worker that ran the second request did: it loaded the adapter
+    # (or found it loaded by the first), set it, and holds it still.
+    registry = registry_with(ClusterCollector(client))
+    labels = {"worker": record.fields["worker:denoise"]}
+    assert (registry.get_sample_value("diffcache_lora_loads_total", labels) or 0) >= 1
+    assert (registry.get_sample_value("diffcache_lora_swaps_total", labels) or 0) >= 1
+    assert registry.get_sample_value("diffcache_lora_held", labels) == 1

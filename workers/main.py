@@ -13,6 +13,7 @@ from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from workers.families import is_built, resolve
 from workers.families.base import Family, Placement
+from workers.queue.adapter_stats import WorkerAdapters, publish_adapter_stats
 from workers.queue.credits import Credits
 from workers.queue.messages import Stage
 from workers.queue.preemption import InteractiveWaiting
@@ -56,15 +57,22 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
         return Worker(handler, client, settings.workers), handler
     credits = Credits(client, settings.workers.decode_credits)
     if stage is Stage.DENOISE:
+        from workers.stages.adapters import AdapterStats
         from workers.stages.denoise import DenoiseHandler
 
         denoiser = family.denoiser(directory, placement)
-        handler = DenoiseHandler(cache, denoiser, settings.workers, credits)
+        consumer = consumer_name()
+
+        def report(stats: AdapterStats, held: tuple[str, ...]) -> None:
+            publish_adapter_stats(client, WorkerAdapters(consumer, stats.loads, stats.swaps,
+                                                         stats.load_seconds, held))
+
+        handler = DenoiseHandler(cache, denoiser, settings.workers, credits, report)
         publish_lora_targets(client, {
             name: (m.out_features, m.in_features)
             for name, m in denoiser.transformer.named_modules()
             if isinstance(m, torch.nn.Linear)})
-        waiting = InteractiveWaiting(client, stage, consumer_name(), settings.workers)
+        waiting = InteractiveWaiting(client, stage, consumer, settings.workers)
         return Worker(handler, client, settings.workers,
                       preemption=waiting.check_for if settings.workers.preempt else None), handler
     from workers.stages.decode import DecodeHandler

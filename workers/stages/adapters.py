@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from safetensors.torch import load as load_safetensors
@@ -44,10 +44,12 @@ def adapter_name(content_hash: str) -> str:
 class LoadedAdapters:
     """The adapters loaded into one denoiser (``transformer``), least recently used first."""
 
-    def __init__(self, cache: TensorCache, transformer: object, capacity: int) -> None:
+    def __init__(self, cache: TensorCache, transformer: object, capacity: int,
+                 report: Callable[[AdapterStats, tuple[str, ...]], None] | None = None) -> None:
         self.cache = cache
         self.transformer = transformer
         self.capacity = capacity
+        self._report = report
         self.stats = AdapterStats()
         self._loaded: OrderedDict[str, None] = OrderedDict()
 
@@ -69,13 +71,15 @@ class LoadedAdapters:
                            [float(lora.scale) for lora in loras])
         self.stats.swaps += 1
         self.stats.active = wanted
+        if self._report is not None:
+            self._report(self.stats, tuple(self._loaded))
 
     def _ensure_loaded(self, tenant: str, content_hash: str) -> None:
         if content_hash in self._loaded:
             self._loaded.move_to_end(content_hash)
             return
         start = time.perf_counter()
-        data = self.cache.get(adapter_key(tenant, content_hash), lookup=False)
+        data = self.cache.get(adapter_key(tenant, content_hash))  # counted: adapter store hits
         if data is None:
             raise AdapterMissingError(f"LoRA adapter {content_hash} of tenant {tenant} is not in "
                                       "the store; upload it again (POST /v1/adapters)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ from workers.queue.messages import LATENTS, Job, RefName, Role, Stage, TensorRef
 from workers.queue.runtime import InputLostError, JobContext, Outcome
 from workers.queue.schema import Field, KindField, State, checkpoint_field
 from workers.queue.scripts import RecordWrite
-from workers.stages.adapters import LoadedAdapters
+from workers.stages.adapters import AdapterStats, LoadedAdapters
 from workers.stages.checkpoint import Checkpoint, CheckpointError
 from workers.stages.guidance import Guidance
 from workers.stages.interrupt import BlockInterrupts, StepInterrupted
@@ -67,7 +68,9 @@ class DenoiseHandler:
     stage = Stage.DENOISE
 
     def __init__(self, cache: TensorCache, model: Denoiser, settings: WorkerSettings,
-                 credits: Credits) -> None:
+                 credits: Credits,
+                 report_adapters: Callable[[AdapterStats, tuple[str, ...]], None] | None = None,
+                 ) -> None:
         self.cache = cache
         self.model = model
         self.settings = settings
@@ -81,7 +84,8 @@ class DenoiseHandler:
                            if settings.cfg_parallel else None)
         self._writes = WriteBehind()
         self._interrupts = BlockInterrupts(model.transformer)
-        self.adapters = LoadedAdapters(cache, model.transformer, settings.lora_slots)
+        self.adapters = LoadedAdapters(cache, model.transformer, settings.lora_slots,
+                                       report_adapters)
 
     def handle(self, ctx: JobContext) -> Outcome:
         job = ctx.job

@@ -1,0 +1,45 @@
+"""What each denoise worker did with LoRA adapters (loads, swaps, load seconds, which it holds),
+published to Redis so one scrape of the API's ``/metrics`` covers every worker."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from pydantic import TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
+
+from keys.names import adapter_stats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerAdapters:
+    consumer: str
+    loads: int
+    swaps: int
+    load_seconds: float
+    held: tuple[str, ...]  # content hashes loaded, least recently used first
+
+
+_STATS: TypeAdapter[WorkerAdapters] = TypeAdapter(WorkerAdapters)
+
+
+def publish_adapter_stats(client: redis.Redis, stats: WorkerAdapters) -> None:
+    """Best effort: a failed write is logged, and the next load or swap writes again."""
+    try:
+        client.hset(adapter_stats(), stats.consumer, _STATS.dump_json(stats))
+    except redis.RedisError as exc:
+        log.warning("adapter stats of %s not published (%s)", stats.consumer, exc)
+
+
+def read_adapter_stats(client: redis.Redis) -> list[WorkerAdapters]:
+    raw: dict[bytes, bytes] = client.hgetall(adapter_stats())  # type: ignore[assignment]
+    out = []
+    for field, value in sorted(raw.items()):
+        try:
+            out.append(_STATS.validate_json(value))
+        except ValidationError:
+            log.warning("ignoring unreadable adapter stats of %r", field)
+    return out
