@@ -39,10 +39,10 @@ from keys import GenerationSpec, KeyKind, LoraUse, OutputFormat, Priority, Store
 from keys.names import KEY_VERSION, check_tenant
 from keys.spec import valid_request_id
 from workers.queue.events import RecordEvents
+from workers.queue.heartbeats import live_workers
 from workers.queue.lifecycle import Lifecycle, LifecycleError
 from workers.queue.messages import Stage
 from workers.queue.records import Records
-from workers.queue.runtime import live_workers
 from workers.queue.schema import Field, PreemptMode, RequestRecord, State
 from workers.queue.scripts import RecordWrite
 from workers.queue.served_model import (

@@ -72,17 +72,22 @@ def report(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]],
 
 
 def start_workers(settings: Settings, logs: Path) -> list[ChildProcess]:
-    """One worker process per stage, each joined to its consumer group."""
+    """``workers.<stage>_workers`` worker processes per stage (one each by default), each
+    joined to its consumer group."""
     client = open_redis(settings)
-    children = []
-    for stage in Stage:
-        child = ChildProcess(f"bench-{stage.value}", worker_argv(stage),
-                             logs / f"{stage.value}.log", child_environ(settings))
-        child.start()
-        children.append(child)
-    for child, stage in zip(children, Stage, strict=True):
+    counts = {Stage.ENCODE: settings.workers.encode_workers,
+              Stage.DENOISE: settings.workers.denoise_workers,
+              Stage.DECODE: settings.workers.decode_workers}
+    started = []
+    for stage, count in counts.items():
+        for i in range(count):
+            child = ChildProcess(f"bench-{stage.value}-{i}", worker_argv(stage),
+                                 logs / f"{stage.value}-{i}.log", child_environ(settings))
+            child.start()
+            started.append((child, stage))
+    for child, stage in started:
         wait_joined(child, client, stage)
-    return children
+    return [child for child, _ in started]
 
 
 @contextmanager

@@ -145,6 +145,10 @@ class WorkerSettings(_Section):
     checkpoint_every: int = Field(0, ge=0)
     cfg_cache: bool = Field(True, description="exact reuse of unconditional predictions")
     lora_slots: int = Field(4, ge=1, description="LoRA adapters a denoise worker keeps loaded")
+    # Route a denoise job to a worker that has its adapters loaded; a routed job waiting longer
+    # than affinity_wait_ms goes to any worker, so none starves behind a busy or dead one.
+    adapter_routing: bool = True
+    affinity_wait_ms: int = Field(2000, ge=0)
     decode_credits: int = Field(8, ge=1, description="trajectories denoising or awaiting decode")
     preempt: bool = Field(True, description="waiting interactive work preempts batch work")
     # An interactive entry must wait this long before it preempts: an idle worker takes it

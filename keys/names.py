@@ -179,6 +179,17 @@ def served_model() -> str:
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:served-model"
 
 
+def worker_inbox(stage: str, consumer: str) -> str:
+    """Stream: jobs routed to one worker (a denoise job to the worker that has its LoRA
+    adapters loaded), read through the stage's consumer group like the shared streams."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:inbox:{stage}:{consumer}"
+
+
+def worker_inboxes(stage: str) -> str:
+    """Set: every ``worker_inbox`` of ``stage``, so any worker can take over a stale one."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:inboxes:{stage}"
+
+
 def worker_heartbeats(stage: str) -> str:
     """Sorted set: consumer names of ``stage``'s workers scored by their last heartbeat (ms)."""
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:heartbeats:{stage}"

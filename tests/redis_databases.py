@@ -15,8 +15,8 @@ import redis
 
 from cachesvc.connect import open_redis
 from cachesvc.settings import Settings
+from workers.queue.heartbeats import live_workers
 from workers.queue.messages import Stage
-from workers.queue.runtime import live_workers
 
 # One database per user. Valkey has 16 (0-15); db 0 stays the default of anything unconfigured.
 CACHE = 1  # the tensor cache, single-flight and supervisor tests (``redis_client``)

@@ -7,8 +7,9 @@ import sys
 import redis
 
 from cachesvc.processes import ChildProcess
+from workers.queue.heartbeats import live_workers
 from workers.queue.messages import Stage
-from workers.queue.runtime import consumer_name, live_workers
+from workers.queue.runtime import consumer_name
 
 STARTUP_TIMEOUT_S = 180.0  # imports and model loading, on a busy 2-core machine
 JOINED_WITHIN_S = 5.0

@@ -14,6 +14,7 @@ from cachesvc.settings import Settings
 from workers.families import is_built, resolve
 from workers.families.base import Family, Placement
 from workers.queue.adapter_stats import WorkerAdapters, publish_adapter_stats
+from workers.queue.affinity import AdapterRouter
 from workers.queue.credits import Credits
 from workers.queue.messages import Stage
 from workers.queue.preemption import InteractiveWaiting
@@ -54,7 +55,9 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
 
         handler = EncodeHandler(cache, family.text_encoder(directory, placement),
                                 family.trajectory(directory, placement), files)
-        return Worker(handler, client, settings.workers), handler
+        router = (AdapterRouter(client, settings.workers.idle_timeout_s)
+                  if settings.workers.adapter_routing else None)
+        return Worker(handler, client, settings.workers, router=router), handler
     credits = Credits(client, settings.workers.decode_credits)
     if stage is Stage.DENOISE:
         from workers.stages.adapters import AdapterStats
@@ -64,8 +67,9 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
         consumer = consumer_name()
 
         def report(stats: AdapterStats, held: tuple[str, ...]) -> None:
-            publish_adapter_stats(client, WorkerAdapters(consumer, stats.loads, stats.swaps,
-                                                         stats.load_seconds, held))
+            publish_adapter_stats(client, WorkerAdapters(
+                consumer, stats.loads, stats.swaps, stats.load_seconds, held,
+                tuple(a.partition("@")[0] for a in stats.active)))
 
         handler = DenoiseHandler(cache, denoiser, settings.workers, credits, report)
         publish_lora_targets(client, {
@@ -74,7 +78,8 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
             if isinstance(m, torch.nn.Linear)})
         waiting = InteractiveWaiting(client, stage, consumer, settings.workers)
         return Worker(handler, client, settings.workers,
-                      preemption=waiting.check_for if settings.workers.preempt else None), handler
+                      preemption=waiting.check_for if settings.workers.preempt else None,
+                      inbox=settings.workers.adapter_routing), handler
     from workers.stages.decode import DecodeHandler
 
     decode = DecodeHandler(cache, family.decoder(directory, placement), settings.workers.fps,

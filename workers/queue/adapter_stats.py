@@ -21,6 +21,7 @@ class WorkerAdapters:
     swaps: int
     load_seconds: float
     held: tuple[str, ...]  # content hashes loaded, least recently used first
+    active: tuple[str, ...] = ()  # the hashes it runs with now
 
 
 _STATS: TypeAdapter[WorkerAdapters] = TypeAdapter(WorkerAdapters)

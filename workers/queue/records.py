@@ -46,6 +46,7 @@ class StageResult:
     state: State | None  # None: the stage's finished state
     seconds: float
     fields: RecordWrite
+    next_stream: str | None = None  # a worker's inbox, routed there; None: the shared stream
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +112,8 @@ class Records:
         following = job.stage.next
         return PublishArgs(
             record, r.delivery.stream,
-            stage_stream(following.value, job.priority.value) if following else record,
+            r.next_stream or (stage_stream(following.value, job.priority.value) if following
+                              else record),
             stage_latency(job.stage.value, job.priority.value), job.stage.value,
             job.fence_token(r.delivery.attempt), consumer_group(job.stage.value),
             r.delivery.entry_id, r.next_job.to_json() if r.next_job else "",

@@ -25,6 +25,7 @@ from keys.names import (
     request_record,
     stage_stream,
     tenants_registry,
+    worker_inboxes,
 )
 from workers.queue.messages import Stage
 from workers.queue.script_args import ExpireRecordsArgs, TrimStreamArgs
@@ -99,10 +100,14 @@ class Retention:
     def _trim_streams(self) -> tuple[int, int]:
         idle_ms = int(self.settings.dead_consumer_s * 1000)
         streams = [stage_stream(stage.value, p.value) for stage in Stage for p in Priority]
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in streams:
-            self.scripts.run(TrimStreamArgs(stream, idle_ms), pipe)
         try:
+            for stage in Stage:  # and every worker inbox (routed jobs), as the shared streams
+                inboxes: set[bytes] = self.redis.smembers(  # type: ignore[assignment]
+                    worker_inboxes(stage.value))
+                streams += sorted(i.decode() for i in inboxes)
+            pipe = self.redis.pipeline(transaction=False)
+            for stream in streams:
+                self.scripts.run(TrimStreamArgs(stream, idle_ms), pipe)
             results: list[Any] = pipe.execute()
         except redis.RedisError as exc:
             raise RetentionError(f"could not trim the stage streams {streams}: {exc}") from exc

@@ -22,7 +22,8 @@ import redis
 from cachesvc.errors import StoreFullError, StoreUnavailableError
 from cachesvc.settings import WorkerSettings
 from keys import GenerationSpec, KeyKind
-from keys.names import worker_heartbeats
+from workers.queue.affinity import AdapterRouter
+from workers.queue.heartbeats import Heartbeat
 from workers.queue.lifecycle import Lifecycle
 from workers.queue.messages import Job, Stage
 from workers.queue.records import Records, StageResult
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 
 OUTAGE_FIRST_RETRY_S = 0.5
 OUTAGE_MAX_RETRY_S = 8.0
-HEARTBEAT_FORGET_MS = 3_600_000
 
 
 class StageError(RuntimeError):
@@ -66,6 +66,8 @@ class Outcome:
     fields: RecordWrite = field(default_factory=RecordWrite)
     # Set when the job stopped early to be re-queued or parked, not finished.
     preempted: PreemptMode | None = None
+    # Adapter hashes the next job needs: a router may send it to a worker that holds them.
+    affinity: tuple[str, ...] = ()
 
 
 # Asked by the progress thread whether the job in hand should make way for other work.
@@ -173,59 +175,19 @@ def consumer_name(pid: int | None = None) -> str:
     return f"{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
-class Heartbeat:
-    """A thread that says every ``interval_s`` that this worker lives, busy or idle, so
-    readiness never mistakes a long job for a dead worker."""
-
-    def __init__(self, client: redis.Redis, stage: Stage, consumer: str,
-                 interval_s: float) -> None:
-        self._redis = client
-        self._key = worker_heartbeats(stage.value)
-        self._consumer = consumer
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            now = int(time.time() * 1000)
-            try:
-                pipe = self._redis.pipeline(transaction=False)
-                pipe.zadd(self._key, {self._consumer: now})
-                # Workers that stopped beating long ago leave the set: it stays bounded.
-                pipe.zremrangebyscore(self._key, 0, now - HEARTBEAT_FORGET_MS)
-                pipe.execute()
-            except redis.RedisError as exc:
-                log.warning("heartbeat not written (%s); retrying", exc)
-            if self._stop.wait(self._interval_s):
-                return
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        with contextlib.suppress(redis.RedisError):  # a stopped worker just ages out
-            self._redis.zrem(self._key, self._consumer)
-
-
-def live_workers(client: redis.Redis, stage: Stage, within_s: float) -> set[str]:
-    """Consumer names of ``stage``'s workers whose heartbeat is at most ``within_s`` old."""
-    since = int((time.time() - within_s) * 1000)
-    names: list[bytes] = client.zrangebyscore(  # type: ignore[assignment]
-        worker_heartbeats(stage.value), since, "+inf")
-    return {n.decode() for n in names}
-
-
 class Worker:
     def __init__(self, handler: Handler, client: redis.Redis, settings: WorkerSettings,
                  after_publish: Callable[[Job, Outcome], None] | None = None,
-                 preemption: Callable[[Job], PreemptCheck | None] | None = None) -> None:
+                 preemption: Callable[[Job], PreemptCheck | None] | None = None,
+                 router: AdapterRouter | None = None, inbox: bool = False) -> None:
         self.handler = handler
         self.settings = settings
         self.records = Records(client)
         self.lifecycle = Lifecycle(client)
         self._preemption = preemption
-        self.queue = StageQueue(client, handler.stage, consumer_name())
+        self.queue = StageQueue(client, handler.stage, consumer_name(),
+                                settings.affinity_wait_ms if inbox else None)
+        self._router = router
         self.leases = LeaseKeeper(self.queue, settings.idle_timeout_s / 3)
         self._after_publish = after_publish
         self.stop = threading.Event()
@@ -371,5 +333,7 @@ class Worker:
         ctx.close()
         seconds = time.perf_counter() - start
         fields = RecordWrite({StageField.SECONDS.of(job.stage): f"{seconds:.4f}"}) | outcome.fields
+        routed = (self._router.inbox_for(outcome.affinity)
+                  if self._router is not None and outcome.affinity else None)
         return StageResult(job, delivery, outcome.next_job, outcome.state, seconds,
-                           fields), outcome
+                           fields, routed), outcome

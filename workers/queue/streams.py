@@ -20,7 +20,7 @@ from typing import Any
 import redis
 
 from keys import Priority
-from keys.names import consumer_group, stage_stream
+from keys.names import consumer_group, stage_stream, worker_inbox, worker_inboxes
 from workers.queue.messages import Job, Stage
 
 # The order workers take work in.
@@ -39,21 +39,29 @@ class Delivery:
 
 
 class StageQueue:
-    def __init__(self, client: redis.Redis, stage: Stage, consumer: str) -> None:
+    """A stage's shared streams and, with ``inbox_wait_ms`` set, this worker's inbox of jobs
+    routed to it; an inbox job that waited longer than that goes to any worker."""
+
+    def __init__(self, client: redis.Redis, stage: Stage, consumer: str,
+                 inbox_wait_ms: int | None = None) -> None:
         self.redis = client
         self.stage = stage
         self.consumer = consumer
         self.streams = tuple(stage_stream(stage.value, p.value) for p in PRIORITY_ORDER)
         self.group = consumer_group(stage.value)
+        self.inbox = worker_inbox(stage.value, consumer) if inbox_wait_ms is not None else None
+        self.inbox_wait_ms = inbox_wait_ms or 0
         self._next_reclaim = 0.0
 
     def ensure_group(self) -> None:
-        for stream in self.streams:
+        for stream in (*self.streams, *([self.inbox] if self.inbox else [])):
             try:
                 self.redis.xgroup_create(stream, self.group, id="0", mkstream=True)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+        if self.inbox:
+            self.redis.sadd(worker_inboxes(self.stage.value), self.inbox)
 
     def next(self, block_ms: int, idle_timeout_ms: int, count: int = 1) -> list[Delivery]:
         """Stale entries of dead consumers if there are any, else up to ``count`` new ones,
@@ -71,22 +79,46 @@ class StageQueue:
                     log.warning("took over %s from a consumer that went silent",
                                 [e for e, _ in claimed])
                     return [self._delivery(stream, e, f, reclaimed=True) for e, f in claimed]
+            if self.inbox and (stale := self._stale_inbox_entries(count)):
+                return stale
             self._next_reclaim = now + idle_timeout_ms / 4000
         # Interactive work without waiting; only when there is none, one blocking read over
         # every class (which wakes on whichever class gets work first). Taking batch entries
         # in the same read as interactive ones would commit this worker to them.
-        for stream in self.streams[:-1]:
+        # Jobs routed here come after shared interactive work and before shared batch work.
+        ordered = (*self.streams[:-1], *([self.inbox] if self.inbox else []), self.streams[-1])
+        for stream in ordered[:-1]:
             got: Any = self.redis.xreadgroup(self.group, self.consumer, {stream: ">"},
                                              count=count)
             if got:
                 return [self._delivery(stream, e, f, reclaimed=False) for e, f in got[0][1]]
-        got = self.redis.xreadgroup(self.group, self.consumer, {s: ">" for s in self.streams},
+        got = self.redis.xreadgroup(self.group, self.consumer, {s: ">" for s in ordered},
                                     count=count, block=block_ms)
-        order = {s: i for i, s in enumerate(self.streams)}
+        order = {s: i for i, s in enumerate(ordered)}
         batches = sorted(((name.decode(), entries) for name, entries in got or []),
                          key=lambda item: order[item[0]])
         return [self._delivery(stream, e, f, reclaimed=False)
                 for stream, entries in batches for e, f in entries]
+
+    def _stale_inbox_entries(self, count: int) -> list[Delivery]:
+        """Unread entries of another worker's inbox that waited past ``inbox_wait_ms`` (its
+        worker is busy, or gone): any worker of the stage may take them."""
+        inboxes: set[bytes] = self.redis.smembers(worker_inboxes(self.stage.value))  # type: ignore[assignment]
+        now_ms = int(self.redis.time()[0] * 1000)  # the clock that stamped the entry ids
+        for raw in sorted(inboxes):
+            inbox = raw.decode()
+            if inbox == self.inbox:
+                continue
+            oldest = _oldest_unread(self.redis, inbox, self.group)
+            if oldest is None or now_ms - int(oldest.partition("-")[0]) < self.inbox_wait_ms:
+                continue
+            got: Any = self.redis.xreadgroup(self.group, self.consumer, {inbox: ">"},
+                                             count=count)
+            if got:
+                log.info("took %d job(s) routed to a worker that did not take them",
+                         len(got[0][1]))
+                return [self._delivery(inbox, e, f, reclaimed=False) for e, f in got[0][1]]
+        return []
 
     def own_pending(self, count: int) -> list[Delivery]:
         """Up to ``count`` entries still pending under this consumer's own name, claimed
@@ -194,13 +226,17 @@ def queue_counts(client: redis.Redis) -> dict[tuple[Stage, Priority], tuple[int,
 
 def oldest_waiting(client: redis.Redis, stage: Stage, priority: Priority) -> str | None:
     """The id of the oldest entry of one class that no worker has taken yet, if any."""
-    stream = stage_stream(stage.value, priority.value)
+    return _oldest_unread(client, stage_stream(stage.value, priority.value),
+                          consumer_group(stage.value))
+
+
+def _oldest_unread(client: redis.Redis, stream: str, group: str) -> str | None:
     try:
         groups = client.xinfo_groups(stream)
     except redis.ResponseError:
         return None
     for g in groups:
-        if g["name"].decode() == consumer_group(stage.value) and int(g.get("lag") or 0) > 0:
+        if g["name"].decode() == group and int(g.get("lag") or 0) > 0:
             last = bytes(g["last-delivered-id"]).decode()
             entries: Any = client.xrange(stream, min=f"({last}", count=1)
             return entries[0][0].decode() if entries else None

@@ -59,7 +59,8 @@ class EncodeHandler:
         if cached is not None:
             return Outcome(None, State.DONE,
                            RecordWrite({Field.OUTPUT_KEY: str(cached)}) | counts)
-        return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=counts)
+        return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=counts,
+                       affinity=tuple(lora.hash for lora in spec.loras))
 
     def discard(self, outcome: Outcome) -> None:
         """Embeddings are content-addressed and shared: nothing belongs to one attempt."""
