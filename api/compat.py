@@ -59,7 +59,7 @@ def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request) -> dict[st
         prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
         height=height, num_frames=1, num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale, seed=body.seed,
-        output_format=OutputFormat.PNG))
+        output_format=OutputFormat.PNG, loras=body.loras))
     record = _wait(svc, who, request_id, svc.settings.api.sync_timeout_s)
     if body.response_format == "url":
         # OpenAI clients fetch the URL as given: it must be absolute.
@@ -78,7 +78,7 @@ def create_video(body: VideosBody, who: Tenant, svc: Svc) -> VideoJob:
         prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
         height=height, num_frames=_frames(body),
         num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
-        seed=body.seed, output_format=OutputFormat.MP4))
+        seed=body.seed, output_format=OutputFormat.MP4, loras=body.loras))
     return video_job(svc.record(who, request_id))
 
 @router.get("/v1/videos/{video_id}", response_model=VideoJob)

@@ -22,12 +22,13 @@ from cachesvc.supervisor import read_published
 from keys import KeyKind, Priority
 from keys.names import request_index
 from workers.queue import stage_metrics
+from workers.queue.adapter_stats import read_adapter_stats
 from workers.queue.messages import Stage
 from workers.queue.streams import queue_counts
 
 WINDOW_MINUTES = 30
 RECENT = 15
-KINDS = [KeyKind.EMBEDDING, KeyKind.CFG, KeyKind.CHECKPOINT, KeyKind.OUTPUT]
+KINDS = [KeyKind.EMBEDDING, KeyKind.CFG, KeyKind.CHECKPOINT, KeyKind.OUTPUT, KeyKind.ADAPTER]
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
 
 
@@ -85,6 +86,7 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
     return {"minutes": [m * 60 for m in minutes], "hit_rate": hit_rate,
             "compute_saved_s": saved, "bytes_served": served, "queues": queues,
             "latency": latency, "children": children,
+            "adapters": [asdict(a) for a in read_adapter_stats(svc.redis)],
             "model": asdict(svc.served()), "reuse": reuse, "recent": recent[:RECENT]}
 
 

@@ -280,6 +280,8 @@ class ImagesBody(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     num_inference_steps: Steps | None = None
     guidance_scale: float | None = Field(None, ge=0.0, le=30.0)
+    loras: list[LoraBody] = Field(default_factory=list, description="extension: LoRA "
+                                  "adapters, as in POST /v1/generate")
 
 
 class VideosBody(BaseModel):
@@ -296,6 +298,8 @@ class VideosBody(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     num_inference_steps: Steps | None = None
     guidance_scale: float | None = Field(None, ge=0.0, le=30.0)
+    loras: list[LoraBody] = Field(default_factory=list, description="extension: LoRA "
+                                  "adapters, as in POST /v1/generate")
 
 
 class VideoJob(BaseModel):

@@ -48,6 +48,12 @@ def test_an_adapter_is_uploaded_listed_used_and_kept_to_its_tenant(
         "prompt": "a heron", **SMALL, "loras": [{"name": "ink", "scale": 0.5}]}).json()
     status = http.get(f"/v1/requests/{accepted['id']}", headers=A).json()
     assert status["loras"] == [{"hash": info["hash"], "scale": 0.5}]
+    # The SGLang-style route takes them as an extension field.
+    video = http.post("/v1/videos", headers=A, json={
+        "prompt": "a heron", "size": "32x32", "num_frames": 5, "num_inference_steps": 4,
+        "loras": [{"hash": info["hash"]}]}).json()
+    status = http.get(f"/v1/requests/{video['id']}", headers=A).json()
+    assert status["loras"] == [{"hash": info["hash"], "scale": 1.0}]
 
     # Another tenant can use it neither by name nor by hash, nor delete it.
     for lora in ({"name": "ink"}, {"hash": info["hash"]}):

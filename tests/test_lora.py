@@ -25,15 +25,17 @@ pytestmark = pytest.mark.slow
 TENANT = "lora"
 
 
-def random_lora(model_dir: Path, seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
-    """A diffusers-format LoRA on every block's self-attention query and value."""
-    from diffusers import WanTransformer3DModel
+def random_lora(model_dir: Path, seed: int, rank: int = 4,
+                targets: tuple[str, ...] = ("attn1.to_q", "attn1.to_v"),
+                model_class: str = "WanTransformer3DModel") -> dict[str, torch.Tensor]:
+    """A diffusers-format LoRA on the linear layers whose names end with ``targets``."""
+    import diffusers
 
-    model = WanTransformer3DModel.from_pretrained(model_dir / "transformer")
+    model = getattr(diffusers, model_class).from_pretrained(model_dir / "transformer")
     g = torch.Generator().manual_seed(seed)
     state = {}
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.endswith(("attn1.to_q", "attn1.to_v")):
+        if isinstance(module, torch.nn.Linear) and name.endswith(targets):
             state[f"transformer.{name}.lora_A.weight"] = 0.2 * torch.randn(
                 rank, module.in_features, generator=g)
             state[f"transformer.{name}.lora_B.weight"] = 0.2 * torch.randn(
@@ -41,13 +43,13 @@ def random_lora(model_dir: Path, seed: int, rank: int = 4) -> dict[str, torch.Te
     return state
 
 
-def upload(settings: Settings, state: dict[str, torch.Tensor]) -> str:
+def upload(settings: Settings, state: dict[str, torch.Tensor], tenant: str = TENANT) -> str:
     """Put an adapter in the store as the API does; its content hash."""
     data = save_safetensors(state)
     content_hash = xxhash.xxh3_128_hexdigest(data)
     cache = open_cache(settings)
     try:
-        cache.put(adapter_key(TENANT, content_hash),
+        cache.put(adapter_key(tenant, content_hash),
                   torch.frombuffer(bytearray(data), dtype=torch.uint8))
     finally:
         cache.close()

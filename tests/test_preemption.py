@@ -15,8 +15,9 @@ from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings
 from cachesvc.stack import EmbeddedStack
 from cachesvc.waiting import wait_until
-from keys import GenerationSpec, latents_key
+from keys import GenerationSpec, LoraUse, latents_key
 from keys.names import decode_credits, request_record, stage_stream
+from tests.test_lora import random_lora, upload
 from tests.workers_harness import (
     make_spec,
     read_frames,
@@ -26,6 +27,8 @@ from tests.workers_harness import (
     stop_owner_when,
     wait_done,
 )
+from workers.families import wan
+from workers.families.base import CPU
 from workers.queue.credits import Credits
 from workers.queue.lifecycle import Lifecycle
 from workers.queue.messages import Job, Stage
@@ -55,11 +58,12 @@ def wait_for(client: redis.Redis, spec: GenerationSpec, state: State, min_step: 
 
 
 def denoising(client: redis.Redis, pool: dict[Stage, list[ChildProcess]], seed: int,
-              min_step: int) -> tuple[GenerationSpec, dict[str, str], ChildProcess]:
+              min_step: int, **changes: object) -> tuple[GenerationSpec, dict[str, str],
+                                                         ChildProcess]:
     """A long request whose denoise worker has reported ``min_step`` steps, with that worker
     stopped (SIGSTOP) right there: the record as it left it, and the worker, which the caller
     lets go on (SIGCONT) or keeps stopped."""
-    spec = make_spec(seed=seed, **LONG)
+    spec = make_spec(seed=seed, **LONG, **changes)
     submit(client, spec)
     stopped, running = stop_owner_when(
         client, spec, Stage.DENOISE, pool[Stage.DENOISE],
@@ -129,10 +133,19 @@ def test_waiting_interactive_work_preempts_one_batch_job(
     assert np.array_equal(read_frames(worker_settings, victim), reference(pipe, victim.spec))
 
 
+@pytest.mark.parametrize("adapted", [False, True], ids=["base", "lora"])
 def test_a_parked_request_resumes_on_another_worker_bit_identically(
         worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
-        pipe: object, tmp_path: Path) -> None:
-    spec, running, first = denoising(client, pool, seed=701, min_step=5)
+        pipe: object, tmp_path: Path, model_dir: Path, adapted: bool) -> None:
+    changes: dict[str, object] = {}
+    if adapted:  # the other worker loads the same adapter from the store: still bit-exact
+        state = random_lora(model_dir, seed=5)
+        changes["loras"] = (LoraUse(upload(worker_settings, state, "acme"), 0.9),)
+        lora_pipe = wan.FAMILY.reference(model_dir, CPU)
+        lora_pipe.pipe.load_lora_weights(state, adapter_name="a")
+        lora_pipe.pipe.set_adapters(["a"], [0.9])
+        pipe = lora_pipe
+    spec, running, first = denoising(client, pool, seed=701, min_step=5, **changes)
     try:  # asked while its worker is stopped mid-job, so it cannot finish first
         assert Lifecycle(client).ask_preempt(spec.tenant, spec.request_id, PreemptMode.PARK)
     finally:

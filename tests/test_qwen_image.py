@@ -32,7 +32,8 @@ from tests.workers_harness import (
     stop_owner_when,
     wait_done,
 )
-from workers.families import family_named
+from workers.families import family_named, qwen_image
+from workers.families.base import CPU
 from workers.queue.messages import Stage
 from workers.queue.schema import State
 from workers.queue.submit import submit
@@ -242,3 +243,19 @@ def test_openai_images_and_the_output_cache_serve_the_image_family(
                       guidance_scale=qwen_settings.model.guidance_scale)
     assert np.array_equal(images[0], images[1])
     assert np.array_equal(images[0], reference(qwen_pipe, spec)[0])
+
+
+def test_an_adapter_applies_bit_identically_to_the_qwen_image_pipeline(
+        qwen_settings: Settings, qwen_client: redis.Redis, qwen_pool: object,
+        qwen_model_dir: Path) -> None:
+    from keys import LoraUse
+    from tests.test_lora import random_lora, upload
+
+    state = random_lora(qwen_model_dir, seed=9, targets=("attn.to_q", "attn.to_v"),
+                        model_class="QwenImageTransformer2DModel")
+    spec = image_spec(loras=(LoraUse(upload(qwen_settings, state, "acme"), 0.6),))
+    frames = run_request(qwen_settings, qwen_client, spec)
+    lora_pipe = qwen_image.FAMILY.reference(qwen_model_dir, CPU)
+    lora_pipe.pipe.load_lora_weights(state, adapter_name="a")  # type: ignore[attr-defined]
+    lora_pipe.pipe.set_adapters(["a"], [0.6])  # type: ignore[attr-defined]
+    assert np.array_equal(frames, reference(lora_pipe, spec))
