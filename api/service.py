@@ -144,7 +144,8 @@ class Service:
         self.records = Records(self.redis)
         self.lifecycle = Lifecycle(self.redis)
         self.events = RecordEvents(self.redis)
-        self.adapters = AdapterRegistry(self.cache, self.redis)
+        self.adapters = AdapterRegistry(self.cache, self.redis,
+                                        self.settings.data_dir / "adapters")
         self.bounds = Bounds(self.settings.api.max_queue_depth,
                              self.settings.api.max_jobs_per_tenant)
         self._forget = self.redis.register_script(_FORGET)
@@ -199,6 +200,7 @@ class Service:
                                     "upload it with POST /v1/adapters")
             if found.hash in uses:
                 raise FieldError(f"loras[{i}]", f"adapter {found.name} is named twice")
+            self.adapters.ensure_stored(tenant, found.hash)
             uses[found.hash] = LoraUse(found.hash, lora.scale)
         return tuple(uses.values())
 

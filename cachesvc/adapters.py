@@ -9,12 +9,14 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import redis
 import torch
 import xxhash
 from pydantic import TypeAdapter
 
+from cachesvc.output_files import OutputFiles
 from cachesvc.tensor_cache import TensorCache
 from keys import adapter_key
 from keys.names import adapter_index
@@ -96,11 +98,13 @@ def validate(data: bytes, linears: Mapping[str, tuple[int, int]]) -> tuple[int, 
 
 
 class AdapterRegistry:
-    """A tenant's adapters: bytes in the store, names in Redis."""
+    """A tenant's adapters: bytes in the store, and on disk beside it (an adapter is uploaded,
+    not computed: the store's copy is a cache of the file), names in Redis."""
 
-    def __init__(self, cache: TensorCache, client: redis.Redis) -> None:
+    def __init__(self, cache: TensorCache, client: redis.Redis, files_dir: Path) -> None:
         self.cache = cache
         self.redis = client
+        self.files = OutputFiles(files_dir, ttl_s=float("inf"))
 
     def add(self, tenant: str, name: str, data: bytes,
             linears: Mapping[str, tuple[int, int]]) -> AdapterInfo:
@@ -108,8 +112,8 @@ class AdapterRegistry:
             raise AdapterError("name", f"must match {NAME_RE.pattern}")
         rank, targets = validate(data, linears)
         info = AdapterInfo(name, xxhash.xxh3_128_hexdigest(data), len(data), rank, targets)
-        self.cache.put(adapter_key(tenant, info.hash),
-                       torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.files.write(adapter_key(tenant, info.hash), data)
+        self._store(tenant, info.hash, data)
         self.redis.hset(adapter_index(tenant), name, _INFO.dump_json(info))
         return info
 
@@ -124,14 +128,32 @@ class AdapterRegistry:
                      if (name is not None and a.name == name)
                      or (content_hash is not None and a.hash == content_hash)), None)
 
+    def ensure_stored(self, tenant: str, content_hash: str) -> None:
+        """Put an adapter the store lost (evicted, or gone with a storage node) back from its
+        file, before a request that names it reaches a worker."""
+        key = adapter_key(tenant, content_hash)
+        if self.cache.exists(key):
+            return
+        data = self.files.read(key)
+        if data is None:
+            raise AdapterError("loras", f"adapter {content_hash} is lost from the store and "
+                               "from disk; upload it again")
+        self._store(tenant, content_hash, data)
+
     def delete(self, tenant: str, name: str) -> bool:
         info = self.find(tenant, name=name)
         if info is None:
             return False
         self.redis.hdel(adapter_index(tenant), name)
         if self.find(tenant, content_hash=info.hash) is None:  # no other name holds it
-            self.cache.remove(adapter_key(tenant, info.hash))
+            key = adapter_key(tenant, info.hash)
+            self.cache.remove(key)
+            self.files.path(key).unlink(missing_ok=True)
         return True
+
+    def _store(self, tenant: str, content_hash: str, data: bytes) -> None:
+        self.cache.put(adapter_key(tenant, content_hash),
+                       torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
 def as_dict(info: AdapterInfo) -> dict[str, object]:

@@ -14,7 +14,10 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save as save_safetensors
 
 from api.app import create_app
+from cachesvc.connect import open_cache
 from cachesvc.settings import ApiSettings, Settings
+from cachesvc.waiting import wait_until
+from keys import adapter_key
 from tests.test_lora import random_lora
 
 pytestmark = pytest.mark.slow
@@ -38,7 +41,7 @@ def upload(http: TestClient, name: str, data: bytes, headers: dict[str, str]) ->
 
 
 def test_an_adapter_is_uploaded_listed_used_and_kept_to_its_tenant(
-        http: TestClient, model_dir: Path) -> None:
+        http: TestClient, model_dir: Path, worker_settings: Settings) -> None:
     info = upload(http, "ink", save_safetensors(random_lora(model_dir, seed=2)), A)
     assert info["rank"] == 4 and info["targets"] == 4  # two layers in each of two blocks
     assert [a["name"] for a in http.get("/v1/adapters", headers=A).json()] == ["ink"]
@@ -54,6 +57,20 @@ def test_an_adapter_is_uploaded_listed_used_and_kept_to_its_tenant(
         "loras": [{"hash": info["hash"]}]}).json()
     status = http.get(f"/v1/requests/{video['id']}", headers=A).json()
     assert status["loras"] == [{"hash": info["hash"], "scale": 1.0}]
+
+    # The store loses it (evicted, or gone with a storage node): its file puts it back.
+    cache = open_cache(worker_settings)
+    try:
+        assert cache.remove(adapter_key("adapters-a", str(info["hash"])))
+        again = http.post("/v1/generate", headers=A, json={
+            "prompt": "a heron", **SMALL, "loras": [{"name": "ink"}]}).json()
+        assert cache.exists(adapter_key("adapters-a", str(info["hash"])))
+    finally:
+        cache.close()
+    done = wait_until(lambda: (s := http.get(f"/v1/requests/{again['id']}", headers=A).json())
+                      ["state"] in ("DONE", "FAILED") and s, timeout_s=120,
+                      what="the request with a restored adapter finished")
+    assert done["state"] == "DONE"
 
     # Another tenant can use it neither by name nor by hash, nor delete it.
     for lora in ({"name": "ink"}, {"hash": info["hash"]}):
