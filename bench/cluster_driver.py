@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,19 +67,19 @@ class Calls:
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     def wait_fields(self, id: str, field: str, at_least: int) -> dict[str, str]:
-        def reached() -> dict[str, str] | None:
-            fields = self.fields(id)
-            return fields if int(fields.get(field, 0)) >= at_least else None
-
-        return wait_until(reached, timeout_s=120, interval_s=0.005,
-                          what=f"{id}'s {field} at {at_least}")
+        return self._record_when(id, lambda f: int(f.get(field, 0)) >= at_least,
+                                 f"{id}'s {field} at {at_least}")
 
     def wait_state(self, id: str, state: str) -> dict[str, str]:
+        return self._record_when(id, lambda f: f.get("state") == state, f"{id} {state}")
+
+    def _record_when(self, id: str, ready: Callable[[dict[str, str]], bool],
+                     what: str) -> dict[str, str]:
         def reached() -> dict[str, str] | None:
             fields = self.fields(id)
-            return fields if fields.get("state") == state else None
+            return fields if ready(fields) else None
 
-        return wait_until(reached, timeout_s=120, what=f"{id} {state}")
+        return wait_until(reached, timeout_s=120, interval_s=0.005, what=what)
 
     def preempt(self, id: str, mode: str) -> dict[str, Any]:
         response = self.http.post(f"/v1/requests/{id}/preempt", json={"mode": mode})

@@ -29,20 +29,22 @@ from workers.stages.media import decode_npy
 ADAPTERS = 3
 
 
-def random_lora(model_dir: Path, seed: int, rank: int = 4) -> bytes:
-    """A diffusers-format LoRA on every block's self-attention query and value."""
-    from diffusers import WanTransformer3DModel
+def random_lora(model_dir: Path, seed: int, rank: int = 4,
+                targets: tuple[str, ...] = ("attn1.to_q", "attn1.to_v"),
+                model_class: str = "WanTransformer3DModel") -> dict[str, torch.Tensor]:
+    """A diffusers-format LoRA on the linear layers whose names end with ``targets``."""
+    import diffusers
 
-    model = WanTransformer3DModel.from_pretrained(model_dir / "transformer")
+    model = getattr(diffusers, model_class).from_pretrained(model_dir / "transformer")
     g = torch.Generator().manual_seed(seed)
     state = {}
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.endswith(("attn1.to_q", "attn1.to_v")):
+        if isinstance(module, torch.nn.Linear) and name.endswith(targets):
             state[f"transformer.{name}.lora_A.weight"] = 0.2 * torch.randn(
                 rank, module.in_features, generator=g)
             state[f"transformer.{name}.lora_B.weight"] = 0.2 * torch.randn(
                 module.out_features, rank, generator=g)
-    return save_safetensors(state)
+    return state
 
 
 def phase(settings: Settings, tenant: str, adapters: list[bytes], requests: int,
@@ -86,7 +88,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     with model_stack() as base:
-        adapters = [random_lora(base.model_dir, seed) for seed in range(ADAPTERS)]
+        adapters = [save_safetensors(random_lora(base.model_dir, seed))
+                    for seed in range(ADAPTERS)]
         runs = {}
         for routing in (True, False):
             settings = base.model_copy(update={"workers": base.workers.model_copy(update={

@@ -14,11 +14,11 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save as save_safetensors
 
 from api.app import create_app
+from bench.lora import random_lora
 from cachesvc.connect import open_cache
 from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
 from keys import adapter_key
-from tests.test_lora import random_lora
 
 pytestmark = pytest.mark.slow
 KEYS = {"key-a": "adapters-a", "key-b": "adapters-b"}

@@ -14,6 +14,7 @@ import xxhash
 from safetensors.torch import save as save_safetensors
 
 from api.metrics import ClusterCollector, registry_with
+from bench.lora import random_lora
 from cachesvc.connect import open_cache
 from cachesvc.settings import Settings
 from keys import LoraUse, adapter_key
@@ -23,24 +24,6 @@ from workers.families.base import CPU
 
 pytestmark = pytest.mark.slow
 TENANT = "lora"
-
-
-def random_lora(model_dir: Path, seed: int, rank: int = 4,
-                targets: tuple[str, ...] = ("attn1.to_q", "attn1.to_v"),
-                model_class: str = "WanTransformer3DModel") -> dict[str, torch.Tensor]:
-    """A diffusers-format LoRA on the linear layers whose names end with ``targets``."""
-    import diffusers
-
-    model = getattr(diffusers, model_class).from_pretrained(model_dir / "transformer")
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.endswith(targets):
-            state[f"transformer.{name}.lora_A.weight"] = 0.2 * torch.randn(
-                rank, module.in_features, generator=g)
-            state[f"transformer.{name}.lora_B.weight"] = 0.2 * torch.randn(
-                module.out_features, rank, generator=g)
-    return state
 
 
 def upload(settings: Settings, state: dict[str, torch.Tensor], tenant: str = TENANT) -> str:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import redis
 
+from bench.lora import random_lora
 from cachesvc.connect import open_cache
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings
@@ -17,7 +18,7 @@ from cachesvc.stack import EmbeddedStack
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, LoraUse, latents_key
 from keys.names import decode_credits, request_record, stage_stream
-from tests.test_lora import random_lora, upload
+from tests.test_lora import upload
 from tests.workers_harness import (
     make_spec,
     read_frames,

@@ -248,8 +248,9 @@ def test_openai_images_and_the_output_cache_serve_the_image_family(
 def test_an_adapter_applies_bit_identically_to_the_qwen_image_pipeline(
         qwen_settings: Settings, qwen_client: redis.Redis, qwen_pool: object,
         qwen_model_dir: Path) -> None:
+    from bench.lora import random_lora
     from keys import LoraUse
-    from tests.test_lora import random_lora, upload
+    from tests.test_lora import upload
 
     state = random_lora(qwen_model_dir, seed=9, targets=("attn.to_q", "attn.to_v"),
                         model_class="QwenImageTransformer2DModel")

@@ -69,7 +69,7 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
         def report(stats: AdapterStats, held: tuple[str, ...]) -> None:
             publish_adapter_stats(client, WorkerAdapters(
                 consumer, stats.loads, stats.swaps, stats.load_seconds, held,
-                tuple(a.partition("@")[0] for a in stats.active)))
+                tuple(lora.hash for lora in stats.active)))
 
         handler = DenoiseHandler(cache, denoiser, settings.workers, credits, report)
         publish_lora_targets(client, {

@@ -34,7 +34,7 @@ class AdapterStats:
     loads: int = 0
     swaps: int = 0
     load_seconds: float = 0.0
-    active: tuple[str, ...] = field(default_factory=tuple)
+    active: tuple[LoraUse, ...] = field(default_factory=tuple)
 
 
 def adapter_name(content_hash: str) -> str:
@@ -55,7 +55,7 @@ class LoadedAdapters:
 
     def apply(self, tenant: str, loras: Sequence[LoraUse]) -> None:
         """Make the denoiser run with exactly ``loras`` at their scales."""
-        wanted = tuple(f"{lora.hash}@{lora.scale}" for lora in loras)
+        wanted = tuple(loras)
         if wanted == self.stats.active:
             return
         model: object = self.transformer
