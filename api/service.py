@@ -46,10 +46,11 @@ from workers.queue.records import Records
 from workers.queue.schema import Field, PreemptMode, RequestRecord, State
 from workers.queue.scripts import RecordWrite
 from workers.queue.served_model import (
-    DEFAULT_FAMILY,
     ServedModel,
+    family_to_build,
     read_lora_targets,
     read_served,
+    request_defaults,
 )
 from workers.queue.submit import AdmissionError, Bounds, new_request_id, readmit, submit
 
@@ -155,7 +156,7 @@ class Service:
                       if cache.durable_outputs else None)
 
     def spec_for(self, tenant: str, body: GenerateBody, served: ServedModel) -> GenerationSpec:
-        m = self.settings.model
+        m = served.defaults
 
         def given(value: int | None, default: int) -> int:
             return default if value is None else value
@@ -238,9 +239,9 @@ class Service:
         found = read_served(self.redis)
         if found is not None:
             return found
-        family = self.settings.model.family
-        return ServedModel(DEFAULT_FAMILY if family == "auto" else family,
-                           self.settings.model_dir.name)
+        m = self.settings.model
+        return ServedModel(family_to_build(m.family, m.preset), self.settings.model_dir.name,
+                           request_defaults(m, self.settings.model_dir))
 
     def generate(self, tenant: str, body: GenerateBody, idem: str | None = None) -> str:
         """Admit and submit; with an idempotency key, a repeat returns the first request."""

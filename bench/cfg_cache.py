@@ -24,6 +24,7 @@ from cachesvc.tensor_cache import TensorCache
 from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat, StoreKey
 from workers.queue.records import Records
 from workers.queue.schema import RequestRecord
+from workers.queue.served_model import request_defaults
 from workers.queue.submit import new_request_id, submit
 from workers.stages.media import decode_npy
 
@@ -31,7 +32,7 @@ SEED = 1234
 
 
 def workload(settings: Settings, tenant: str, cfg: CfgCache, count: int) -> list[GenerationSpec]:
-    m = settings.model
+    m = request_defaults(settings.model, settings.model_dir)
     prompts = prompt_pool(10, seed=3)
     pairs = [(p, n) for n in NEGATIVE_PROMPTS for p in prompts][:count]
     return [GenerationSpec.create(

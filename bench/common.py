@@ -35,10 +35,11 @@ WAIT_ALL_S = 3600.0
 def bench_stack(segment_mib: int, family: str = "auto",
                 model: dict[str, object] | None = None) -> Iterator[Settings]:
     """A private embedded stack in a temporary directory; resolved settings to reach it.
-    ``model`` overrides model settings (size, device)."""
+    ``model`` overrides model settings (size, device). The model is the random one sized for
+    timing (preset ``default``) unless ``model`` names another preset."""
     with tempfile.TemporaryDirectory(prefix="diffcache-bench-") as data_dir:
         settings = load_settings(data_dir=data_dir, store={"segment_mib": segment_mib},
-                                 model={"family": family, **(model or {})})
+                                 model={"family": family, "preset": "default", **(model or {})})
         stack = EmbeddedStack(settings)
         with stack as addresses:
             yield stack.resolved(addresses)

@@ -29,6 +29,7 @@ from workers.families.base import Family, Placement
 from workers.queue.messages import Stage
 from workers.queue.records import Records
 from workers.queue.schema import RequestRecord
+from workers.queue.served_model import request_defaults
 from workers.queue.submit import new_request_id, submit
 from workers.stages.media import decode_npy, encode_frames
 
@@ -39,7 +40,7 @@ def placement_of(settings: Settings) -> Placement:
 
 
 def spec_for(settings: Settings, family: Family, draw: Draw) -> GenerationSpec:
-    m = settings.model
+    m = request_defaults(settings.model, settings.model_dir)
     return GenerationSpec.create(
         request_id=new_request_id(), tenant="bench", prompt=draw.prompt,
         negative_prompt=draw.negative_prompt, width=m.width, height=m.height,

@@ -19,12 +19,13 @@ from cachesvc.connect import open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, Priority
 from workers.queue.records import Records
+from workers.queue.served_model import request_defaults
 from workers.queue.submit import new_request_id, submit
 
 
 def make(settings: Settings, tenant: str, prompt: str, seed: int, steps: int,
          priority: Priority) -> GenerationSpec:
-    m = settings.model
+    m = request_defaults(settings.model, settings.model_dir)
     return GenerationSpec.create(
         request_id=new_request_id(), tenant=tenant, prompt=prompt, negative_prompt="blurry",
         width=m.width, height=m.height, num_frames=m.num_frames, num_inference_steps=steps,

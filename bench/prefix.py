@@ -19,12 +19,13 @@ from cachesvc.connect import open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, PromptSegment
 from workers.queue.records import Records
+from workers.queue.served_model import request_defaults
 from workers.queue.submit import new_request_id, submit
 
 
 def group(settings: Settings, n: int, variations: int, tenant: str | None) -> list[
         GenerationSpec]:
-    m = settings.model
+    m = request_defaults(settings.model, settings.model_dir)
     steps, half = m.num_inference_steps, m.num_inference_steps // 2
     first = f"a {SUBJECTS[n % len(SUBJECTS)]} {ACTIONS[n % len(ACTIONS)]}"
     specs = []
@@ -67,7 +68,7 @@ def main() -> None:
     with model_stack() as settings:
         off = phase(settings, False, args)
         on = phase(settings, True, args)
-    steps = settings.model.num_inference_steps
+    steps = request_defaults(settings.model, settings.model_dir).num_inference_steps
     total = args.groups * args.variations * steps
     # Steps that lie in a prefix an earlier request of the group already computed.
     shared = args.groups * (args.variations - 1) * (steps // 2)

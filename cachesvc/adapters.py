@@ -74,8 +74,9 @@ def validate(data: bytes, linears: Mapping[str, tuple[int, int]]) -> tuple[int, 
         match = _LORA_KEY.fullmatch(name)
         if match is None:
             raise AdapterError(name, "not a denoiser LoRA tensor; expected "
-                               "transformer.<module>.lora_A.weight or .lora_B.weight "
-                               "(text-encoder adapters are not supported)")
+                               "transformer.<module>.lora_A.weight or .lora_B.weight (the "
+                               "families' diffusers LoRA loaders adapt the transformer only, "
+                               "so adapters for the text encoder are not supported)")
         shape = entry.get("shape")
         if not isinstance(shape, list) or len(shape) != 2:
             raise AdapterError(name, f"must be a 2-D matrix, not shape {shape}")

@@ -103,7 +103,7 @@ class ModelSettings(_Section):
     """The model every worker loads: a local folder, built on first start if it is missing."""
 
     # "auto": the family whose pipeline class the model folder's model_index.json names (a
-    # folder still to be built gets the default, video family).
+    # folder still to be built gets the preset's family: qwen-image for "shapes").
     family: Literal["auto", "wan", "qwen-image"] = "auto"
     # "auto": CUDA when there is a GPU, else the CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -111,14 +111,17 @@ class ModelSettings(_Section):
     # as the reference pipelines run. The VAE always runs in float32.
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     dir: Path | None = Field(None, description="default: <data_dir>/model")
-    preset: Literal["default", "test"] = Field("default", description="size of the built-in model")
+    preset: Literal["shapes", "default", "test"] = Field(
+        "shapes", description="the built-in model: shapes (trained, shipped with the project), "
+        "or a random one sized for timing (default) or for tests (test)")
     build_seed: int = 0
-    # Request defaults sized so that one request takes seconds on 2 CPU cores.
-    width: int = Field(96, ge=16)
-    height: int = Field(96, ge=16)
-    num_frames: int = Field(9, ge=1)
-    num_inference_steps: int = Field(20, ge=1)
-    guidance_scale: float = Field(5.0, ge=0)
+    # Request defaults; unset, they are the model folder's own (its diffcache.json), else
+    # 96x96, 9 frames, 20 steps, guidance 5.
+    width: int | None = Field(None, ge=16)
+    height: int | None = Field(None, ge=16)
+    num_frames: int | None = Field(None, ge=1)
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, ge=0)
 
 
 class WorkerSettings(_Section):

@@ -15,6 +15,7 @@ from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, StoreKey
 from workers.queue.events import RecordEvents
 from workers.queue.schema import RequestRecord, State
+from workers.queue.served_model import request_defaults
 from workers.queue.submit import new_request_id, submit
 
 # How long ``diffcache submit`` follows a request by default (its --timeout).
@@ -24,7 +25,7 @@ SUBMIT_TIMEOUT_S = 3600.0
 def submit_and_wait(settings: Settings, prompt: str, negative_prompt: str, seed: int,
                     output_format: str, tenant: str, out: str, console: Console,
                     timeout_s: float = SUBMIT_TIMEOUT_S) -> None:
-    m = settings.model
+    m = request_defaults(settings.model, settings.model_dir)
     spec = GenerationSpec.create(
         request_id=new_request_id(), tenant=tenant, prompt=prompt,
         negative_prompt=negative_prompt, width=m.width, height=m.height,

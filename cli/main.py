@@ -12,6 +12,7 @@ from rich.markup import escape
 from cachesvc.processes import StartupError
 from cachesvc.settings import Settings, SettingsError, load_settings
 from cachesvc.stack import HEAD, NODE, ONE_MACHINE, Roles
+from cli import train
 from cli.console import detach_native_stderr
 from cli.up import ServiceTree, api_url, endpoints_path
 
@@ -165,18 +166,22 @@ def worker(stage: str = typer.Argument(..., help="encode, denoise or decode")) -
 
 model_app = typer.Typer(help="The built-in model.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+model_app.command("train")(train.train)
+model_app.command("train-classifier")(train.train_classifier)
 
 
 @model_app.command("init")
 def model_init(
     dir: str | None = typer.Option(None, "--dir", help="default: <data_dir>/model"),
-    preset: str | None = typer.Option(None, help="default or test"),
+    preset: str | None = typer.Option(None, help="shapes (trained), default or test "
+                                      "(random); default: shapes"),
     family: str | None = typer.Option(None, help="a model family, e.g. qwen-image; default: "
-                                      "the video family"),
+                                      "the preset's (wan for the random ones)"),
 ) -> None:
-    """Build a tiny random model of a family and save it with save_pretrained."""
+    """Install the trained shapes model, or build a tiny random model of a family, with
+    save_pretrained."""
     from workers.families import UnknownFamilyError, family_named, is_built
-    from workers.queue.served_model import DEFAULT_FAMILY
+    from workers.queue.served_model import family_to_build
 
     settings = _settings(model={k: v for k, v in {"dir": dir, "preset": preset,
                                                    "family": family}.items() if v})
@@ -184,8 +189,10 @@ def model_init(
         console.print(f"a model is already built in {settings.model_dir}")
         return
     try:
-        chosen = family_named(DEFAULT_FAMILY if settings.model.family == "auto"
-                              else settings.model.family)
+        chosen = family_named(family_to_build(settings.model.family, settings.model.preset))
+        if settings.model.preset not in chosen.presets:
+            raise UnknownFamilyError(f"model.preset {settings.model.preset!r} is not one of "
+                                     f"{chosen.name}'s: {list(chosen.presets)}")
     except UnknownFamilyError as exc:
         errors.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc

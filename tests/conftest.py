@@ -22,12 +22,17 @@ from workers.families import qwen_image, wan
 from workers.families.base import CPU
 from workers.queue.messages import Stage
 
+# The tiny random Wan model (the video family) unless a test names another: what requests
+# to a stack without workers are checked against.
+TEST_MODEL = {"preset": "test"}
+
 
 @pytest.fixture(scope="session")
 def embedded_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
     """The stack the session's worker pool runs on, with a small (128 MiB) storage node."""
     data_dir: Path = tmp_path_factory.mktemp("stack")
-    stack = EmbeddedStack(load_settings(data_dir=str(data_dir), store={"segment_mib": 128}))
+    stack = EmbeddedStack(load_settings(data_dir=str(data_dir), store={"segment_mib": 128},
+                                        model=TEST_MODEL))
     with stack:
         yield stack
 
@@ -38,7 +43,7 @@ def workerless_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setti
     and the tests that drive streams and workers by hand. Its Redis URL names db 0; each test
     module moves to a database of its own with ``redis_databases.on_database``."""
     settings = load_settings(data_dir=str(tmp_path_factory.mktemp("workerless")),
-                             store={"segment_mib": 128})
+                             store={"segment_mib": 128}, model=TEST_MODEL)
     stack = EmbeddedStack(settings)
     with stack as addresses:
         yield stack.resolved(addresses)

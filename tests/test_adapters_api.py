@@ -102,6 +102,13 @@ def test_bad_uploads_are_refused_naming_what_is_wrong(http: TestClient,
                         headers=A)
     assert refused.status_code == 422 and refused.json()["field"] == "blocks.9.nowhere"
 
+    # Neither family's diffusers LoRA loader takes the text encoder: refused, naming the tensor.
+    text = {"text_encoder.encoder.block.0.layer.0.SelfAttention.q.lora_A.weight":
+            torch.zeros(4, 32), **random_lora(model_dir, seed=3)}
+    refused = http.post("/v1/adapters?name=text", content=save_safetensors(text), headers=A)
+    assert refused.status_code == 422 and refused.json()["field"].startswith("text_encoder.")
+    assert "text encoder" in refused.json()["error"]
+
     too_big = http.post("/v1/adapters?name=big", content=b"\0" * (4 * 2**20 + 1), headers=A)
     assert too_big.status_code == 413 and "api.max_adapter_bytes" in too_big.json()["error"]
     assert http.post("/v1/adapters?name=bad/name", content=b"x", headers=A).status_code == 422

@@ -22,6 +22,7 @@ from cachesvc.stack import EmbeddedStack
 from cachesvc.waiting import wait_until
 from keys import KeyKind, StoreKey
 from keys.names import active_requests, request_record, stage_stream
+from tests.conftest import TEST_MODEL
 from tests.redis_databases import API_HARDENING, emptied, on_database
 from tests.workers_harness import serve_api
 
@@ -228,7 +229,7 @@ def test_redis_down_answers_503_with_retry_after(api_stack: Settings) -> None:
 def doomed_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
     """A stack of its own whose store the test stops."""
     stack = EmbeddedStack(load_settings(data_dir=str(tmp_path_factory.mktemp("doomed-api")),
-                                        store={"segment_mib": 16}))
+                                        store={"segment_mib": 16}, model=TEST_MODEL))
     with stack:
         yield stack
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cachesvc.settings import ModelSettings
 from keys import file_digest
 from tests.test_stack import DIFFCACHE
 from workers.families import FAMILIES, UnknownFamilyError, family_of, resolve
@@ -21,21 +22,33 @@ from workers.families.base import (
     PlacementError,
     component_fingerprint,
 )
+from workers.queue.served_model import (
+    MODEL_CARD,
+    ModelCardError,
+    RequestDefaults,
+    request_defaults,
+)
 
 
 @pytest.mark.slow  # builds the test models: seconds
 def test_the_family_is_read_from_model_index(model_dir: Path, qwen_model_dir: Path) -> None:
     assert family_of(model_dir).name == "wan"
     assert family_of(qwen_model_dir).name == "qwen-image"
-    assert resolve("auto", qwen_model_dir).name == "qwen-image"
+    assert resolve("auto", qwen_model_dir, "test").name == "qwen-image"
     with pytest.raises(UnknownFamilyError, match="holds a qwen-image model"):
-        resolve("wan", qwen_model_dir)
+        resolve("wan", qwen_model_dir, "test")
+
+
+def test_a_folder_to_be_built_gets_the_family_of_its_preset(tmp_path: Path) -> None:
+    assert resolve("auto", tmp_path, "shapes").name == "qwen-image"
+    assert resolve("auto", tmp_path, "default").name == "wan"
+    assert resolve("qwen-image", tmp_path, "test").name == "qwen-image"
 
 
 def test_an_unknown_pipeline_class_names_itself_and_the_supported_ones(tmp_path: Path) -> None:
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     with pytest.raises(UnknownFamilyError) as info:
-        resolve("auto", tmp_path)
+        resolve("auto", tmp_path, "default")
     message = str(info.value)
     assert "FluxPipeline" in message
     assert all(f.pipeline_class in message for f in FAMILIES.values())
@@ -87,3 +100,17 @@ def test_placement_follows_the_machine_and_names_the_device_class(
     on_cpu = component_fingerprint(qwen_model_dir, "vae", torch.float32, torch.device("cpu"))
     on_gpu = component_fingerprint(qwen_model_dir, "vae", torch.float32, torch.device("cuda"))
     assert on_cpu != on_gpu
+
+
+def test_request_defaults_come_from_the_model_card_under_explicit_settings(
+        tmp_path: Path) -> None:
+    assert request_defaults(ModelSettings(), tmp_path) == RequestDefaults()  # no card
+    (tmp_path / MODEL_CARD).write_text(json.dumps(
+        {"request_defaults": {"width": 32, "height": 48, "guidance_scale": 4.0}}))
+    carded = request_defaults(ModelSettings(), tmp_path)
+    assert (carded.width, carded.height, carded.guidance_scale) == (32, 48, 4.0)
+    assert carded.num_inference_steps == RequestDefaults().num_inference_steps
+    assert request_defaults(ModelSettings(height=64), tmp_path).height == 64
+    (tmp_path / MODEL_CARD).write_text(json.dumps({"request_defaults": {"depth": 3}}))
+    with pytest.raises(ModelCardError, match=r"diffcache\.json"):
+        request_defaults(ModelSettings(), tmp_path)

@@ -36,6 +36,7 @@ from workers.families import family_named, qwen_image
 from workers.families.base import CPU
 from workers.queue.messages import Stage
 from workers.queue.schema import State
+from workers.queue.served_model import RequestDefaults
 from workers.queue.submit import submit
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
@@ -240,7 +241,7 @@ def test_openai_images_and_the_output_cache_serve_the_image_family(
     images = [iio.imread(base64.b64decode(r.json()["data"][0]["b64_json"]), extension=".png")
               for r in (first, again)]
     spec = image_spec(prompt="a green train at night", negative_prompt="", seed=4242,
-                      guidance_scale=qwen_settings.model.guidance_scale)
+                      guidance_scale=RequestDefaults().guidance_scale)
     assert np.array_equal(images[0], images[1])
     assert np.array_equal(images[0], reference(qwen_pipe, spec)[0])
 

@@ -18,6 +18,7 @@ from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import wait_until
 from keys import KeyKind, StoreKey
+from tests.conftest import TEST_MODEL
 from tests.counting import counted
 
 # Each test starts a stack of its own and kills part of it: seconds each.
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def doomed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedStack, Settings]]:
     settings = load_settings(data_dir=str(tmp_path_factory.mktemp("doomed")),
-                             store={"segment_mib": 32})
+                             store={"segment_mib": 32}, model=TEST_MODEL)
     stack = EmbeddedStack(settings)
     with stack as addresses:
         yield stack, stack.resolved(addresses)

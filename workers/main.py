@@ -19,15 +19,21 @@ from workers.queue.credits import Credits
 from workers.queue.messages import Stage
 from workers.queue.preemption import InteractiveWaiting
 from workers.queue.runtime import Handler, Worker, consumer_name
-from workers.queue.served_model import ServedModel, publish_lora_targets, publish_served
+from workers.queue.served_model import (
+    ServedModel,
+    publish_lora_targets,
+    publish_served,
+    request_defaults,
+)
 
 log = logging.getLogger(__name__)
 
 
 def ensure_model(settings: Settings) -> Family:
-    """The family to serve; its tiny model is built on first start, later starts load what
-    was saved (or the real checkpoint ``model.dir`` names)."""
-    family = resolve(settings.model.family, settings.model_dir)
+    """The family to serve; its built-in model (the trained one, or a tiny random one) is
+    installed on first start, later starts load what was saved (or the real checkpoint
+    ``model.dir`` names)."""
+    family = resolve(settings.model.family, settings.model_dir, settings.model.preset)
     if not is_built(settings.model_dir):
         log.info("building the %s %s model in %s", settings.model.preset, family.name,
                  settings.model_dir)
@@ -36,7 +42,7 @@ def ensure_model(settings: Settings) -> Family:
 
 
 def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
-    family = resolve(settings.model.family, settings.model_dir)
+    family = resolve(settings.model.family, settings.model_dir, settings.model.preset)
     placement = Placement.for_settings(settings.model.device, settings.model.dtype)
     threads = {Stage.ENCODE: settings.workers.encode_threads,
                Stage.DENOISE: settings.workers.denoise_threads,
@@ -46,7 +52,8 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
     client = open_redis(settings)
     cache = open_cache(settings, client)
     directory = settings.model_dir
-    publish_served(client, ServedModel(family.name, directory.resolve().name))
+    publish_served(client, ServedModel(family.name, directory.resolve().name,
+                                       request_defaults(settings.model, directory)))
     handler: Handler
     files = (OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
              if settings.cache.durable_outputs else None)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from workers.families import qwen_image, wan
 from workers.families.base import Family
-from workers.queue.served_model import DEFAULT_FAMILY
+from workers.queue.served_model import family_to_build
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (wan.FAMILY, qwen_image.FAMILY)}
 
@@ -42,13 +42,13 @@ def family_of(directory: Path) -> Family:
         f"{sorted(f.pipeline_class for f in FAMILIES.values())}")
 
 
-def resolve(setting: str, directory: Path) -> Family:
+def resolve(setting: str, directory: Path, preset: str) -> Family:
     """The family to serve: the one the setting names, or (``auto``) the folder's, or the
-    default family for a folder still to be built. A folder of another family is an error."""
+    preset's family for a folder still to be built. A folder of another family is an error."""
     if is_built(directory):
         found = family_of(directory)
         if setting not in ("auto", found.name):
             raise UnknownFamilyError(f"model.family is {setting!r} but {directory} holds a "
                                      f"{found.name} model ({found.pipeline_class})")
         return found
-    return family_named(DEFAULT_FAMILY if setting == "auto" else setting)
+    return family_named(family_to_build(setting, preset))

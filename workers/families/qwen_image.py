@@ -10,6 +10,7 @@ through the same ``from_pretrained`` path. The stage code reproduces ``QwenImage
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shap
             "texture, quantity, text, spatial relationships of the objects and background:"
             "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
 DROP_IDX = 34
+# The trained model the "shapes" preset installs (package data).
+TRAINED = Path(__file__).parent / "trained" / "shapes"
 TOKENIZER_MAX_LENGTH = 1024
 MAX_SEQUENCE_LENGTH = 512  # what __call__ cuts embeddings to
 # Qwen/Qwen-Image's scheduler_config.json (diffusers ships no copy of it).
@@ -62,6 +65,7 @@ class QwenPreset:
     dit_heads: int
     dit_head_dim: int
     vae_base_dim: int
+    vae_dim_mult: tuple[int, ...] = (1, 2, 4, 4)  # one downsampling less per entry less
 
 
 PRESETS = {
@@ -71,6 +75,11 @@ PRESETS = {
                           dit_layers=12, dit_heads=4, dit_head_dim=32, vae_base_dim=8),
     "test": QwenPreset(vocab_words=4000, bpe_vocab=6000, text_hidden=32, text_layers=2,
                        dit_layers=2, dit_heads=2, dit_head_dim=16, vae_base_dim=4),
+    # The architecture `diffcache model train` trains on 32x32 scenes: a VAE that
+    # downsamples by 4, not 8, so the DiT sees 4x4 patches rather than 2x2.
+    "shapes": QwenPreset(vocab_words=4000, bpe_vocab=6000, text_hidden=64, text_layers=2,
+                         dit_layers=6, dit_heads=4, dit_head_dim=32, vae_base_dim=16,
+                         vae_dim_mult=(1, 2, 4)),
 }
 
 
@@ -113,7 +122,24 @@ def _tokenizer(preset: QwenPreset) -> Any:
 
 
 def build(directory: Path, preset_name: str, seed: int = 0) -> None:
-    """Build the tiny pipeline from ``seed`` and save it with ``save_pretrained``."""
+    """Install a model of the preset: the trained shapes model shipped with the project, or a
+    tiny random pipeline built from ``seed``, saved with ``save_pretrained``."""
+    if preset_name == "shapes":
+        install_trained(directory)
+    else:
+        untrained_pipeline(PRESETS[preset_name], seed).save_pretrained(directory)
+
+
+def install_trained(directory: Path) -> None:
+    """Copy the shipped trained model (``diffcache model train`` made it) into ``directory``."""
+    if not (TRAINED / "model_index.json").exists():
+        raise FileNotFoundError(f"the trained shapes model is missing from {TRAINED}; remake "
+                                f"it with `diffcache model train --out {TRAINED}`")
+    shutil.copytree(TRAINED, directory, dirs_exist_ok=True)
+
+
+def untrained_pipeline(preset: QwenPreset, seed: int) -> Any:
+    """A ``QwenImagePipeline`` of the preset's sizes with random weights drawn from ``seed``."""
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
@@ -122,7 +148,6 @@ def build(directory: Path, preset_name: str, seed: int = 0) -> None:
     )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    preset = PRESETS[preset_name]
     torch.manual_seed(seed)
     tokenizer = _tokenizer(preset)
     ids = {s: tokenizer.convert_tokens_to_ids(s) for s in SPECIAL_TOKENS}
@@ -152,16 +177,17 @@ def build(directory: Path, preset_name: str, seed: int = 0) -> None:
         attention_head_dim=d, num_attention_heads=preset.dit_heads,
         joint_attention_dim=preset.text_hidden, guidance_embeds=False,
         axes_dims_rope=(d // 4, 3 * d // 8, 3 * d // 8))
-    vae = AutoencoderKLQwenImage(base_dim=preset.vae_base_dim, z_dim=16, dim_mult=[1, 2, 4, 4],
-                                 num_res_blocks=1, temperal_downsample=[False, True, True])
+    downsamples = len(preset.vae_dim_mult) - 1
+    vae = AutoencoderKLQwenImage(base_dim=preset.vae_base_dim, z_dim=16,
+                                 dim_mult=list(preset.vae_dim_mult), num_res_blocks=1,
+                                 temperal_downsample=[False] + [True] * (downsamples - 1))
     pipe: Any = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
                                   vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                                   transformer=transformer)
     if (pipe.prompt_template_encode != TEMPLATE
             or pipe.prompt_template_encode_start_idx != DROP_IDX):
         raise RuntimeError("QwenImagePipeline's prompt template changed; update this family")
-    directory.mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(directory)
+    return pipe
 
 
 # --- Encode ---------------------------------------------------------------------------------

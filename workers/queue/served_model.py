@@ -1,19 +1,23 @@
-"""Which model a deployment serves, and the request limits of each family, as plain data.
+"""Which model a deployment serves, its request defaults and each family's request limits,
+as plain data.
 
-Workers publish the family they loaded to Redis when they start; the API reads it from there
-(it never imports model code) to check requests against the family's limits and to name the
-model in records, ``/metrics`` and the dashboard.
+Workers publish the family they loaded, with the request defaults of its model folder, to
+Redis when they start; the API reads them from there (it never imports model code) to fill
+and check requests and to name the model in records, ``/metrics`` and the dashboard.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 import redis
 from pydantic import TypeAdapter, ValidationError
 
+from cachesvc.settings import ModelSettings
 from keys import GenerationSpec
 from keys.names import lora_targets, served_model
 
@@ -40,7 +44,8 @@ class FamilyLimits:
 
 
 # One entry per family module in workers/families/.
-DEFAULT_FAMILY = "wan"  # what a deployment without a model folder builds and serves
+DEFAULT_FAMILY = "wan"  # what a random preset builds when the settings name no family
+PRESET_FAMILY = {"shapes": "qwen-image"}  # presets that exist in one family only
 LIMITS = {
     # 512 tokens with the EOS the tokenizer appends.
     "wan": FamilyLimits(video=True, frame_multiple=4, spatial_multiple=16,
@@ -51,10 +56,52 @@ LIMITS = {
 }
 
 
+def family_to_build(family: str, preset: str) -> str:
+    """The family a folder still to be built gets: the one named, else the preset's."""
+    return family if family != "auto" else PRESET_FAMILY.get(preset, DEFAULT_FAMILY)
+
+
+# A model folder may carry this card; its "request_defaults" are what a request to that model
+# gets for the fields it leaves out (the trained shapes model is only good at 32x32).
+MODEL_CARD = "diffcache.json"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDefaults:
+    """Sized, for a model without a card, so that one request takes seconds on 2 CPU cores."""
+
+    width: int = 96
+    height: int = 96
+    num_frames: int = 9  # an image family makes one frame whatever this says
+    num_inference_steps: int = 20
+    guidance_scale: float = 5.0
+
+
+class ModelCardError(ValueError):
+    """A model folder's card that cannot be read."""
+
+
+def request_defaults(model: ModelSettings, directory: Path) -> RequestDefaults:
+    """The model card's defaults (the built-in ones without a card), under any the settings
+    set explicitly."""
+    defaults = RequestDefaults()
+    card = directory / MODEL_CARD
+    if card.exists():
+        try:
+            given = json.loads(card.read_text()).get("request_defaults", {})
+            defaults = replace(defaults, **given)
+        except (ValueError, TypeError, AttributeError) as error:
+            raise ModelCardError(f"{card}: unreadable request_defaults ({error})") from error
+    chosen = {f.name: getattr(model, f.name) for f in fields(RequestDefaults)
+              if getattr(model, f.name) is not None}
+    return replace(defaults, **chosen)
+
+
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     family: str
     name: str  # the model folder's name
+    defaults: RequestDefaults = RequestDefaults()
 
     @property
     def limits(self) -> FamilyLimits:

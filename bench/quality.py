@@ -1,0 +1,164 @@
+"""Output quality of the trained shapes model, and what each approximate tier costs in it.
+
+A fixed set of (prompt, seed) pairs (each prompt the full caption of a scene of a held-out
+dataset seed) goes through the service: once exact, once per interval CFG tier. The shipped
+attribute classifier reads every output; the report gives, per attribute, the share that
+shows what the prompt asked; per tier, the forwards saved, the change in accuracy, and
+paired PSNR and SSIM against the exact output of the same pair; and for every run an
+FID-style distance to the ground-truth renders, on the classifier's features.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torchmetrics.functional.image import (
+    peak_signal_noise_ratio,
+    structural_similarity_index_measure,
+)
+from torchmetrics.image.fid import FrechetInceptionDistance
+
+from bench.cfg_cache import run
+from bench.common import model_stack, report, workers
+from cachesvc.connect import open_cache, open_redis
+from cachesvc.settings import Settings
+from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat
+from training.classifier import AttributeClassifier, load_classifier
+from training.scenes import Colour, Scene, Shape, Size, scene_at
+from training.scenes import Position as Where
+from workers.queue.records import Records
+from workers.queue.served_model import request_defaults
+from workers.queue.submit import new_request_id
+
+HELD_OUT = 500  # the dataset seed of the prompts: neither the model's nor the classifier's
+READ = ("color", "shape", "position")  # the attributes the issue's goal names
+
+
+@dataclass(frozen=True, slots=True)
+class Outputs:
+    frames: np.ndarray  # (N, H, W, 3) uint8
+    forwards: int
+
+
+def specs_for(settings: Settings, tenant: str, scenes: list[Scene], cfg: CfgCache,
+              first_seed: int) -> list[GenerationSpec]:
+    m = request_defaults(settings.model, settings.model_dir)
+    return [GenerationSpec.create(
+        request_id=new_request_id(), tenant=tenant, prompt=scene.caption, width=m.width,
+        height=m.height, num_frames=1, num_inference_steps=m.num_inference_steps,
+        guidance_scale=m.guidance_scale, seed=first_seed + i, output_format=OutputFormat.NPY,
+        cfg_cache=cfg) for i, scene in enumerate(scenes)]
+
+
+def accuracy(classifier: AttributeClassifier, frames: np.ndarray,
+             scenes: list[Scene]) -> dict[str, float]:
+    read = classifier.read(frames)
+    wanted = [scene.labels() for scene in scenes]
+    return {name: round(float(np.mean(read[name] == [w[name] for w in wanted])), 4)
+            for name in read}
+
+
+def distance(classifier: AttributeClassifier, frames: np.ndarray,
+             truth: np.ndarray) -> float:
+    """Frechet distance between the two sets' classifier features."""
+    fid = FrechetInceptionDistance(feature=classifier, normalize=False)
+    fid.update(torch.from_numpy(truth).permute(0, 3, 1, 2), real=True)
+    fid.update(torch.from_numpy(frames).permute(0, 3, 1, 2), real=False)
+    return round(float(fid.compute()), 3)
+
+
+def paired(frames: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
+    """Mean PSNR (dB) and SSIM of each output against the exact output of its pair."""
+    a = torch.from_numpy(frames).permute(0, 3, 1, 2).double()
+    b = torch.from_numpy(exact).permute(0, 3, 1, 2).double()
+    psnr = peak_signal_noise_ratio(a, b, data_range=255.0, reduction="none", dim=(1, 2, 3))
+    ssim = structural_similarity_index_measure(a, b, data_range=255.0, reduction="none")
+    assert isinstance(ssim, torch.Tensor)
+    return round(float(psnr.clamp(max=100).mean()), 2), round(float(ssim.mean()), 4)
+
+
+def grid_scenes() -> list[Scene]:
+    """One row per shape, one column per colour, each on the next colour's background."""
+    colours = list(Colour)
+    return [Scene(c, shape, Size.LARGE, Where.CENTER, colours[(i + 2) % len(colours)])
+            for shape in Shape for i, c in enumerate(colours)]
+
+
+def write_grid(frames: np.ndarray, columns: int, path: Path, scale: int = 4) -> None:
+    rows = len(frames) // columns
+    h, w = frames.shape[1:3]
+    sheet = np.zeros((rows * h, columns * w, 3), dtype=np.uint8)
+    for i, frame in enumerate(frames):
+        r, c = divmod(i, columns)
+        sheet[r * h:(r + 1) * h, c * w:(c + 1) * w] = frame
+    image = Image.fromarray(sheet).resize((columns * w * scale, rows * h * scale),
+                                          Image.Resampling.NEAREST)
+    image.save(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=160)
+    parser.add_argument("--intervals", type=int, nargs="+", default=[2, 3, 5])
+    parser.add_argument("--grid", type=Path, help="also write a PNG grid of sample outputs")
+    args = parser.parse_args()
+    classifier = load_classifier()
+    scenes = [scene_at(HELD_OUT, i) for i in range(args.requests)]
+    truth = np.stack([np.asarray(s.render()) for s in scenes])
+    results: dict[str, Outputs] = {}
+    with model_stack(model={"preset": "shapes"}) as settings:
+        records = Records(open_redis(settings))
+        cache = open_cache(settings)
+        with workers(settings, settings.data_dir / "logs"):
+            tiers = {"exact": CfgCache(CfgMode.EXACT)}
+            tiers |= {f"interval-{k}": CfgCache(CfgMode.INTERVAL, k) for k in args.intervals}
+            for name, cfg in tiers.items():
+                forwards, frames = run(records, cache,
+                                       specs_for(settings, name, scenes, cfg, 1000))
+                results[name] = Outputs(np.concatenate(frames), forwards)
+            if args.grid is not None:
+                examples = grid_scenes()
+                _, frames = run(records, cache, specs_for(
+                    settings, "grid", examples, CfgCache(CfgMode.EXACT), 7))
+                write_grid(np.concatenate(frames), len(Colour), args.grid)
+        cache.close()
+
+    exact = results["exact"]
+    exact_acc = accuracy(classifier, exact.frames, scenes)
+    on_renders = accuracy(classifier, truth, scenes)
+    rows: list[list[object]] = [
+        ["ground-truth renders", *(on_renders[a] for a in READ), "", "", "", "",
+         distance(classifier, truth, truth)],
+        ["exact", *(exact_acc[a] for a in READ), exact.forwards, "", "", "",
+         distance(classifier, exact.frames, truth)]]
+    interval = []
+    for k in args.intervals:
+        tier = results[f"interval-{k}"]
+        acc = accuracy(classifier, tier.frames, scenes)
+        psnr, ssim = paired(tier.frames, exact.frames)
+        entry = {"k": k, "forwards_saved": round(1 - tier.forwards / exact.forwards, 4),
+                 "acc_delta": round(float(np.mean([acc[a] - exact_acc[a] for a in READ])), 4),
+                 "psnr_db": psnr, "ssim": ssim,
+                 "fid": distance(classifier, tier.frames, truth)}
+        interval.append(entry)
+        rows.append([f"interval k={k}", *(acc[a] for a in READ), tier.forwards,
+                     entry["forwards_saved"], psnr, ssim, entry["fid"]])
+    report(f"shapes model, {args.requests} (prompt, seed) pairs: attribute accuracy read by "
+           "the classifier; PSNR/SSIM against the exact output of the same pair; FID on the "
+           "classifier's features against the renders",
+           ["run", *READ, "forwards", "saved", "PSNR dB", "SSIM", "FID"], rows,
+           {"bench": "quality", "requests": args.requests,
+            "exact": {f"{a}_acc": exact_acc[a] for a in READ}
+            | {"size_acc": exact_acc["size"], "background_acc": exact_acc["background"],
+               "fid": distance(classifier, exact.frames, truth)},
+            "classifier_on_renders": {f"{a}_acc": on_renders[a] for a in on_renders},
+            "interval": interval})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The trained shapes model shipped with the project: the default preset installs it, the
+workers publish its own request defaults, its three workers serve it bit-identically to
+``QwenImagePipeline`` (CPU, float32, one thread per op), and the shipped classifier reads
+the README's example prompt's output as the prompt asked."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from cachesvc.connect import open_redis
+from cachesvc.settings import ModelSettings, Settings, WorkerSettings, load_settings
+from cachesvc.stack import EmbeddedStack
+from tests.workers_harness import make_spec, reference, run_request, start_worker
+from training.classifier import load_classifier
+from training.scenes import ATTRIBUTES, Colour, Shape
+from workers.families import family_named, family_of, qwen_image
+from workers.main import ensure_model
+from workers.queue.messages import Stage
+from workers.queue.served_model import read_served, request_defaults
+
+pytestmark = pytest.mark.slow  # starts worker processes
+
+
+@pytest.fixture(scope="module")
+def shapes_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    data_dir = tmp_path_factory.mktemp("shapes-stack")
+    settings = load_settings(data_dir=str(data_dir), store={"segment_mib": 64})
+    stack = EmbeddedStack(settings)
+    with stack as addresses:
+        resolved = stack.resolved(addresses).model_copy(update={
+            "model": ModelSettings(dir=data_dir / "model"),  # every model setting by default
+            "workers": WorkerSettings(idle_timeout_s=3.0, block_ms=200)})
+        ensure_model(resolved)
+        yield resolved
+
+
+@pytest.fixture(scope="module")
+def shapes_client(shapes_settings: Settings) -> redis.Redis:
+    return open_redis(shapes_settings)
+
+
+@pytest.fixture(scope="module")
+def shapes_pool(shapes_settings: Settings, shapes_client: redis.Redis,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    logs = tmp_path_factory.mktemp("shapes-logs")
+    children = [start_worker(shapes_settings, stage, logs, shapes_client, f"shapes-{stage}")
+                for stage in Stage]
+    yield
+    for child in children:
+        child.stop()
+
+
+def test_the_default_preset_installs_the_shipped_weights(shapes_settings: Settings) -> None:
+    folder = shapes_settings.model_dir
+    assert family_of(folder).name == "qwen-image"
+    for weights in qwen_image.TRAINED.rglob("*.safetensors"):
+        assert (folder / weights.relative_to(qwen_image.TRAINED)).read_bytes() == \
+            weights.read_bytes()
+    total = sum(p.stat().st_size for p in qwen_image.TRAINED.rglob("*.safetensors"))
+    assert total <= 20 * 1024 * 1024
+
+
+def test_the_workers_publish_the_models_request_defaults(
+        shapes_settings: Settings, shapes_client: redis.Redis, shapes_pool: None) -> None:
+    served = read_served(shapes_client)
+    assert served is not None and served.family == "qwen-image"
+    assert served.defaults == request_defaults(shapes_settings.model, shapes_settings.model_dir)
+    assert (served.defaults.width, served.defaults.height, served.defaults.num_frames) == \
+        (32, 32, 1)
+
+
+def test_the_example_prompt_is_served_bit_identically_and_as_asked(
+        shapes_settings: Settings, shapes_client: redis.Redis, shapes_pool: None) -> None:
+    defaults = request_defaults(shapes_settings.model, shapes_settings.model_dir)
+    spec = make_spec(prompt="a red circle on a blue background", negative_prompt="",
+                     width=defaults.width, height=defaults.height, num_frames=1,
+                     num_inference_steps=defaults.num_inference_steps,
+                     guidance_scale=defaults.guidance_scale, seed=0)
+    frames = run_request(shapes_settings, shapes_client, spec)
+    pipe = family_named("qwen-image").reference(shapes_settings.model_dir)
+    assert np.array_equal(frames, reference(pipe, spec))
+    read = load_classifier().read(frames)
+    assert ATTRIBUTES["color"][read["color"][0]] is Colour.RED
+    assert ATTRIBUTES["shape"][read["shape"][0]] is Shape.CIRCLE
+    assert ATTRIBUTES["background"][read["background"][0]] is Colour.BLUE
+
+
+def test_the_shipped_classifier_reads_ground_truth(tmp_path: Path) -> None:
+    from training.scenes import scene_at
+
+    scenes = [scene_at(7, i) for i in range(64)]
+    frames = np.stack([np.asarray(s.render()) for s in scenes])
+    read = load_classifier().read(frames)
+    for name in ("color", "shape", "position", "background"):
+        assert np.mean(read[name] == [s.labels()[name] for s in scenes]) >= 0.95, name

@@ -1,0 +1,85 @@
+"""Training the shapes model: the synthetic scenes are deterministic and say what they show,
+and ``diffcache model train`` stopped and resumed from its checkpoint ends with weights that
+are bit-identical to an uninterrupted run's (one thread, CPU, float32)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.test_stack import DIFFCACHE
+from training.scenes import POSITION_WORDS, RESOLUTION, Colour, Scene, Shape, Size, scene_at
+from training.scenes import Position as Where
+
+
+def test_a_scene_is_a_function_of_seed_and_index() -> None:
+    assert scene_at(3, 17) == scene_at(3, 17)
+    assert np.array_equal(np.asarray(scene_at(3, 17).render()),
+                          np.asarray(scene_at(3, 17).render()))
+    assert len({scene_at(3, i) for i in range(50)}) > 40
+    assert all(scene_at(3, i).colour is not scene_at(3, i).background for i in range(200))
+
+
+@pytest.mark.parametrize("where", list(Where))
+def test_a_render_shows_what_its_caption_names(where: Where) -> None:
+    scene = Scene(Colour.RED, Shape.CIRCLE, Size.LARGE, where, Colour.BLUE)
+    pixels = np.asarray(scene.render())
+    x, y = (round(v * RESOLUTION) for v in where.value)
+    assert tuple(pixels[y, x]) == Colour.RED.value
+    assert tuple(pixels[0, 0]) == Colour.BLUE.value or where in (Where.LEFT, Where.TOP)
+    for word in ("large", "red", "circle", POSITION_WORDS[where], "blue background"):
+        assert word in scene.caption
+    assert scene.short_caption(False, False) == "a red circle on a blue background"
+
+
+def test_a_triangle_covers_less_than_a_square_of_its_size() -> None:
+    def covered(shape: Shape) -> int:
+        scene = Scene(Colour.WHITE, shape, Size.LARGE, Where.CENTER, Colour.BLACK)
+        return int((np.asarray(scene.render())[..., 0] > 128).sum())
+
+    assert covered(Shape.TRIANGLE) < covered(Shape.CIRCLE)
+    assert covered(Shape.TRIANGLE) < covered(Shape.SQUARE)
+
+
+def train(out: Path, work: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
+    return subprocess.run(
+        [*DIFFCACHE, "model", "train", "--out", str(out), "--work", str(work),
+         "--architecture", "test", "--vae-steps", "3", "--vae-batch", "4", "--dit-steps", "3",
+         "--dit-batch", "4", "--threads", "1", *extra],
+        capture_output=True, text=True, env=environ, timeout=300, check=False)
+
+
+def weights(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes()
+            for p in sorted(folder.rglob("*.safetensors"))}
+
+
+@pytest.mark.slow  # four training processes: about a minute
+def test_training_resumed_from_its_checkpoint_is_bit_exact(tmp_path: Path) -> None:
+    straight = train(tmp_path / "a", tmp_path / "work-a")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    # Stopped inside the VAE phase, then across the VAE -> DiT boundary, then to the end.
+    for _ in range(2):
+        stopped = train(tmp_path / "b", tmp_path / "work-b", "--max-steps", "2")
+        assert stopped.returncode == 0, stopped.stderr[-2000:]
+        assert "stopped" in stopped.stdout and not (tmp_path / "b").exists()
+    resumed = train(tmp_path / "b", tmp_path / "work-b")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
+    assert set(a) == set(b) == {"text_encoder/model.safetensors",
+                                "transformer/diffusion_pytorch_model.safetensors",
+                                "vae/diffusion_pytorch_model.safetensors"}
+    assert a == b
+    dit = "transformer/diffusion_pytorch_model.safetensors"
+    trained, untrained = (load_file(d / dit) for d in (tmp_path / "a",
+                                                         tmp_path / "work-a" / "untrained"))
+    assert any(not torch.equal(trained[k], untrained[k].half()) for k in trained)
+    other_plan = train(tmp_path / "c", tmp_path / "work-b", "--seed", "1")
+    assert other_plan.returncode == 2 and "seed" in other_plan.stderr

@@ -1,0 +1,1 @@
+"""Training the built-in shapes model and its attribute classifier, on synthetic scenes."""
