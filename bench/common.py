@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import statistics
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -26,7 +27,9 @@ from workers.queue.records import Records
 from workers.queue.runtime import JobContext, Outcome, Worker
 from workers.queue.schema import RequestRecord, State
 
-console = Console(soft_wrap=True)
+# Piped to a file, rich would fit tables to 80 columns and cut their cells; a wide table reads
+# better there.
+console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 # The longest a benchmark waits for its workload: a stuck request fails the run, not hangs it.
 WAIT_ALL_S = 3600.0
 
