@@ -37,7 +37,7 @@ class Shape(Enum):
 
 
 class Size(Enum):
-    SMALL = 5  # half the shape's extent, in pixels
+    SMALL = 6  # half the shape's extent, in pixels
     LARGE = 9
 
 
@@ -96,8 +96,7 @@ class Scene:
         if self.shape is Shape.CIRCLE:
             draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=self.colour.value)
         elif self.shape is Shape.SQUARE:
-            s = r * 0.85  # a square of the circle's area reads as the same size
-            draw.rectangle((cx - s, cy - s, cx + s, cy + s), fill=self.colour.value)
+            draw.rectangle((cx - r, cy - r, cx + r, cy + r), fill=self.colour.value)
         else:
             draw.polygon([(cx, cy - r), (cx + r, cy + r * 0.8), (cx - r, cy + r * 0.8)],
                          fill=self.colour.value)
