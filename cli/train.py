@@ -3,7 +3,9 @@ yardstick again, with progress, timed checkpoints and resume."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -20,7 +22,23 @@ THREADS = typer.Option(2, "--threads", min=1, help="torch intra-op threads")
 PLAN_DEFAULT = "default: the plan's (README)"
 
 
-def _finish(done: bool, out: Path, work: Path) -> None:
+def _run(plan_class: type[Any], given: dict[str, Any], train_it: Callable[..., bool],
+         out: str, work: str, max_steps: int | None, checkpoint_minutes: float,
+         threads: int) -> None:
+    """Make the plan from the options given (the plan's defaults for the rest), train it, and
+    say how the run ended; a bad plan or checkpoint is one line and exit status 2."""
+    import torch
+
+    from training.checkpoint import CheckpointError, PlanError
+    from training.phases import Budget
+
+    torch.set_num_threads(threads)
+    try:
+        plan = plan_class(**{k: v for k, v in given.items() if v is not None})
+        done = train_it(plan, Path(out), Path(work), Budget(checkpoint_minutes * 60, max_steps))
+    except (PlanError, CheckpointError) as exc:
+        errors.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
     if done:
         console.print(f"[green]wrote[/green] {out}")
     else:
@@ -44,28 +62,12 @@ def train(
     threads: int = THREADS,
 ) -> None:
     """Train the shapes model (Qwen-Image's classes) on synthetic scenes, on the CPU."""
-    import torch
-
-    from training.checkpoint import CheckpointError, PlanMismatchError
-    from training.phases import Budget
     from training.shapes_model import TrainPlan
     from training.shapes_model import train as train_shapes
-    from workers.families.qwen_image import PRESETS
 
-    if architecture is not None and architecture not in PRESETS:
-        errors.print(f"[red]error:[/red] --architecture must be one of {sorted(PRESETS)}")
-        raise typer.Exit(2)
-    torch.set_num_threads(threads)
-    given = {"seed": seed, "architecture": architecture, "vae_steps": vae_steps,
-             "vae_batch": vae_batch, "dit_steps": dit_steps, "dit_batch": dit_batch}
-    plan = TrainPlan(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
-    try:
-        done = train_shapes(plan, Path(out), Path(work),
-                            Budget(checkpoint_minutes * 60, max_steps))
-    except (PlanMismatchError, CheckpointError) as exc:
-        errors.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
-    _finish(done, Path(out), Path(work))
+    _run(TrainPlan, {"seed": seed, "architecture": architecture, "vae_steps": vae_steps,
+                     "vae_batch": vae_batch, "dit_steps": dit_steps, "dit_batch": dit_batch},
+         train_shapes, out, work, max_steps, checkpoint_minutes, threads)
 
 
 def train_classifier(
@@ -80,19 +82,8 @@ def train_classifier(
     threads: int = THREADS,
 ) -> None:
     """Train the attribute classifier that bench.quality reads outputs with."""
-    import torch
-
-    from training.checkpoint import CheckpointError, PlanMismatchError
     from training.classifier import ClassifierPlan
     from training.classifier import train_classifier as train_it
-    from training.phases import Budget
 
-    torch.set_num_threads(threads)
-    given = {"seed": seed, "steps": steps, "batch": batch}
-    plan = ClassifierPlan(**{k: v for k, v in given.items() if v is not None})
-    try:
-        done = train_it(plan, Path(out), Path(work), Budget(checkpoint_minutes * 60, max_steps))
-    except (PlanMismatchError, CheckpointError) as exc:
-        errors.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
-    _finish(done, Path(out), Path(work))
+    _run(ClassifierPlan, {"seed": seed, "steps": steps, "batch": batch}, train_it, out, work,
+         max_steps, checkpoint_minutes, threads)

@@ -14,8 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.test_stack import DIFFCACHE
+from training.checkpoint import PlanError
 from training.scenes import POSITION_WORDS, RESOLUTION, Colour, Scene, Shape, Size, scene_at
 from training.scenes import Position as Where
+from training.shapes_model import TrainPlan
 
 
 def test_a_scene_is_a_function_of_seed_and_index() -> None:
@@ -45,6 +47,20 @@ def test_a_triangle_covers_less_than_a_square_of_its_size() -> None:
 
     assert covered(Shape.TRIANGLE) < covered(Shape.CIRCLE)
     assert covered(Shape.TRIANGLE) < covered(Shape.SQUARE)
+
+
+def test_a_small_square_and_circle_differ_by_more_than_a_pixel_per_corner() -> None:
+    """At 32x32 a small shape is a few latent cells wide: its shape must show in pixels."""
+    def mask(shape: Shape) -> np.ndarray:
+        scene = Scene(Colour.WHITE, shape, Size.SMALL, Where.CENTER, Colour.BLACK)
+        return np.asarray(scene.render())[..., 0] > 128
+
+    assert int((mask(Shape.SQUARE) ^ mask(Shape.CIRCLE)).sum()) >= 4 * 4
+
+
+def test_a_plan_of_an_unknown_architecture_is_refused_by_name() -> None:
+    with pytest.raises(PlanError, match="architecture"):
+        TrainPlan(architecture="huge")
 
 
 def train(out: Path, work: Path, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -9,10 +9,13 @@ import json
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 TENSORS = "state.safetensors"
 POSITION = "position.json"
@@ -31,14 +34,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint folder that cannot be read back."""
 
 
-class PlanMismatchError(ValueError):
+class PlanError(ValueError):
+    """A training plan that cannot be run; the message names the field."""
+
+
+class PlanMismatchError(PlanError):
     """A work folder holds a run of another plan: resuming it would mix two runs."""
 
 
-def check_plan(plan: object, work: Path) -> None:
+def check_plan(plan: DataclassInstance, work: Path) -> None:
     """Record the plan in a new work folder; refuse one that holds another plan's run."""
     path = work / "plan.json"
-    wanted = asdict(plan)  # type: ignore[call-overload]
+    wanted = asdict(plan)
     if path.exists():
         found = json.loads(path.read_text())
         if found != wanted:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from training import checkpoint
-from training.checkpoint import Position, check_plan
+from training.checkpoint import PlanError, Position, check_plan
 from training.phases import Budget, Phase, Run, warmup_cosine
 from training.scenes import RESOLUTION, Scene, scene_at, to_tensor, training_caption
 from workers.families import qwen_image
@@ -44,6 +44,11 @@ class TrainPlan:
     dit_batch: int = 64
     dit_lr: float = 1e-3
     uncond_share: float = 0.1  # captions replaced by "" (the default negative prompt)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in qwen_image.PRESETS:
+            raise PlanError(f"architecture must be one of {sorted(qwen_image.PRESETS)}, "
+                            f"not {self.architecture!r}")
 
 
 def write_untrained(plan: TrainPlan, directory: Path) -> None:
