@@ -96,6 +96,8 @@ class Scene:
         if self.shape is Shape.CIRCLE:
             draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=self.colour.value)
         elif self.shape is Shape.SQUARE:
+            # As wide as the circle: a square of the circle's area stood out from a small
+            # circle by about a pixel per corner, which the VAE did not keep.
             draw.rectangle((cx - r, cy - r, cx + r, cy + r), fill=self.colour.value)
         else:
             draw.polygon([(cx, cy - r), (cx + r, cy + r * 0.8), (cx - r, cy + r * 0.8)],
