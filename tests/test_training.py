@@ -15,7 +15,16 @@ from safetensors.torch import load_file
 
 from tests.test_stack import DIFFCACHE
 from training.checkpoint import PlanError
-from training.scenes import POSITION_WORDS, RESOLUTION, Colour, Scene, Shape, Size, scene_at
+from training.scenes import (
+    POSITION_WORDS,
+    RESOLUTION,
+    Colour,
+    Scene,
+    Shape,
+    Size,
+    scene_at,
+    training_caption,
+)
 from training.scenes import Position as Where
 from training.shapes_model import TrainPlan
 
@@ -56,6 +65,15 @@ def test_a_small_square_and_circle_differ_by_more_than_a_pixel_per_corner() -> N
         return np.asarray(scene.render())[..., 0] > 128
 
     assert int((mask(Shape.SQUARE) ^ mask(Shape.CIRCLE)).sum()) >= 4 * 4
+
+
+def test_a_training_caption_leaves_out_only_what_defaults_to_the_picture() -> None:
+    """No size means large and no position means centred, so a short prompt is one picture."""
+    captions = [(scene_at(1, i), training_caption(scene_at(1, i), 1, i)) for i in range(2000)]
+    for scene, caption in captions:
+        assert (scene.size.name.lower() in caption) or scene.size is Size.LARGE
+        assert POSITION_WORDS[scene.position] in caption or scene.position is Where.CENTER
+    assert any(caption == scene.short_caption(False, False) for scene, caption in captions)
 
 
 def test_a_plan_of_an_unknown_architecture_is_refused_by_name() -> None:

@@ -27,7 +27,7 @@ from workers.queue.served_model import MODEL_CARD, RequestDefaults
 # and the guidance the classifier read best at (2 to 5 tried, on scenes of dataset seed 600,
 # which neither training nor bench.quality uses).
 SHAPES_DEFAULTS = RequestDefaults(width=RESOLUTION, height=RESOLUTION, num_frames=1,
-                                  num_inference_steps=20, guidance_scale=3.0)
+                                  num_inference_steps=20, guidance_scale=4.0)
 
 
 @dataclass(frozen=True, slots=True)
