@@ -110,10 +110,8 @@ class ShapesTraining:
         """Scenes to the DiT's packed latents: normalised per channel, then packed into 2x2
         patches exactly as the pipeline packs its noise."""
         z = torch.stack([self.raw_latent(scene) for scene in scenes])
-        z = (z - self.mean.view(1, -1, 1, 1)) / self.std.view(1, -1, 1, 1)
-        b, c, h, w = z.shape
-        packed = z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        return packed.reshape(b, (h // 2) * (w // 2), c * 4)
+        return qwen_image.pack_latents(
+            (z - self.mean.view(1, -1, 1, 1)) / self.std.view(1, -1, 1, 1))
 
     def measure_latents(self, scenes: int = 1024) -> dict[str, list[float]]:
         """Per-channel mean and std of the trained VAE's latents, for the VAE's config."""

@@ -138,6 +138,14 @@ def install_trained(directory: Path) -> None:
     shutil.copytree(TRAINED, directory, dirs_exist_ok=True)
 
 
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) latents to the DiT's (B, H/2 * W/2, 4C) tokens of 2x2 patches, as
+    ``QwenImagePipeline._pack_latents`` packs them."""
+    b, c, h, w = latents.shape
+    packed = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return packed.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
 def untrained_pipeline(preset: QwenPreset, seed: int) -> Any:
     """A ``QwenImagePipeline`` of the preset's sizes with random weights drawn from ``seed``."""
     from diffusers import (
@@ -305,8 +313,7 @@ class QwenDenoiser(QwenTrajectory):
         generator = torch.Generator(device="cpu").manual_seed(spec.seed)
         noise = randn_tensor((1, 1, channels, 2 * rows, 2 * cols), generator=generator,
                              device=self.device, dtype=self.placement.text_dtype)
-        packed = noise.view(1, channels, rows, 2, cols, 2).permute(0, 2, 4, 1, 3, 5)
-        return packed.reshape(1, rows * cols, channels * 4), generator
+        return pack_latents(noise[:, 0]), generator
 
     @torch.no_grad()
     def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
