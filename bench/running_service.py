@@ -5,25 +5,23 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench.service_process import ServiceProcess
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec
 
-DIFFCACHE = [sys.executable, "-c", "from cli.main import app; app()"]
 DEADLINE_S = 240.0
 TERMINAL = {"DONE", "FAILED", "CANCELLED"}
 
 
 @dataclass
 class RunningService:
-    proc: subprocess.Popen[str]
+    process: ServiceProcess
     url: str
     data_dir: Path
 
@@ -41,16 +39,12 @@ class RunningService:
             # A killed worker's entries are taken over quickly, and workers poll often.
             "DIFFCACHE_WORKERS__IDLE_TIMEOUT_S": "3", "DIFFCACHE_WORKERS__BLOCK_MS": "200",
             **settings})
-        proc = subprocess.Popen([*DIFFCACHE, "up"], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=environ)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if "is up" in line:
-                break
-            if "error" in line:
-                proc.kill()
-                raise RuntimeError(f"diffcache up failed: {line.strip()}")
-        return cls(proc, f"http://127.0.0.1:{port}", data_dir)
+        process = ServiceProcess(environ, "up")
+        out = process.wait_for_start()
+        if "is up" not in out:
+            process.kill_tree()
+            raise RuntimeError(f"diffcache up failed:\n{out[-2000:]}{store_logs(data_dir)}")
+        return cls(process, f"http://127.0.0.1:{port}", data_dir)
 
     @property
     def port(self) -> int:
@@ -58,13 +52,10 @@ class RunningService:
 
     def stop(self) -> int:
         """SIGTERM, as an operator stops it; the exit status."""
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(120)
+        return self.process.stop(signal.SIGTERM, 120)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        self.process.kill_tree()
 
     def call(self, method: str, path: str, *, ok_503: bool = False,
              **kwargs: Any) -> httpx.Response:
@@ -133,3 +124,14 @@ class RunningService:
 
         wait_until(restarted, timeout_s=DEADLINE_S, interval_s=0.2,
                    what=f"{name} running again after its kill")
+
+
+def store_logs(data_dir: Path, lines: int = 15) -> str:
+    """The ends of the Mooncake logs: where a store that would not start says why."""
+    tails = []
+    for name in ("mooncake_master", "mooncake_client"):
+        path = data_dir / "logs" / f"{name}.log"
+        if path.exists():
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            tails.append(f"\n--- {path} ends:\n" + "\n".join(tail))
+    return "".join(tails)

@@ -8,6 +8,8 @@ stops children in order) and asks the kernel to SIGTERM it if the supervisor die
 from __future__ import annotations
 
 import ctypes
+import logging
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +18,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+# An error line in glog (E/F and a date) or Python logging format.
+_ERROR_LINE = re.compile(r"^[EF]\d{4} |\b(ERROR|CRITICAL)\b")
+
+log = logging.getLogger(__name__)
 
 
 class StartupError(RuntimeError):
@@ -104,11 +110,20 @@ class ChildProcess:
             self._proc.terminate()
 
     def log_tail(self, lines: int = 5) -> str:
+        return " | ".join(self._log_lines()[-lines:])
+
+    def _log_lines(self) -> list[str]:
         try:
-            text = self.log_path.read_text(errors="replace").strip().splitlines()
+            return self.log_path.read_text(errors="replace").strip().splitlines()
         except FileNotFoundError:
-            return ""
-        return " | ".join(text[-lines:])
+            return []
+
+    def _start_failure(self, problem: str, remedy: str) -> StartupError:
+        # The last error of this start leads: a retry loop's chatter can bury the reason.
+        recent = self._log_lines()[-200:]
+        errors = [line for line in recent[:-5] if _ERROR_LINE.search(line)]
+        return StartupError(self.name, f"{problem} ({' | '.join(errors[-1:] + recent[-5:])})",
+                            remedy)
 
     def wait_healthy(self, check: Callable[[], bool], timeout_s: float,
                      remedy: str) -> None:
@@ -116,12 +131,11 @@ class ChildProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
-                raise StartupError(self.name, f"exited at start-up ({self.log_tail()})", remedy)
+                raise self._start_failure("exited at start-up", remedy)
             if check():
                 return
             time.sleep(0.05)
-        raise StartupError(self.name, f"not healthy after {timeout_s:.0f} s "
-                           f"({self.log_tail()})", remedy)
+        raise self._start_failure(f"not healthy after {timeout_s:.0f} s", remedy)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``."""
@@ -131,6 +145,8 @@ class ChildProcess:
         try:
             self._proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            log.warning("%s (pid %s) still ran %.0f s after SIGTERM; killed", self.name,
+                        self._proc.pid, timeout_s)
             self._proc.kill()
             self._proc.wait()
 

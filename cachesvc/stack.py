@@ -235,4 +235,5 @@ class EmbeddedStack:
             f"--host={host}", f"--port={storage}", f"--protocol={cfg.protocol}",
             f"--device_names={cfg.rdma_devices}",
             f"--global_segment_size={cfg.segment_mib}MB", "--logtostderr=true"])
-        node.wait_healthy(lambda: port_open(host, storage), 20, "See the mooncake_client log")
+        # The node retries its master on its own, about every 4 s, before it listens.
+        node.wait_healthy(lambda: port_open(host, storage), 60, "See the mooncake_client log")

@@ -40,6 +40,7 @@ log = logging.getLogger("diffcache")
 ENDPOINTS_FILE = "endpoints.json"
 TICK_S = 0.2
 PUBLISH_EVERY_S = 1.0
+SWEEPER_STOP_S = 10.0
 WORKER_ROLES = ("worker-encode", "worker-denoise", "worker-decode")
 # Stopped in this order once the workers are: readers of the store before the store.
 INFRA_ORDER = (("api",), ("mooncake_client",), ("mooncake_master",), ("valkey",))
@@ -124,9 +125,13 @@ class ServiceTree:
                                            name="sweeper", daemon=True)
                 sweeper.start()
             self._supervise(client)
-            self._shut_down()
             if sweeper is not None:
-                sweeper.join(5)
+                # It reads the store and Valkey, so it ends before they do.
+                sweeper.join(SWEEPER_STOP_S)
+                if sweeper.is_alive():
+                    log.warning("the sweeper's pass outlasted %.0f s; stopping without it",
+                                SWEEPER_STOP_S)
+            self._shut_down()
         finally:
             self.stack.stop()  # whatever is left, e.g. after a start-up failure
             self._echo.close()

@@ -56,8 +56,8 @@ def test_foreseeable_client_errors_are_one_line(tmp_path: Path) -> None:
     import os
     import subprocess
 
+    from bench.service_process import DIFFCACHE
     from cachesvc.processes import free_port
-    from tests.test_stack import DIFFCACHE
 
     environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
     environ.update({"DIFFCACHE_API__PORT": str(free_port("127.0.0.1")),

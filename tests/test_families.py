@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.service_process import DIFFCACHE
 from cachesvc.settings import ModelSettings
 from keys import file_digest
-from tests.test_stack import DIFFCACHE
 from workers.families import FAMILIES, UnknownFamilyError, family_of, resolve
 from workers.families.base import (
     CPU,

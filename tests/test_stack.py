@@ -7,92 +7,51 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from bench.service_process import DIFFCACHE, ServiceProcess, children_of, wait_gone
 from cachesvc.processes import free_port
 from cachesvc.settings import Settings
-from cachesvc.waiting import wait_until
 from tests.redis_databases import EXTERNAL_REDIS, on_database
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
 pytestmark = pytest.mark.slow
 
-DIFFCACHE = [sys.executable, "-c", "from cli.main import app; app()"]
-
-
-def children_of(pid: int) -> set[int]:
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.add(int(entry.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def wait_gone(pids: set[int], timeout_s: float = 10) -> None:
-    """Wait until none of ``pids`` runs (an exited but unreaped child counts as gone)."""
-    wait_until(lambda: not any(alive(p) for p in pids), timeout_s=timeout_s, interval_s=0.1,
-               what=f"processes {sorted(pids)} gone")
-
-
 @contextmanager
-def diffcache_up(tmp_path: Path, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+def diffcache_up(tmp_path: Path, **env: str) -> Iterator[tuple[ServiceProcess, str]]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
     environ.update({"DIFFCACHE_DATA_DIR": str(tmp_path), "DIFFCACHE_STORE__SEGMENT_MIB": "32",
                     "DIFFCACHE_API__PORT": str(free_port("127.0.0.1")),
                     **{f"DIFFCACHE_WORKERS__{s}_WORKERS": "0" for s in ("ENCODE", "DENOISE",
                                                                        "DECODE")},
                     **env})
-    proc = subprocess.Popen([*DIFFCACHE, "up"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=environ)
-    lines = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if "is up" in line or "error" in line:
-            break
+    service = ServiceProcess(environ, "up")
     try:
-        yield proc, "".join(lines)
+        yield service, service.wait_for_start()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+        service.kill_tree()
 
 
 def test_up_then_ctrl_c_stops_everything(tmp_path: Path) -> None:
-    with diffcache_up(tmp_path) as (proc, out):
+    with diffcache_up(tmp_path) as (service, out):
         assert "is up" in out and "redis://127.0.0.1:" in out and "mooncake master" in out
-        kids = children_of(proc.pid)
+        kids = children_of(service.pid)
         assert len(kids) == 4  # master, storage node, valkey, api
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        assert service.stop(signal.SIGINT) == 0
         wait_gone(kids)
     assert (tmp_path / "valkey" / "appendonlydir").is_dir()  # AOF is on
 
 
 def test_kill_9_of_the_supervisor_leaves_no_orphan(tmp_path: Path) -> None:
-    with diffcache_up(tmp_path) as (proc, out):
+    with diffcache_up(tmp_path) as (service, out):
         assert "is up" in out
-        kids = children_of(proc.pid)
-        proc.kill()
-        proc.wait()
+        kids = children_of(service.pid)
+        service.proc.kill()
+        service.proc.wait()
         wait_gone(kids)
 
 
@@ -101,8 +60,8 @@ def test_a_busy_port_is_one_clear_line(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with diffcache_up(tmp_path, DIFFCACHE_REDIS__PORT=str(port)) as (proc, out):
-            assert proc.wait(30) == 1
+        with diffcache_up(tmp_path, DIFFCACHE_REDIS__PORT=str(port)) as (service, out):
+            assert service.proc.wait(30) == 1
             assert f"port {port} on 127.0.0.1 is in use" in out
             assert "DIFFCACHE_REDIS__PORT=0" in out
 
@@ -112,11 +71,10 @@ def test_an_external_redis_is_used_instead_of_our_own(tmp_path: Path,
     # A database of its own: the service's sweeps and statuses touch nobody else's keys.
     url = on_database(workerless_stack, EXTERNAL_REDIS).redis.url
     assert url
-    with diffcache_up(tmp_path, DIFFCACHE_REDIS__URL=url) as (proc, out):
+    with diffcache_up(tmp_path, DIFFCACHE_REDIS__URL=url) as (service, out):
         assert f"redis           {url}" in out
-        assert len(children_of(proc.pid)) == 3  # no Valkey of its own
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert len(children_of(service.pid)) == 3  # no Valkey of its own
+        assert service.stop(signal.SIGTERM) == 0
 
 
 @pytest.mark.parametrize("name, value, expected", [
@@ -137,8 +95,8 @@ def test_up_serves_a_prompt_as_a_playable_mp4(tmp_path: Path) -> None:
     import imageio.v3 as iio
 
     workers = {f"DIFFCACHE_WORKERS__{s}_WORKERS": "1" for s in ("ENCODE", "DENOISE", "DECODE")}
-    with diffcache_up(tmp_path, DIFFCACHE_MODEL__PRESET="test", **workers) as (proc, out):
-        assert "is up" in out and len(children_of(proc.pid)) == 7
+    with diffcache_up(tmp_path, DIFFCACHE_MODEL__PRESET="test", **workers) as (service, out):
+        assert "is up" in out and len(children_of(service.pid)) == 7
         environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
         environ["DIFFCACHE_DATA_DIR"] = str(tmp_path)
         video = tmp_path / "raccoon.mp4"
@@ -148,5 +106,4 @@ def test_up_serves_a_prompt_as_a_playable_mp4(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr[-2000:]
         frames = iio.imread(video)
         assert frames.shape == (9, 96, 96, 3) and frames.std() > 0
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        assert service.stop(signal.SIGINT) == 0

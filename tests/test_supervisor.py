@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import redis
 
+from bench.service_process import alive
 from cachesvc.instance_lock import InstanceLock
 from cachesvc.processes import ChildProcess, StartupError
 from cachesvc.supervisor import Backoff, ChildStatus, Supervisor, publish, read_published
 from cachesvc.waiting import WaitTimeout, wait_until
 from keys.names import supervised_children
-from tests.test_stack import alive, diffcache_up
+from tests.test_stack import diffcache_up
 
 FAST = Backoff(initial_s=0.01, cap_s=0.05, healthy_after_s=60, crash_loop_after=3)
 
@@ -73,6 +74,29 @@ def test_a_crash_loop_is_reported_with_its_status_and_last_words(tmp_path: Path)
     supervisor.stop()
 
 
+def test_a_failed_start_leads_with_its_error_not_the_retry_chatter(tmp_path: Path) -> None:
+    script = ("echo 'E1130 12:00:00.0 1 master_client.cpp:361] Client not available'; "
+              "for i in 1 2 3 4 5 6; do echo \"W1130 12:00:0$i.0 1 retry $i/20\"; done; exit 1")
+    child = ChildProcess("mooncake_client", ["sh", "-c", script], tmp_path / "client.log")
+    child.start()
+    with pytest.raises(StartupError) as failed:
+        child.wait_healthy(lambda: False, 30, "See the log")
+    message = str(failed.value)
+    assert "exited at start-up" in message and "retry 6/20" in message
+    assert message.index("Client not available") < message.index("retry 2/20")
+
+
+def test_a_child_that_ignores_sigterm_is_killed_and_named(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    child = ChildProcess("stubborn", ["sh", "-c", "trap '' TERM; echo ready; exec sleep 600"],
+                         tmp_path / "stubborn.log")
+    child.start()
+    wait_until(lambda: "ready" in child.log_tail(), timeout_s=10, what="the trap set")
+    child.stop(timeout_s=0.5)
+    assert not child.alive() and child.returncode == -signal.SIGKILL
+    assert "stubborn" in caplog.text and "killed" in caplog.text
+
+
 def test_back_off_doubles_up_to_its_cap() -> None:
     backoff = Backoff(initial_s=0.25, cap_s=2.0)
     assert [backoff.delay(n) for n in range(1, 6)] == [0.25, 0.5, 1.0, 2.0, 2.0]
@@ -102,6 +126,6 @@ def test_a_second_up_on_the_same_data_dir_fails_at_once_naming_the_first(
     with diffcache_up(tmp_path) as (proc, out):
         assert "is up" in out
         with diffcache_up(tmp_path) as (second, said):
-            assert second.wait(30) == 1
+            assert second.proc.wait(30) == 1
             assert f"pid {proc.pid}" in said and "already running" in said
             assert "redis" not in said  # it started nothing

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_stack import DIFFCACHE
+from bench.service_process import DIFFCACHE
 from training.checkpoint import PlanError
 from training.scenes import (
     POSITION_WORDS,
