@@ -4,13 +4,17 @@ For each size, ``TensorCache.put_from``/``get_into`` (header, checksum, verifica
 is timed against the raw ``put_from``/``get_into`` on the same registered buffer, against the raw
 session calls that the cache itself makes from 256 KiB up (start, one ranged transfer, end), and
 the raw call against itself (a second, identical call: the noise floor of the method on this
-machine). Calls are interleaved, in an order that rotates each round, so drift in the machine
-hits every variant alike; each ratio is one of medians.
+machine). Each put follows a fresh write of its payload, as the zero-copy contract has it (fill
+the slot, then put), the same untimed write for every variant. Calls are interleaved, and each
+round takes the next of the 24 orders of the four variants, so every variant goes first, and
+follows every other, equally often: what one call leaves in the caches weighs on them all
+alike. Each ratio is one of medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from collections.abc import Callable
 
@@ -26,11 +30,14 @@ from keys import KeyKind, StoreKey
 SIZES_MIB = [0.0625, 0.25, 1, 4, 16, 64]
 OPS = ("put", "get")
 VARIANTS = ("raw", "raw_again", "session", "cache")
+ORDERS = list(itertools.permutations(VARIANTS))
+WARM_UP_ROUNDS = 4
 
 
-def one_round(cache: TensorCache, slot: TensorSlot, config: object,
+def one_round(cache: TensorCache, slot: TensorSlot, payload: torch.Tensor, config: object,
               i: int) -> dict[tuple[str, str], float]:
-    """Seconds each call took, by (op, variant), on fresh keys."""
+    """Seconds each call took, by (op, variant), on fresh keys; each put after ``payload`` is
+    written into the slot."""
     buf, size, store = slot.buffer, slot.spec.entry_bytes, cache.store
     names = {v: f"v1:bench:scratch:{v}{i}" for v in ("raw", "raw_again", "session")}
     key = StoreKey("bench", KeyKind.SCRATCH, f"c{i}")
@@ -56,9 +63,10 @@ def one_round(cache: TensorCache, slot: TensorSlot, config: object,
         ("get", "cache"): lambda: cache.get_into(key, slot),
     }
     times = {}
-    order = VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]  # who goes first rotates
     for op in OPS:
-        for variant in order:
+        for variant in ORDERS[i % len(ORDERS)]:
+            if op == "put":
+                slot.tensor.copy_(payload)  # the producer's write
             start = time.perf_counter()
             calls[op, variant]()
             times[op, variant] = time.perf_counter() - start
@@ -70,7 +78,8 @@ def one_round(cache: TensorCache, slot: TensorSlot, config: object,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=41, help="timed runs per size (>= 7)")
+    parser.add_argument("--repeats", type=int, default=2 * len(ORDERS),
+                        help=f"timed runs per size; a multiple of {len(ORDERS)} balances orders")
     args = parser.parse_args()
 
     rows: list[list[object]] = []
@@ -84,12 +93,13 @@ def main() -> None:
             spec = TensorSpec("float32", (int(mib * (1 << 20)) // 4,))
             times: dict[tuple[str, str], list[float]] = {(op, v): [] for op in OPS
                                                          for v in VARIANTS}
+            payload = torch.randn(spec.shape)
             with cache.slot(spec) as slot:
-                slot.tensor.copy_(torch.randn(spec.shape))
+                slot.tensor.copy_(payload)
                 cache.put_from(StoreKey("bench", KeyKind.SCRATCH, "seed"), slot)
-                for i in range(args.repeats + 4):  # the first four rounds warm up
-                    for name, dt in one_round(cache, slot, config, i).items():
-                        if i >= 4:
+                for i in range(args.repeats + WARM_UP_ROUNDS):
+                    for name, dt in one_round(cache, slot, payload, config, i).items():
+                        if i >= WARM_UP_ROUNDS:
                             times[name].append(dt)
             med = {k: median(v) for k, v in times.items()}
             for op in OPS:
