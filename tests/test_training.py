@@ -67,6 +67,14 @@ def test_a_small_square_and_circle_differ_by_more_than_a_pixel_per_corner() -> N
     assert int((mask(Shape.SQUARE) ^ mask(Shape.CIRCLE)).sum()) >= 4 * 4
 
 
+def test_captions_take_the_article_people_write() -> None:
+    orange = Scene(Colour.ORANGE, Shape.SQUARE, Size.LARGE, Where.CENTER, Colour.BLACK)
+    assert orange.short_caption(False, False) == "an orange square on a black background"
+    assert orange.caption.startswith("a large orange square")
+    on_orange = Scene(Colour.RED, Shape.CIRCLE, Size.SMALL, Where.LEFT, Colour.ORANGE)
+    assert on_orange.caption == "a small red circle on the left on an orange background"
+
+
 def test_a_training_caption_leaves_out_only_what_defaults_to_the_picture() -> None:
     """No size means large and no position means centred, so a short prompt is one picture."""
     captions = [(scene_at(1, i), training_caption(scene_at(1, i), 1, i)) for i in range(2000)]

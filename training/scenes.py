@@ -59,6 +59,12 @@ ATTRIBUTES: dict[str, tuple[Enum, ...]] = {
     "position": tuple(Position), "background": tuple(Colour)}
 
 
+def with_article(phrase: str) -> str:
+    """``phrase`` after its indefinite article, as people write it: "an orange", "a red".
+    Captions that said "a orange" taught a model that broke on the "an orange" people type."""
+    return f"{'an' if phrase[0] in 'aeiou' else 'a'} {phrase}"
+
+
 @dataclass(frozen=True, slots=True)
 class Scene:
     colour: Colour
@@ -71,15 +77,13 @@ class Scene:
     @property
     def caption(self) -> str:
         """The caption that names every attribute."""
-        return (f"a {self.size.name.lower()} {self.colour.name.lower()} {self.shape.value} "
-                f"{POSITION_WORDS[self.position]} on a {self.background.name.lower()} "
-                "background")
+        return self.short_caption(with_size=True, with_position=True)
 
     def short_caption(self, with_size: bool, with_position: bool) -> str:
         size = f"{self.size.name.lower()} " if with_size else ""
         where = f" {POSITION_WORDS[self.position]}" if with_position else ""
-        return (f"a {size}{self.colour.name.lower()} {self.shape.value}{where} on a "
-                f"{self.background.name.lower()} background")
+        return (f"{with_article(f'{size}{self.colour.name.lower()}')} {self.shape.value}"
+                f"{where} on {with_article(self.background.name.lower())} background")
 
     def labels(self) -> dict[str, int]:
         """Each attribute's class index, in ``ATTRIBUTES`` order."""
