@@ -40,10 +40,13 @@ class RunningService:
             "DIFFCACHE_WORKERS__IDLE_TIMEOUT_S": "3", "DIFFCACHE_WORKERS__BLOCK_MS": "200",
             **settings})
         process = ServiceProcess(environ, "up")
-        out = process.wait_for_start()
-        if "is up" not in out:
+        try:
+            out = process.wait_for_start()
+            if "is up" not in out:
+                raise RuntimeError(f"diffcache up failed:\n{out[-2000:]}{store_logs(data_dir)}")
+        except BaseException:
             process.kill_tree()
-            raise RuntimeError(f"diffcache up failed:\n{out[-2000:]}{store_logs(data_dir)}")
+            raise
         return cls(process, f"http://127.0.0.1:{port}", data_dir)
 
     @property

@@ -1,6 +1,6 @@
 """A ``diffcache`` command in a subprocess, as tests and benchmarks drive it: its output is
 read all the time (a full pipe would stall the supervisor's console, and with it its stop),
-a stop that overruns says what still runs, and no process of its tree outlives it."""
+a stop that overruns says what still runs, and none of its children outlives it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
+from contextlib import suppress
 from pathlib import Path
 
 from cachesvc.waiting import wait_until
@@ -17,13 +18,17 @@ from cachesvc.waiting import wait_until
 DIFFCACHE = [sys.executable, "-c", "from cli.main import app; app()"]
 # A child left by a killed supervisor gets SIGTERM from the kernel; this long to go by itself.
 ORPHAN_GRACE_S = 30.0
+# Under pytest's own 300 s timeout, so that this error, which shows the output, is the one seen.
+START_TIMEOUT_S = 180.0
 
 
 class ServiceStuckError(RuntimeError):
-    """A stop that did not end in time; the message names what still runs."""
+    """A start or stop that did not end in time; the message says what it was waiting for
+    and what still runs."""
 
 
 def children_of(pid: int) -> set[int]:
+    """The pids whose parent is ``pid``."""
     out = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -37,6 +42,7 @@ def children_of(pid: int) -> set[int]:
 
 
 def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -51,6 +57,7 @@ def wait_gone(pids: set[int], timeout_s: float = 10) -> None:
 
 
 def describe(pid: int) -> str:
+    """``pid`` and its command line, for a message."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -63,7 +70,8 @@ class ServiceProcess:
 
     def __init__(self, environ: Mapping[str, str], *args: str) -> None:
         self.proc = subprocess.Popen([*DIFFCACHE, *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=dict(environ))
+                                     stderr=subprocess.STDOUT, text=True, errors="replace",
+                                     env=dict(environ))
         self._lines: list[str] = []
         self._ended = False
         self._arrived = threading.Condition()
@@ -76,19 +84,21 @@ class ServiceProcess:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        try:
+            for line in self.proc.stdout:
+                with self._arrived:
+                    self._lines.append(line)
+                    self._arrived.notify_all()
+        finally:  # whatever ended the reading, nobody waits for a line that cannot come
             with self._arrived:
-                self._lines.append(line)
+                self._ended = True
                 self._arrived.notify_all()
-        with self._arrived:
-            self._ended = True
-            self._arrived.notify_all()
 
     def output(self) -> str:
         with self._arrived:
             return "".join(self._lines)
 
-    def wait_for_start(self, timeout_s: float = 300) -> str:
+    def wait_for_start(self, timeout_s: float = START_TIMEOUT_S) -> str:
         """The output up to the line saying it is up, or its first error (or its end)."""
 
         def started() -> bool:
@@ -97,22 +107,25 @@ class ServiceProcess:
 
         with self._arrived:
             if not self._arrived.wait_for(started, timeout_s):
-                raise ServiceStuckError(f"diffcache did not start within {timeout_s:.0f} s:\n"
-                                   f"{''.join(self._lines)[-3000:]}")
+                raise ServiceStuckError(f"diffcache did not start within {timeout_s:.0f} s; "
+                                        f"its output ends:\n{''.join(self._lines)[-3000:]}")
             return "".join(self._lines)
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 90) -> int:
-        """Send ``sig`` and return the exit status; ServiceStuckError, naming what still runs,
-        if it has not exited within ``timeout_s``."""
-        kids = children_of(self.pid)
+        """Send ``sig`` and return the exit status (see ``wait``)."""
         self.proc.send_signal(sig)
+        return self.wait(timeout_s, f"after {sig.name}")
+
+    def wait(self, timeout_s: float, since: str = "into the wait") -> int:
+        """The exit status; ServiceStuckError, naming what still runs, if it has not exited
+        within ``timeout_s``."""
         try:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            running = "\n  ".join(describe(p) for p in sorted(kids) if alive(p)) or "none"
+            running = "\n  ".join(describe(p) for p in sorted(children_of(self.pid))) or "none"
             raise ServiceStuckError(
-                f"diffcache still runs {timeout_s:.0f} s after {sig.name}; its children still "
-                f"running:\n  {running}\nits output ends:\n{self.output()[-3000:]}") from None
+                f"diffcache still runs {timeout_s:.0f} s {since}; its children still running:"
+                f"\n  {running}\nits output ends:\n{self.output()[-3000:]}") from None
 
     def kill_tree(self) -> None:
         """SIGKILL it; its children, told by the kernel, get a grace to stop, then SIGKILL."""
@@ -124,7 +137,6 @@ class ServiceProcess:
             wait_gone(kids, ORPHAN_GRACE_S)
         except TimeoutError:
             for pid in kids:
-                if alive(pid):
+                with suppress(ProcessLookupError):  # it may end (and be reaped) meanwhile
                     os.kill(pid, signal.SIGKILL)
             wait_gone(kids)
-        self._reader.join(5)

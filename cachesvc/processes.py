@@ -78,6 +78,8 @@ class ChildProcess:
         self.log_path = log_path
         self._env = dict(env) if env is not None else None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log_start = 0  # where this start's lines begin: the log is appended to
+        self._terminated_at: float | None = None
 
     @property
     def pid(self) -> int | None:
@@ -85,7 +87,9 @@ class ChildProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._terminated_at = None
         with self.log_path.open("ab") as log:
+            self._log_start = log.tell()
             self._proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 # preexec_fn runs only a prctl between fork and exec, which takes no lock.
@@ -108,19 +112,22 @@ class ChildProcess:
         if self.alive():
             assert self._proc is not None
             self._proc.terminate()
+            self._terminated_at = time.monotonic()
 
     def log_tail(self, lines: int = 5) -> str:
         return " | ".join(self._log_lines()[-lines:])
 
-    def _log_lines(self) -> list[str]:
+    def _log_lines(self, since: int = 0) -> list[str]:
         try:
-            return self.log_path.read_text(errors="replace").strip().splitlines()
+            with self.log_path.open("rb") as f:
+                f.seek(since)
+                return f.read().decode(errors="replace").strip().splitlines()
         except FileNotFoundError:
             return []
 
     def _start_failure(self, problem: str, remedy: str) -> StartupError:
         # The last error of this start leads: a retry loop's chatter can bury the reason.
-        recent = self._log_lines()[-200:]
+        recent = self._log_lines(since=self._log_start)[-200:]
         errors = [line for line in recent[:-5] if _ERROR_LINE.search(line)]
         return StartupError(self.name, f"{problem} ({' | '.join(errors[-1:] + recent[-5:])})",
                             remedy)
@@ -141,12 +148,15 @@ class ChildProcess:
         """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``."""
         if self._proc is None or self._proc.poll() is not None:
             return
+        # Sent already by ``terminate`` when a group stops together; the time counts from then.
+        if self._terminated_at is None:
+            self._terminated_at = time.monotonic()
         self._proc.terminate()  # again, if ``terminate`` sent it already: harmless
         try:
             self._proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            log.warning("%s (pid %s) still ran %.0f s after SIGTERM; killed", self.name,
-                        self._proc.pid, timeout_s)
+            log.warning("%s (pid %s) still ran %.1f s after SIGTERM; killed", self.name,
+                        self._proc.pid, time.monotonic() - self._terminated_at)
             self._proc.kill()
             self._proc.wait()
 

@@ -96,6 +96,7 @@ class ServiceTree:
         self.stopped_by = "stop"
         self._lock = InstanceLock(settings.data_dir)
         self._echo = LogEcho(console)
+        self._sweeper: threading.Thread | None = None  # the head's, once it is up
 
     def run(self) -> None:
         """Start everything, supervise until SIGTERM or SIGINT, then stop in order."""
@@ -119,24 +120,31 @@ class ServiceTree:
             if self.roles.head and not self.roles.node:
                 self.console.print(f"join a node with:\n  {join_line(addresses)}")
             self.console.print("[green]diffcache is up[/green]; Ctrl-C to stop")
-            sweeper = None
             if self.roles.head:  # one sweeper per cluster
-                sweeper = threading.Thread(target=sweep_until, args=(self.stop_event, resolved),
-                                           name="sweeper", daemon=True)
-                sweeper.start()
+                self._sweeper = threading.Thread(target=sweep_until,
+                                                 args=(self.stop_event, resolved),
+                                                 name="sweeper", daemon=True)
+                self._sweeper.start()
             self._supervise(client)
-            if sweeper is not None:
-                # It reads the store and Valkey, so it ends before they do.
-                sweeper.join(SWEEPER_STOP_S)
-                if sweeper.is_alive():
-                    log.warning("the sweeper's pass outlasted %.0f s; stopping without it",
-                                SWEEPER_STOP_S)
+            self._stop_sweeper()
             self._shut_down()
         finally:
+            self._stop_sweeper()
             self.stack.stop()  # whatever is left, e.g. after a start-up failure
             self._echo.close()
             (self.settings.data_dir / ENDPOINTS_FILE).unlink(missing_ok=True)
             self._lock.release()
+
+    def _stop_sweeper(self) -> None:
+        """The sweeper reads the store and Valkey, so it ends before they do."""
+        self.stop_event.set()
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is None:
+            return
+        sweeper.join(SWEEPER_STOP_S)
+        if sweeper.is_alive():
+            log.warning("the sweeper's pass outlasted %.0f s; stopping without it",
+                        SWEEPER_STOP_S)
 
     def _supervise(self, client: redis.Redis) -> None:
         """Restart what exits until asked to stop; children are (re)started from this

@@ -114,8 +114,8 @@ def test_the_model_draws_the_shape_its_caption_names(shapes_settings: Settings) 
 
 
 def test_the_model_reads_the_article_people_write(shapes_settings: Settings) -> None:
-    """"an orange ...", as people write it: a model trained on "a orange" drew it orange for
-    half of these (on blue) and one in eight (on black)."""
+    """"an orange ...", as people write it: a model trained on "a orange" drew 3 of these 12
+    orange."""
     read = draw(shapes_settings, [f"an orange {shape.value} on {background} background"
                                   for shape in Shape
                                   for background in ("a blue", "a black")], range(2))

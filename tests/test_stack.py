@@ -61,7 +61,7 @@ def test_a_busy_port_is_one_clear_line(tmp_path: Path) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         with diffcache_up(tmp_path, DIFFCACHE_REDIS__PORT=str(port)) as (service, out):
-            assert service.proc.wait(30) == 1
+            assert service.wait(30) == 1
             assert f"port {port} on 127.0.0.1 is in use" in out
             assert "DIFFCACHE_REDIS__PORT=0" in out
 

@@ -77,13 +77,16 @@ def test_a_crash_loop_is_reported_with_its_status_and_last_words(tmp_path: Path)
 def test_a_failed_start_leads_with_its_error_not_the_retry_chatter(tmp_path: Path) -> None:
     script = ("echo 'E1130 12:00:00.0 1 master_client.cpp:361] Client not available'; "
               "for i in 1 2 3 4 5 6; do echo \"W1130 12:00:0$i.0 1 retry $i/20\"; done; exit 1")
-    child = ChildProcess("mooncake_client", ["sh", "-c", script], tmp_path / "client.log")
+    log = tmp_path / "client.log"
+    log.write_text("E1130 11:00:00.0 1 an error of an earlier start\n" + "chatter\n" * 9)
+    child = ChildProcess("mooncake_client", ["sh", "-c", script], log)
     child.start()
     with pytest.raises(StartupError) as failed:
         child.wait_healthy(lambda: False, 30, "See the log")
     message = str(failed.value)
     assert "exited at start-up" in message and "retry 6/20" in message
     assert message.index("Client not available") < message.index("retry 2/20")
+    assert "earlier start" not in message  # the log is appended to across starts
 
 
 def test_a_child_that_ignores_sigterm_is_killed_and_named(
@@ -126,6 +129,6 @@ def test_a_second_up_on_the_same_data_dir_fails_at_once_naming_the_first(
     with diffcache_up(tmp_path) as (proc, out):
         assert "is up" in out
         with diffcache_up(tmp_path) as (second, said):
-            assert second.proc.wait(30) == 1
+            assert second.wait(30) == 1
             assert f"pid {proc.pid}" in said and "already running" in said
             assert "redis" not in said  # it started nothing

@@ -73,5 +73,6 @@ def test_a_restart_of_the_whole_service_loses_nothing(service: RunningService, p
         # The DONE request's output comes from disk: the store restarted empty.
         assert np.array_equal(decode_npy(again.result(done_id)), reference(pipe, done))
         check_all_done(again, pipe, in_flight)
-    finally:
         assert again.stop() == 0
+    finally:
+        again.kill()  # nothing left running, however the test ended
