@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from bench.service_process import ServiceProcess
+from bench.service_process import ServiceProcess, diffcache_environ
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec
 
@@ -30,8 +30,7 @@ class RunningService:
               **settings: str) -> RunningService:
         """``diffcache up`` with the test-sized model in ``model_dir``; returns once it is up.
         ``settings`` are extra DIFFCACHE_* variables."""
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
-        environ.update({
+        environ = diffcache_environ(**{
             "DIFFCACHE_DATA_DIR": str(data_dir), "DIFFCACHE_MODEL__DIR": str(model_dir),
             "DIFFCACHE_MODEL__PRESET": "test", "DIFFCACHE_MODEL__DEVICE": "cpu",
             "DIFFCACHE_STORE__SEGMENT_MIB": "64",

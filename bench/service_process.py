@@ -22,6 +22,13 @@ ORPHAN_GRACE_S = 30.0
 START_TIMEOUT_S = 180.0
 
 
+def diffcache_environ(**settings: str) -> dict[str, str]:
+    """This process's environment without its DIFFCACHE_* variables, plus ``settings``: a
+    command that sees only the settings it is given."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
+    return environ | settings
+
+
 class ServiceStuckError(RuntimeError):
     """A start or stop that did not end in time; the message says what it was waiting for
     and what still runs."""

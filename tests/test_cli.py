@@ -53,15 +53,13 @@ def test_generate_status_preempt_and_resume(worker_settings: Settings, pool: obj
 
 
 def test_foreseeable_client_errors_are_one_line(tmp_path: Path) -> None:
-    import os
     import subprocess
 
-    from bench.service_process import DIFFCACHE
+    from bench.service_process import DIFFCACHE, diffcache_environ
     from cachesvc.processes import free_port
 
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
-    environ.update({"DIFFCACHE_API__PORT": str(free_port("127.0.0.1")),
-                    "DIFFCACHE_DATA_DIR": str(tmp_path)})
+    environ = diffcache_environ(DIFFCACHE_API__PORT=str(free_port("127.0.0.1")),
+                                DIFFCACHE_DATA_DIR=str(tmp_path))
 
     def generate(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*DIFFCACHE, "generate", "a red fox", *args], env=environ,

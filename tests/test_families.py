@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.service_process import DIFFCACHE
+from bench.service_process import DIFFCACHE, diffcache_environ
 from cachesvc.settings import ModelSettings
 from keys import file_digest
 from workers.families import FAMILIES, UnknownFamilyError, family_of, resolve
@@ -74,7 +74,7 @@ def test_weight_digests_are_kept_in_a_manifest(qwen_model_dir: Path, tmp_path: P
 
 @pytest.mark.slow
 def test_model_init_builds_a_qwen_image_folder(tmp_path: Path) -> None:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
+    environ = diffcache_environ()
     done = subprocess.run([*DIFFCACHE, "model", "init", "--family", "qwen-image", "--preset",
                            "test", "--dir", str(tmp_path / "q")], capture_output=True,
                           text=True, env=environ, timeout=300, check=False)

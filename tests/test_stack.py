@@ -3,7 +3,6 @@ even when killed, and reports start failures in one line."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -13,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.service_process import DIFFCACHE, ServiceProcess, children_of, wait_gone
+from bench.service_process import (
+    DIFFCACHE,
+    ServiceProcess,
+    children_of,
+    diffcache_environ,
+    wait_gone,
+)
 from cachesvc.processes import free_port
 from cachesvc.settings import Settings
 from tests.redis_databases import EXTERNAL_REDIS, on_database
@@ -23,12 +28,11 @@ pytestmark = pytest.mark.slow
 
 @contextmanager
 def diffcache_up(tmp_path: Path, **env: str) -> Iterator[tuple[ServiceProcess, str]]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
-    environ.update({"DIFFCACHE_DATA_DIR": str(tmp_path), "DIFFCACHE_STORE__SEGMENT_MIB": "32",
-                    "DIFFCACHE_API__PORT": str(free_port("127.0.0.1")),
-                    **{f"DIFFCACHE_WORKERS__{s}_WORKERS": "0" for s in ("ENCODE", "DENOISE",
-                                                                       "DECODE")},
-                    **env})
+    environ = diffcache_environ(**{
+        "DIFFCACHE_DATA_DIR": str(tmp_path), "DIFFCACHE_STORE__SEGMENT_MIB": "32",
+        "DIFFCACHE_API__PORT": str(free_port("127.0.0.1")),
+        **{f"DIFFCACHE_WORKERS__{s}_WORKERS": "0" for s in ("ENCODE", "DENOISE", "DECODE")},
+        **env})
     service = ServiceProcess(environ, "up")
     try:
         yield service, service.wait_for_start()
@@ -82,8 +86,7 @@ def test_an_external_redis_is_used_instead_of_our_own(tmp_path: Path,
     ("DIFFCACHE_STORE__SEGMENT_MIB", "1", "setting store.segment_mib"),
 ])
 def test_bad_settings_are_named(tmp_path: Path, name: str, value: str, expected: str) -> None:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
-    environ[name] = value
+    environ = diffcache_environ(**{name: value})
     done = subprocess.run([*DIFFCACHE, "up"], capture_output=True, text=True, env=environ,
                           timeout=60, check=False)
     assert done.returncode == 2
@@ -97,8 +100,7 @@ def test_up_serves_a_prompt_as_a_playable_mp4(tmp_path: Path) -> None:
     workers = {f"DIFFCACHE_WORKERS__{s}_WORKERS": "1" for s in ("ENCODE", "DENOISE", "DECODE")}
     with diffcache_up(tmp_path, DIFFCACHE_MODEL__PRESET="test", **workers) as (service, out):
         assert "is up" in out and len(children_of(service.pid)) == 7
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
-        environ["DIFFCACHE_DATA_DIR"] = str(tmp_path)
+        environ = diffcache_environ(DIFFCACHE_DATA_DIR=str(tmp_path))
         video = tmp_path / "raccoon.mp4"
         done = subprocess.run([*DIFFCACHE, "submit", "a raccoon in a garden", "--out",
                                str(video)], capture_output=True, text=True, env=environ,

@@ -4,7 +4,6 @@ are bit-identical to an uninterrupted run's (one thread, CPU, float32)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bench.service_process import DIFFCACHE
+from bench.service_process import DIFFCACHE, diffcache_environ
 from training.checkpoint import PlanError
 from training.scenes import (
     POSITION_WORDS,
@@ -90,12 +89,11 @@ def test_a_plan_of_an_unknown_architecture_is_refused_by_name() -> None:
 
 
 def train(out: Path, work: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("DIFFCACHE_")}
     return subprocess.run(
         [*DIFFCACHE, "model", "train", "--out", str(out), "--work", str(work),
          "--architecture", "test", "--vae-steps", "3", "--vae-batch", "4", "--dit-steps", "3",
          "--dit-batch", "4", "--threads", "1", *extra],
-        capture_output=True, text=True, env=environ, timeout=300, check=False)
+        capture_output=True, text=True, env=diffcache_environ(), timeout=300, check=False)
 
 
 def weights(folder: Path) -> dict[str, bytes]:
