@@ -15,7 +15,8 @@ from api import adapters, compat, dashboard, errors, routes
 from api.metrics import ClusterCollector, registry_with, tenant_labeller
 from api.schemas import ErrorBody
 from api.service import Service
-from cachesvc.connect import open_cache, open_redis
+from cachesvc.cache_link import CacheLink
+from cachesvc.connect import open_redis
 from cachesvc.settings import Settings
 
 ERRORS: dict[int | str, dict[str, object]] = {
@@ -90,15 +91,15 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = open_redis(settings)
-        cache = open_cache(settings, client)
-        app.state.service = service = Service(settings, client, cache)
+        store = CacheLink(settings, client)  # connects while the API already serves
+        app.state.service = service = Service(settings, client, store)
         app.state.registry = registry_with(ClusterCollector(client,
                                                             tenant_labeller(settings.api)))
         try:
             yield
         finally:
             service.events.close()
-            cache.close()
+            store.close()
 
     app = FastAPI(title="diffcache", version="0.1.0", lifespan=lifespan, responses=ERRORS)
     app.state.settings = settings

@@ -25,6 +25,7 @@ from workers.queue import stage_metrics
 from workers.queue.adapter_stats import read_adapter_stats
 from workers.queue.messages import Stage
 from workers.queue.streams import queue_counts
+from workers.queue.watchdog import read_rescued
 
 WINDOW_MINUTES = 30
 RECENT = 15
@@ -87,6 +88,8 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
             "compute_saved_s": saved, "bytes_served": served, "queues": queues,
             "latency": latency, "children": children,
             "adapters": [asdict(a) for a in read_adapter_stats(svc.redis)],
+            "rescued": [{"stage": stage.value, "reason": reason.value, "count": count}
+                        for (stage, reason), count in sorted(read_rescued(svc.redis).items())],
             "model": asdict(svc.served()), "reuse": reuse, "recent": recent[:RECENT]}
 
 

@@ -25,6 +25,7 @@ from workers.queue.adapter_stats import WorkerAdapters, read_adapter_stats
 from workers.queue.messages import Stage
 from workers.queue.served_model import read_served
 from workers.queue.streams import oldest_waiting, queue_counts
+from workers.queue.watchdog import read_rescued
 
 
 def hashed_tenant(tenant: str) -> str:
@@ -68,6 +69,13 @@ class ClusterCollector(Collector):
                            for b, n in h.cumulative]
                 latency.add_metric([stage.value, priority.value], buckets, h.total)
         yield latency
+        rescued = CounterMetricFamily(
+            "diffcache_requests_rescued", "Requests the watchdog re-queued because no live "
+            "worker owned them and no entry would be delivered; 0 in normal operation",
+            labels=["stage", "reason"])
+        for (stage, reason), count in read_rescued(self._redis).items():
+            rescued.add_metric([stage.value, reason.value], count)
+        yield rescued
         yield from children_families(read_published(self._redis))
         yield from adapter_families(read_adapter_stats(self._redis))
         served = read_served(self._redis)

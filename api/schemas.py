@@ -232,6 +232,11 @@ class RequestStatus(BaseModel):
                                        "lost from the cache and made again")
     loras: list[dict[str, str | float]] = Field(default_factory=list, description="the "
                                                 "adapters applied: hash and scale")
+    rescues: int = Field(0, description="times the watchdog re-queued the request because "
+                         "no live worker owned it (each one is a bug report)")
+    late: dict[str, int] = Field(default_factory=dict, description="counter -> what attempts "
+                                 "refused after the request ended still spent; the counters "
+                                 "above are final once the request has ended")
     error: str | None
     created_at: float
     updated_at: float
@@ -254,6 +259,8 @@ class Readiness(BaseModel):
     ready: bool
     checks: dict[str, bool] = Field(description="redis, store (a real put and get), and a "
                                     "worker heartbeat per stage")
+    not_ready: dict[str, str] = Field(default_factory=dict, description="check -> why it "
+                                      "fails, for every failing check")
     children: list[ChildState] = Field(description="supervised processes; a crash-looping one "
                                        "makes the service not ready")
 

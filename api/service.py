@@ -10,10 +10,10 @@ import dataclasses
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from uuid import uuid4
 
 import redis
-import torch
 import xxhash
 
 from api.editing import branch_point, branched_spec, cfg_cache_from, segments_from
@@ -30,11 +30,11 @@ from api.schemas import (
 )
 from api.tokens import token_counter
 from cachesvc.adapters import AdapterInfo, AdapterRegistry
+from cachesvc.cache_link import CacheLink
 from cachesvc.errors import CacheError, StoreUnavailableError
 from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from cachesvc.supervisor import ChildStatus, read_published
-from cachesvc.tensor_cache import TensorCache
 from keys import GenerationSpec, KeyKind, LoraUse, OutputFormat, Priority, StoreKey
 from keys.names import KEY_VERSION, check_tenant
 from keys.spec import valid_request_id
@@ -53,6 +53,9 @@ from workers.queue.served_model import (
     request_defaults,
 )
 from workers.queue.submit import AdmissionError, Bounds, new_request_id, readmit, submit
+
+if TYPE_CHECKING:
+    from cachesvc.tensor_cache import TensorCache
 
 # A worker beats every workers.heartbeat_s; one silent for this long is taken for gone.
 HEARTBEAT_WITHIN_S = 5.0
@@ -124,6 +127,7 @@ def status_of(record: RequestRecord) -> RequestStatus:
         cache_hits=record.hits(), resumed_from=record.counter(Field.RESUMED_FROM),
         checkpoints=sorted(record.checkpoints()), preemptions=record.counter(Field.PREEMPTIONS),
         model=model_of(record), recomputed=record.recomputed(), error=record.error,
+        rescues=record.counter(Field.RESCUES), late=record.late(),
         loras=[{"hash": lora.hash, "scale": lora.scale} for lora in spec.loras],
         created_at=record.created_at, updated_at=record.updated_at)
 
@@ -132,7 +136,7 @@ def status_of(record: RequestRecord) -> RequestStatus:
 class Service:
     settings: Settings
     redis: redis.Redis
-    cache: TensorCache
+    store: CacheLink  # the store client, connected in the background
     records: Records = field(init=False)
     lifecycle: Lifecycle = field(init=False)
     events: RecordEvents = field(init=False)
@@ -145,7 +149,7 @@ class Service:
         self.records = Records(self.redis)
         self.lifecycle = Lifecycle(self.redis)
         self.events = RecordEvents(self.redis)
-        self.adapters = AdapterRegistry(self.cache, self.redis,
+        self.adapters = AdapterRegistry(lambda: self.cache, self.redis,
                                         self.settings.data_dir / "adapters")
         self.bounds = Bounds(self.settings.api.max_queue_depth,
                              self.settings.api.max_jobs_per_tenant)
@@ -154,6 +158,11 @@ class Service:
         cache = self.settings.cache
         self.files = (OutputFiles(self.settings.outputs_dir, cache.output_ttl_s)
                       if cache.durable_outputs else None)
+
+    @property
+    def cache(self) -> TensorCache:
+        """The store client; StoreUnavailableError (503) until it has connected."""
+        return self.store.cache
 
     def spec_for(self, tenant: str, body: GenerateBody, served: ServedModel) -> GenerationSpec:
         m = served.defaults
@@ -363,8 +372,14 @@ class Service:
             checks[f"{stage.value}_workers"] = checks["redis"] and bool(
                 live_workers(self.redis, stage, within_s=HEARTBEAT_WITHIN_S))
         looping = any(c.crash_looping for c in children)
+        why = {"redis": "Redis does not answer",
+               "store": self.store.status if not self.store.connected
+               else "a put and get through a storage node failed",
+               **{f"{s.value}_workers": f"no {s.value} worker has beaten its heartbeat within "
+                  f"{HEARTBEAT_WITHIN_S:.0f} s" for s in Stage}}
         return Readiness(
             ready=all(checks.values()) and not looping, checks=checks,
+            not_ready={name: why[name] for name, ok in checks.items() if not ok},
             children=[ChildState(name=c.name, role=c.role, pid=c.pid, alive=c.alive,
                                  restarts=c.restarts, last_exit=c.describe_exit(),
                                  last_error=c.last_error, crash_looping=c.crash_looping)
@@ -373,6 +388,10 @@ class Service:
     def _store_round_trip(self) -> bool:
         """A real put and get through a storage node: a master that answers while every
         storage node is gone is not a working store."""
+        if not self.store.connected:
+            return False
+        import torch  # loaded with the store client, so not at the API's start
+
         key = StoreKey(self.settings.default_tenant, KeyKind.SCRATCH, f"readyz-{uuid4().hex}")
         probe = torch.arange(16, dtype=torch.uint8)
         try:

@@ -1,7 +1,10 @@
 """Fault injection: seeded requests through ``diffcache up`` while a fixed, seeded schedule
 SIGKILLs one child every few seconds, across every role (workers, API, Valkey, storage node,
-master). Every accepted request should end DONE, bit-identical to the monolithic pipeline run
-quietly in this process (one thread per op, CPU, float32), with no manual resume.
+master). Two denoise workers serve, and every third request carries a LoRA adapter, so jobs are
+routed to the inbox of the worker holding it and the kills hit workers with routed jobs in hand.
+Every accepted request should end DONE, bit-identical to the monolithic pipeline run quietly in
+this process (one thread per op, CPU, float32), with no manual resume, and the takeover, not the
+watchdog, should recover every routed job (``rescued`` 0).
 """
 
 from __future__ import annotations
@@ -13,22 +16,31 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import redis
 import torch
+from safetensors.torch import save as save_safetensors
 
 from bench.common import report
+from bench.lora import random_lora
 from bench.running_service import RunningService
 from cachesvc.processes import free_port
 from keys import GenerationSpec, OutputFormat
+from keys.names import worker_inboxes
 from workers.families import family_named
 from workers.families.base import CPU
+from workers.queue.messages import Stage
 from workers.queue.served_model import DEFAULT_FAMILY
 from workers.queue.submit import new_request_id
+from workers.queue.watchdog import read_rescued
 from workers.stages.media import decode_npy
 
-ROLES = ("worker-encode-0", "worker-denoise-0", "worker-decode-0", "api", "valkey",
-         "mooncake_client", "mooncake_master")
+ROLES = ("worker-encode-0", "worker-denoise-0", "worker-denoise-1", "worker-decode-0", "api",
+         "valkey", "mooncake_client", "mooncake_master")
+ADAPTER, SCALE = "faults", 0.8
+ADAPTED_EVERY = 3  # every third request carries the adapter
 PROMPTS = ("a red fox in the snow", "a lighthouse at dawn", "two dogs running on a beach",
            "a green train at night", "a small boat on a quiet lake")
 
@@ -54,11 +66,26 @@ def kill_on_schedule(service: RunningService, seed: int, every_s: float,
             killed.append(name)
 
 
-def references(model_dir: Path, wanted: list[GenerationSpec]) -> list[np.ndarray]:
-    """The monolithic pipeline's frames for each spec, run quietly in this process."""
+def references(model_dir: Path, wanted: list[tuple[GenerationSpec, bool]],
+               lora: dict[str, torch.Tensor]) -> list[np.ndarray]:
+    """The monolithic pipeline's frames for each spec (with the adapter where it is marked),
+    run quietly in this process."""
     torch.set_num_threads(1)  # the workers' condition for bit-identity
-    pipeline = family_named(DEFAULT_FAMILY).reference(model_dir, CPU)
-    return [pipeline(spec) for spec in wanted]
+    family = family_named(DEFAULT_FAMILY)
+    plain, adapted = family.reference(model_dir, CPU), family.reference(model_dir, CPU)
+    adapted.pipe.load_lora_weights(lora, adapter_name="a")  # type: ignore[attr-defined]
+    adapted.pipe.set_adapters(["a"], [SCALE])  # type: ignore[attr-defined]
+    return [(adapted if with_lora else plain)(spec) for spec, with_lora in wanted]
+
+
+def routed_jobs(client: redis.Redis) -> int:
+    """Jobs ever added to a worker's inbox (a stream's entries-added survives its trims)."""
+    inboxes: set[bytes] = client.smembers(worker_inboxes(Stage.DENOISE.value))  # type: ignore[assignment]
+    total = 0
+    for inbox in inboxes:
+        info: dict[str, Any] = client.xinfo_stream(inbox)
+        total += int(info["entries-added"])
+    return total
 
 
 def main() -> None:
@@ -71,16 +98,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="diffcache-faults-") as tmp:
         model_dir = Path(tmp) / "model"
         family_named(DEFAULT_FAMILY).build(model_dir, "test", 0)
-        service = RunningService.start(Path(tmp) / "data", model_dir, free_port("127.0.0.1"))
+        service = RunningService.start(Path(tmp) / "data", model_dir, free_port("127.0.0.1"),
+                                       DIFFCACHE_WORKERS__DENOISE_WORKERS="2")
+        lora = random_lora(model_dir, seed=args.seed)
+        service.upload_adapter(ADAPTER, save_safetensors(lora))
         stop, killed = threading.Event(), list[str]()
         killer = threading.Thread(target=kill_on_schedule,
                                   args=(service, args.seed, args.every, stop, killed))
         start = time.monotonic()
         try:
             killer.start()
-            accepted: dict[str, GenerationSpec] = {}
-            for spec in specs(args.requests):
-                accepted[service.generate(spec)] = spec
+            accepted: dict[str, tuple[GenerationSpec, bool]] = {}
+            for n, spec in enumerate(specs(args.requests)):
+                with_lora = n % ADAPTED_EVERY == 0
+                rid = service.generate(spec, {ADAPTER: SCALE} if with_lora else None)
+                accepted[rid] = spec, with_lora
                 time.sleep(args.spacing)  # arrivals spread over the kills
             finals = {rid: service.wait(rid) for rid in accepted}
             stop.set()
@@ -88,11 +120,13 @@ def main() -> None:
             outputs = {rid: decode_npy(service.result(rid)) for rid, f in finals.items()
                        if f["state"] == "DONE"}
             restarts = {n: c["restarts"] for n, c in service.children().items()}
+            client = redis.Redis.from_url(service.redis_url)
+            routed, rescued = routed_jobs(client), sum(read_rescued(client).values())
         finally:
             stop.set()
             service.kill()
         elapsed = time.monotonic() - start
-        expected = references(model_dir, [accepted[rid] for rid in outputs])
+        expected = references(model_dir, [accepted[rid] for rid in outputs], lora)
         identical = all(np.array_equal(frames, want)
                         for frames, want in zip(outputs.values(), expected, strict=True))
     recomputes: Counter[str] = Counter()
@@ -106,7 +140,8 @@ def main() -> None:
                "failed": states["FAILED"], "manual_resumes": 0,
                "identical": identical and len(outputs) == len(accepted),
                "restarts": restarts, "recomputes": dict(recomputes),
-               "kills": len(killed), "seconds": round(elapsed, 1)})
+               "kills": len(killed), "seconds": round(elapsed, 1),
+               "routed_jobs": routed, "rescued": rescued})
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ REST API, ``/readyz`` and signals. Shared by the fault-injection benchmark and t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from dataclasses import dataclass
@@ -76,18 +77,32 @@ class RunningService:
         return wait_until(answered, timeout_s=DEADLINE_S, interval_s=0.2,
                           what=f"an answer to {method} {path}")
 
-    def generate(self, spec: GenerationSpec) -> str:
-        """Submit ``spec`` (its prompt, size, steps and seed) as an npy request; its id."""
+    def generate(self, spec: GenerationSpec, adapters: dict[str, float] | None = None) -> str:
+        """Submit ``spec`` (its prompt, size, steps and seed) as an npy request, with the
+        uploaded ``adapters`` (name -> scale); its id."""
         segment = spec.schedule[0]
         answer = self.call("POST", "/v1/generate", json={
             "prompt": segment.prompt, "negative_prompt": segment.negative_prompt,
             "width": spec.width, "height": spec.height, "num_frames": spec.num_frames,
             "num_inference_steps": spec.num_inference_steps,
-            "guidance_scale": spec.guidance_scale, "seed": spec.seed, "output_format": "npy"})
+            "guidance_scale": spec.guidance_scale, "seed": spec.seed, "output_format": "npy",
+            "loras": [{"name": n, "scale": s} for n, s in (adapters or {}).items()]})
         if answer.status_code != 202:
             raise RuntimeError(f"generate answered {answer.status_code}: {answer.text}")
         request_id: str = answer.json()["id"]
         return request_id
+
+    def upload_adapter(self, name: str, data: bytes) -> None:
+        answer = self.call("POST", "/v1/adapters", params={"name": name}, content=data)
+        if answer.status_code not in (200, 201):
+            raise RuntimeError(f"adapter upload answered {answer.status_code}: {answer.text}")
+
+    @property
+    def redis_url(self) -> str:
+        """The service's Valkey, from the endpoints ``diffcache up`` writes."""
+        endpoints = json.loads((self.data_dir / "endpoints.json").read_text())
+        url: str = endpoints["redis_url"]
+        return url
 
     def status(self, request_id: str) -> dict[str, Any]:
         found: dict[str, Any] = self.call("GET", f"/v1/requests/{request_id}").json()

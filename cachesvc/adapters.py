@@ -7,19 +7,21 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
-import torch
 import xxhash
 from pydantic import TypeAdapter
 
 from cachesvc.output_files import OutputFiles
-from cachesvc.tensor_cache import TensorCache
 from keys import adapter_key
 from keys.names import adapter_index
+
+if TYPE_CHECKING:
+    from cachesvc.tensor_cache import TensorCache
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _LORA_KEY = re.compile(r"^transformer\.(?P<module>.+)\.lora_(?P<half>[AB])\.weight$")
@@ -102,8 +104,9 @@ class AdapterRegistry:
     """A tenant's adapters: bytes in the store, and on disk beside it (an adapter is uploaded,
     not computed: the store's copy is a cache of the file), names in Redis."""
 
-    def __init__(self, cache: TensorCache, client: redis.Redis, files_dir: Path) -> None:
-        self.cache = cache
+    def __init__(self, cache: Callable[[], TensorCache], client: redis.Redis,
+                 files_dir: Path) -> None:
+        self._cache = cache  # the store client as it stands (the API connects it late)
         self.redis = client
         self.files = OutputFiles(files_dir, ttl_s=float("inf"))
 
@@ -133,7 +136,7 @@ class AdapterRegistry:
         """Put an adapter the store lost (evicted, or gone with a storage node) back from its
         file, before a request that names it reaches a worker."""
         key = adapter_key(tenant, content_hash)
-        if self.cache.exists(key):
+        if self._cache().exists(key):
             return
         data = self.files.read(key)
         if data is None:
@@ -148,12 +151,14 @@ class AdapterRegistry:
         self.redis.hdel(adapter_index(tenant), name)
         if self.find(tenant, content_hash=info.hash) is None:  # no other name holds it
             key = adapter_key(tenant, info.hash)
-            self.cache.remove(key)
+            self._cache().remove(key)
             self.files.path(key).unlink(missing_ok=True)
         return True
 
     def _store(self, tenant: str, content_hash: str, data: bytes) -> None:
-        self.cache.put(adapter_key(tenant, content_hash),
+        import torch  # loaded with the store client, so not at the API's start
+
+        self._cache().put(adapter_key(tenant, content_hash),
                        torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 

@@ -32,6 +32,12 @@ OBJECT_NOT_FOUND = -704
 # A put session on a key another client has written, or is writing: the first writer wins.
 OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
+# A read whose lease (store.lease_ttl_ms) ran out before its transfer completed: the reader
+# was paused or starved past it (a long GC, swap, SIGSTOP), and the entry may have been
+# removed or evicted meanwhile. The read is made again under a fresh lease; one that keeps
+# expiring reads as a miss, which the caller recomputes, never as a failed attempt.
+LEASE_EXPIRED = -707
+LEASE_RETRIES = 3
 # A storage node holding the replica did not answer the transfer: it died or restarts. The
 # master forgets its segment within seconds, after which the key reads as a miss.
 TRANSFER_FAIL = -800
@@ -140,7 +146,11 @@ class MooncakeStore:
     def get_into(self, key: str, ptr: int, capacity: int) -> int | None:
         """Bytes read into the buffer, or None on a miss."""
         code = self._client.get_into(key, ptr, capacity)
-        if code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
+        for _ in range(LEASE_RETRIES):
+            if code != LEASE_EXPIRED:
+                break
+            code = self._client.get_into(key, ptr, capacity)
+        if code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, LEASE_EXPIRED):
             return None
         if code == INVALID_PARAMS:
             raise EntryTooLargeError(f"entry does not fit {capacity} bytes", key=key, op="get")
@@ -184,6 +194,11 @@ class MooncakeStore:
     def batch_get_into(self, keys: list[str], ptrs: list[int],
                        capacities: list[int]) -> list[int | None]:
         codes = self._client.batch_get_into(keys, ptrs, capacities)
+        expired = [i for i, c in enumerate(codes) if c == LEASE_EXPIRED]
+        if expired:  # read those again, each under a fresh lease
+            codes = list(codes)
+            for i in expired:
+                codes[i] = self.get_into(keys[i], ptrs[i], capacities[i]) or OBJECT_NOT_FOUND
         return [None if c in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY)
                 else check_code(c, op="batch_get", key=k) for k, c in zip(keys, codes, strict=True)]
 
@@ -233,7 +248,7 @@ class MooncakeStore:
         range is not inside the entry (or this process's session on it has ended)."""
         code = self._client.batch_get_into_multi_buffer_ranges([key], [[ptr]], [[size]],
                                                                [[offset]])[0]
-        if code == INVALID_PARAMS:
+        if code in (INVALID_PARAMS, LEASE_EXPIRED):  # either way the session is over
             return False
         if check_code(code, op="get", key=key) != size:
             raise StoreOperationError("short ranged read", code=code, key=key, op="get")

@@ -168,9 +168,23 @@ class WorkerSettings(_Section):
     # past this long the delivery counts as failed.
     outage_budget_s: float = Field(120.0, gt=0)
     heartbeat_s: float = Field(1.0, gt=0, description="how often a worker says it is alive")
+    # The sweeper's watchdog re-queues a request that has neither a live owner nor an entry
+    # anyone will deliver once it has not moved for this long. 0: three idle timeouts, well
+    # past the 1.25 idle timeouts a takeover needs, so takeover always comes first.
+    orphan_after_s: float = Field(0.0, ge=0)
     # On SIGTERM a worker takes no new job; a denoise job checkpoints and is re-queued, others
     # finish. Past this long the supervisor kills what is left.
     shutdown_grace_s: float = Field(30.0, gt=0)
+
+
+    @property
+    def orphan_bound_s(self) -> float:
+        return self.orphan_after_s or 3 * self.idle_timeout_s
+
+    @property
+    def live_within_s(self) -> float:
+        """A worker whose heartbeat is older than this is taken for gone."""
+        return max(5.0, 5 * self.heartbeat_s)
 
 
 class ApiSettings(_Section):

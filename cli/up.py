@@ -227,10 +227,13 @@ def sweep_until(stop: threading.Event, settings: Settings) -> None:
     """Remove expired cache entries, output files and old Redis state until ``stop`` is set.
     Every pass survives the store or Redis restarting under it."""
     from workers.queue.retention import Retention, RetentionError
+    from workers.queue.watchdog import Watchdog
 
     client = open_redis(settings)
     index = TtlIndex(client)
     retention = Retention(client, settings.retention)
+    watchdog = Watchdog(client, settings.workers.orphan_bound_s,
+                        settings.workers.live_within_s)
     files = OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
     store: MooncakeStore | None = None
     while not stop.wait(settings.cache.sweep_interval_s):
@@ -246,6 +249,10 @@ def sweep_until(stop: threading.Event, settings: Settings) -> None:
                 pass  # more finished records than one pass takes: keep up with the load
         except RetentionError as exc:
             log.warning("retention sweep failed (%s); retrying next interval", exc)
+        try:
+            watchdog.patrol()  # logs every rescue itself
+        except redis.RedisError as exc:
+            log.warning("the watchdog could not read Redis (%s); retrying next interval", exc)
         files.sweep()
     if store is not None:
         store.close()

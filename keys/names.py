@@ -164,6 +164,12 @@ def preempt_ticket(entry_id: str) -> str:
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:preempt:{entry_id}"
 
 
+def rescued_requests() -> str:
+    """Hash: ``<stage>:<reason>`` -> requests the watchdog re-queued because nothing would
+    ever have delivered them; in normal operation it stays empty."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:rescued"
+
+
 def dead_letter_stream() -> str:
     """Stream: jobs that failed more deliveries than allowed, with the reason."""
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:stream:dead"

@@ -25,6 +25,7 @@ RETENTION = 3
 API_HARDENING = 4
 BATCHING = 5
 EXTERNAL_REDIS = 6  # a `diffcache up` given the worker-free stack's Valkey as its Redis
+API_START = 7  # an API process whose store does not answer
 
 
 def on_database(settings: Settings, db: int) -> Settings:

@@ -66,3 +66,32 @@ def test_a_worker_reads_its_inbox_first_and_others_take_what_waits_too_long(
     taken = wait_until(lambda: take(other), timeout_s=10, interval_s=0.05,
                        what="the waiting routed job taken")
     assert taken == [waiting]
+
+
+def test_an_inbox_entry_left_pending_by_a_worker_that_died_is_taken_over(
+        redis_client: redis.Redis) -> None:
+    # A routed job its worker read and then died holding: no unread entry is left for the
+    # stale-inbox path, so only the takeover of silent consumers can find it.
+    dead = StageQueue(redis_client, Stage.DENOISE, "dead", inbox_wait_ms=300)
+    alive = StageQueue(redis_client, Stage.DENOISE, "alive", inbox_wait_ms=300)
+    dead.ensure_group()
+    alive.ensure_group()
+    routed = Job("routed", "t", Stage.DENOISE)
+    redis_client.xadd(worker_inbox("denoise", "dead"), {"job": routed.to_json()})
+    (read,) = dead.next(block_ms=10, idle_timeout_ms=400)
+    assert read.job == routed and read.attempt == 1
+    taken = wait_until(lambda: alive.next(block_ms=10, idle_timeout_ms=400), timeout_s=10,
+                       interval_s=0.05, what="the dead worker's routed job taken over")
+    assert [(d.job, d.stream, d.attempt) for d in taken] == [
+        (routed, worker_inbox("denoise", "dead"), 2)]  # a new attempt: the fence moves on
+
+
+def test_a_worker_recovering_from_a_redis_error_takes_up_its_own_inbox_entries(
+        redis_client: redis.Redis) -> None:
+    mine = StageQueue(redis_client, Stage.DENOISE, "mine", inbox_wait_ms=300)
+    mine.ensure_group()
+    routed = Job("routed", "t", Stage.DENOISE)
+    redis_client.xadd(worker_inbox("denoise", "mine"), {"job": routed.to_json()})
+    (read,) = mine.next(block_ms=10, idle_timeout_ms=60_000)
+    (again,) = mine.own_pending(count=1)
+    assert (again.job, again.stream, again.attempt) == (routed, read.stream, 2)

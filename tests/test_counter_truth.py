@@ -68,12 +68,13 @@ def exported(client: redis.Redis, tenant: str) -> dict[str, int]:
 
 
 def recorded(records: list[RequestRecord]) -> dict[str, int]:
-    """The same figures summed over the request records."""
+    """The same figures summed over the request records, with what attempts refused after a
+    request ended counted apart on its record."""
     out: dict[str, int] = {}
     for kind in KINDS:
         for prefix, event in ((KindField.HITS, "hits"), (KindField.LOOKUPS, "lookups")):
-            out[f"{kind.value}.{event}"] = sum(r.per_kind(prefix).get(kind.value, 0)
-                                               for r in records)
+            out[f"{kind.value}.{event}"] = sum(
+                r.per_kind(prefix, with_late=True).get(kind.value, 0) for r in records)
     return out
 
 

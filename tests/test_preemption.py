@@ -34,7 +34,7 @@ from workers.queue.credits import Credits
 from workers.queue.lifecycle import Lifecycle
 from workers.queue.messages import Job, Stage
 from workers.queue.records import Records
-from workers.queue.schema import PreemptMode, State, is_counter
+from workers.queue.schema import LATE_PREFIX, PreemptMode, State, is_counter
 from workers.queue.submit import submit
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
@@ -182,18 +182,17 @@ def test_a_worker_paused_past_its_lease_writes_nothing_when_it_wakes(
         go_on(paused)
     # The woken worker goes on until a fenced write tells it that it is stale, then offers
     # its result, which the fence refuses: the worker logs that, and discards what it made.
+    # That log line is the event waited for; the deadline only bounds a hang, and a store
+    # read whose lease ran out while the worker was stopped is read again, not a failure.
     refused = f"request {spec.request_id}: result of stale attempt"
-    wait_until(lambda: refused in paused.log_path.read_text(errors="replace"), timeout_s=60,
+    wait_until(lambda: refused in paused.log_path.read_text(errors="replace"), timeout_s=300,
                interval_s=0.05, what="the woken worker's stale result refused")
-    # The refused attempt wrote nothing but the counts of the lookups it made, which the cache
-    # counters counted too.
+    # The record ended before the refused attempt wrote: it is final. The attempt's lookups,
+    # which the cache counters counted, are kept apart under late:<counter>.
     after = client.hgetall(request_record(spec.tenant, spec.request_id))
-    assert after.keys() == before.keys()
-    for name, value in before.items():
-        if is_counter(name.decode()):
-            assert int(after[name]) >= int(value)
-        else:
-            assert after[name] == value, name
+    late = {k: v for k, v in after.items() if k.decode().startswith(f"{LATE_PREFIX}:")}
+    assert {k: v for k, v in after.items() if k not in late} == before
+    assert all(is_counter(k.decode().removeprefix(f"{LATE_PREFIX}:")) for k in late)
     assert record.state is State.DONE and record.fields["attempt:denoise"] == "2"
     assert record.fields["worker:denoise"] != running["worker:denoise"]
     assert decode_entries_for(client, spec) == 1

@@ -16,20 +16,18 @@ from typing import Any
 import redis
 
 from cachesvc.settings import RetentionSettings
-from keys import Priority
 from keys.names import (
     InvalidTenantError,
     check_tenant,
     dead_letter_stream,
     request_index,
     request_record,
-    stage_stream,
     tenants_registry,
-    worker_inboxes,
 )
 from workers.queue.messages import Stage
 from workers.queue.script_args import ExpireRecordsArgs, TrimStreamArgs
 from workers.queue.scripts import Scripts
+from workers.queue.streams import stage_streams
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +97,10 @@ class Retention:
 
     def _trim_streams(self) -> tuple[int, int]:
         idle_ms = int(self.settings.dead_consumer_s * 1000)
-        streams = [stage_stream(stage.value, p.value) for stage in Stage for p in Priority]
+        streams: list[str] = []
         try:
-            for stage in Stage:  # and every worker inbox (routed jobs), as the shared streams
-                inboxes: set[bytes] = self.redis.smembers(  # type: ignore[assignment]
-                    worker_inboxes(stage.value))
-                streams += sorted(i.decode() for i in inboxes)
+            for stage in Stage:
+                streams += stage_streams(self.redis, stage)
             pipe = self.redis.pipeline(transaction=False)
             for stream in streams:
                 self.scripts.run(TrimStreamArgs(stream, idle_ms), pipe)

@@ -217,9 +217,10 @@ class Worker:
                     deliveries = self.queue.next(self.settings.block_ms, idle_ms,
                                                  self.settings.batch_size)
                 # One class at a time, interactive first: its results are published before
-                # any batch job of the same read starts.
-                for _, same_class in itertools.groupby(deliveries, key=lambda d: d.stream):
-                    self.process(list(same_class))
+                # any batch job of the same read starts. The whole read stays leased.
+                with self.leases.hold(*deliveries):
+                    for _, same_class in itertools.groupby(deliveries, key=lambda d: d.stream):
+                        self.process(list(same_class))
             except redis.RedisError as exc:
                 log.warning("Redis error in the %s loop (%s); retrying", self.handler.stage, exc)
                 recovering = True

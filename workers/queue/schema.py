@@ -65,14 +65,16 @@ IDLE = TERMINAL | {State.PREEMPTED}
 # CANCELLED or FAILED while it is not terminal.
 _MOVES: Mapping[State, frozenset[State]] = {
     # A request whose output is already cached ends at encode.
+    # Every running or waiting state may also go back to QUEUED: the watchdog re-queues a
+    # request that has no live owner and no entry anyone will deliver (``watchdog.py``).
     State.QUEUED: frozenset({State.ENCODING}),
-    State.ENCODING: frozenset({State.ENCODED, State.DONE}),
-    State.ENCODED: frozenset({State.DENOISING}),
+    State.ENCODING: frozenset({State.ENCODED, State.DONE, State.QUEUED}),
+    State.ENCODED: frozenset({State.DENOISING, State.QUEUED}),
     # Re-queued (ENCODED), parked (PREEMPTED), or back to encode for lost embeddings (QUEUED).
     State.DENOISING: frozenset({State.DENOISED, State.ENCODED, State.PREEMPTED, State.QUEUED}),
-    State.DENOISED: frozenset({State.DECODING}),
+    State.DENOISED: frozenset({State.DECODING, State.QUEUED}),
     # Back to denoise for lost latents (ENCODED).
-    State.DECODING: frozenset({State.DONE, State.ENCODED}),
+    State.DECODING: frozenset({State.DONE, State.ENCODED, State.QUEUED}),
     State.PREEMPTED: frozenset({State.QUEUED}),  # resumed
     State.DONE: frozenset({State.QUEUED}),  # its output was lost: made again
     State.FAILED: frozenset({State.QUEUED}),  # resumed
@@ -107,6 +109,7 @@ class Field(StrEnum):
     PREEMPTIONS = "preemptions"
     RESUMES = "resumes"
     RECOMPUTES = "recomputes"
+    RESCUES = "rescues"  # times the watchdog re-queued the request (each one is a bug report)
     FORWARDS = "forwards"  # transformer forward passes denoise ran
     CFG_REUSED = "cfg_reused"  # unconditional forwards replaced by the interval residual
 
@@ -141,8 +144,8 @@ class KindField(StrEnum):
 
 
 # Fields added to rather than set: they sum over every attempt, refused ones included.
-COUNTERS = frozenset({Field.PREEMPTIONS, Field.RESUMES, Field.RECOMPUTES, Field.FORWARDS,
-                      Field.CFG_REUSED})
+COUNTERS = frozenset({Field.PREEMPTIONS, Field.RESUMES, Field.RECOMPUTES, Field.RESCUES,
+                      Field.FORWARDS, Field.CFG_REUSED})
 
 
 def is_counter(name: str) -> bool:
@@ -150,6 +153,9 @@ def is_counter(name: str) -> bool:
 
 
 CHECKPOINT_PREFIX = "ckpt"
+# ``late:<counter>``: what attempts refused after the request ended still counted (their cache
+# lookups, their forwards). Only the scripts write these; the record's own counters are final.
+LATE_PREFIX = "late"
 
 
 def checkpoint_field(step: int) -> str:
@@ -219,9 +225,21 @@ class RequestRecord:
     def done(self, stage: Stage) -> bool:
         return StageField.DONE.of(stage) in self.fields
 
-    def per_kind(self, prefix: KindField) -> dict[str, int]:
-        """Kind -> the counter ``prefix`` holds for it (hits, lookups or recomputes)."""
-        head = f"{prefix.value}:"
+    def per_kind(self, prefix: KindField, with_late: bool = False) -> dict[str, int]:
+        """Kind -> the counter ``prefix`` holds for it (hits, lookups or recomputes); with
+        ``with_late``, plus what attempts refused after the request ended added."""
+        heads = [f"{prefix.value}:", *([f"{LATE_PREFIX}:{prefix.value}:"] if with_late else [])]
+        out: dict[str, int] = {}
+        for name, value in self.fields.items():
+            for head in heads:
+                if name.startswith(head):
+                    kind = name.removeprefix(head)
+                    out[kind] = out.get(kind, 0) + int(value)
+        return out
+
+    def late(self) -> dict[str, int]:
+        """Counter -> what attempts refused after the request ended still counted."""
+        head = f"{LATE_PREFIX}:"
         return {k.removeprefix(head): int(v) for k, v in self.fields.items()
                 if k.startswith(head)}
 

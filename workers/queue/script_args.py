@@ -190,3 +190,22 @@ class ExpireRecordsArgs(ScriptArgs):
     records: tuple[str, ...] = key(rest=True)
     cutoff: str = arg()
     ids: tuple[str, ...] = arg(table=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RescueArgs(ScriptArgs):
+    NAME = "rescue"
+    record: str = key()
+    encode_stream: str = key()
+    credits: str = key()
+    rescued: str = key()
+    streams: tuple[str, ...] = key(rest=True)
+    seen_state: State = arg()
+    seen_updated_at: str = arg()
+    generation: int = arg()
+    job: str = arg()
+    now: str = arg()
+    cleared: tuple[str, ...] = arg(table=True)
+    counter: str = arg()
+    groups: tuple[str, ...] = arg(table=True)
+    entry_ids: tuple[str, ...] = arg(table=True)

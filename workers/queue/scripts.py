@@ -25,6 +25,7 @@ from workers.queue.messages import ATTEMPTS_PER_GENERATION
 from workers.queue.schema import (
     CHECKPOINT_PREFIX,
     IDLE,
+    LATE_PREFIX,
     RESUMABLE,
     TERMINAL,
     TRANSITIONS,
@@ -175,6 +176,7 @@ def prelude() -> str:
         f"local R = {_lua_table({r.name: r.value for r in Result})}",
         f"local EVENTS_SUFFIX = {json.dumps(EVENTS_SUFFIX)}",
         f"local CHECKPOINT_PREFIX = {json.dumps(CHECKPOINT_PREFIX)}",
+        f"local LATE_PREFIX = {json.dumps(LATE_PREFIX)}",
         f"local ATTEMPTS_PER_GENERATION = {ATTEMPTS_PER_GENERATION}",
     ]
     return "\n".join(lines) + "\n" + _source("common") + "\n"

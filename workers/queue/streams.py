@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -72,13 +73,8 @@ class StageQueue:
         """
         now = time.monotonic()
         if now >= self._next_reclaim:
-            for stream in self.streams:
-                _, claimed, _ = self.redis.xautoclaim(stream, self.group, self.consumer,
-                                                      min_idle_time=idle_timeout_ms, count=count)
-                if claimed:
-                    log.warning("took over %s from a consumer that went silent",
-                                [e for e, _ in claimed])
-                    return [self._delivery(stream, e, f, reclaimed=True) for e, f in claimed]
+            if taken := self._take_over(idle_timeout_ms, count):
+                return taken
             if self.inbox and (stale := self._stale_inbox_entries(count)):
                 return stale
             self._next_reclaim = now + idle_timeout_ms / 4000
@@ -99,6 +95,28 @@ class StageQueue:
                          key=lambda item: order[item[0]])
         return [self._delivery(stream, e, f, reclaimed=False)
                 for stream, entries in batches for e, f in entries]
+
+    def _take_over(self, idle_timeout_ms: int, count: int) -> list[Delivery]:
+        """Entries that idled past the timeout under any consumer, in every stream a job of
+        this stage can wait in (``stage_streams``): a live worker renews what it holds, so
+        such an entry's worker is gone or stalled. One round trip, however many inboxes."""
+        streams = stage_streams(self.redis, self.stage)
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xautoclaim(stream, self.group, self.consumer, min_idle_time=idle_timeout_ms,
+                            count=count)
+        taken: list[Delivery] = []
+        for stream, answer in zip(streams, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(answer, redis.ResponseError):  # an inbox whose group is gone
+                continue
+            if isinstance(answer, Exception):
+                raise answer
+            _, claimed, _ = answer
+            if claimed:
+                log.warning("took over %s of %s from a consumer that went silent",
+                            [e.decode() for e, _ in claimed], stream)
+                taken += [self._delivery(stream, e, f, reclaimed=True) for e, f in claimed]
+        return taken
 
     def _stale_inbox_entries(self, count: int) -> list[Delivery]:
         """Unread entries of another worker's inbox that waited past ``inbox_wait_ms`` (its
@@ -121,9 +139,10 @@ class StageQueue:
         return []
 
     def own_pending(self, count: int) -> list[Delivery]:
-        """Up to ``count`` entries still pending under this consumer's own name, claimed
-        again (a new delivery attempt, so the fence moves on from the one that was cut off)."""
-        for stream in self.streams:
+        """Up to ``count`` entries still pending under this consumer's own name, in the shared
+        streams or its inbox, claimed again (a new delivery attempt, so the fence moves on
+        from the one that was cut off)."""
+        for stream in (*self.streams, *([self.inbox] if self.inbox else [])):
             pending = self.redis.xpending_range(stream, self.group, min="-", max="+",
                                                 count=count, consumername=self.consumer)
             ids: list[Any] = [p["message_id"] for p in pending]
@@ -165,13 +184,16 @@ class StageQueue:
 
 
 class LeaseKeeper:
-    """One thread per worker that renews the claim on the entry in hand every ``interval_s``
-    (XCLAIM to ourselves resets its idle time without counting as a delivery)."""
+    """One thread per worker that renews the claim on every entry in hand every
+    ``interval_s`` (XCLAIM to ourselves resets its idle time without counting as a delivery).
+
+    Holds nest: a read holds all it took while its first jobs run, so an entry read in the
+    same batch as a long job never idles into a takeover while it waits its turn."""
 
     def __init__(self, queue: StageQueue, interval_s: float) -> None:
         self._queue = queue
         self._interval_s = interval_s
-        self._held: tuple[Delivery, ...] = ()
+        self._held: Counter[Delivery] = Counter()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease", daemon=True)
@@ -180,18 +202,19 @@ class LeaseKeeper:
     @contextmanager
     def hold(self, *deliveries: Delivery) -> Iterator[None]:
         with self._lock:
-            self._held = deliveries
+            self._held.update(deliveries)
         try:
             yield
         finally:
             with self._lock:
-                self._held = ()
+                self._held.subtract(deliveries)
+                self._held = +self._held  # drop what no hold names any more
 
     def _run(self) -> None:
         q = self._queue
         while not self._stop.wait(self._interval_s):
             with self._lock:
-                held = self._held
+                held = tuple(self._held)
             if not held:
                 continue
             for stream in {d.stream for d in held}:
@@ -241,3 +264,12 @@ def _oldest_unread(client: redis.Redis, stream: str, group: str) -> str | None:
             entries: Any = client.xrange(stream, min=f"({last}", count=1)
             return entries[0][0].decode() if entries else None
     return None
+
+
+def stage_streams(client: redis.Redis, stage: Stage) -> list[str]:
+    """Every stream a job of ``stage`` can wait in: the shared streams, one per class, then
+    every worker's inbox. Takeover, retention and the watchdog all walk this one list, so a
+    place a job can wait that one of them does not cover cannot exist."""
+    inboxes: set[bytes] = client.smembers(worker_inboxes(stage.value))  # type: ignore[assignment]
+    return [*(stage_stream(stage.value, p.value) for p in PRIORITY_ORDER),
+            *sorted(i.decode() for i in inboxes)]

@@ -49,9 +49,15 @@ end
 
 -- Only the counters of a RecordWrite: what an attempt looked up counts even when its result is
 -- refused (stale, a duplicate, or the request finished meanwhile), as the cache counters
--- counted it.
+-- counted it. A terminal record is final: what arrives after its end is kept apart, under
+-- ``late:<counter>``, so the record's own counters never change once it has ended while the
+-- records still sum to what the cache counters counted.
 local function add_counters(record, write)
-  for name, amount in pairs(write.add) do redis.call('HINCRBY', record, name, amount) end
+  local prefix = ''
+  if TERMINAL[state_of(record) or ''] then prefix = LATE_PREFIX .. ':' end
+  for name, amount in pairs(write.add) do
+    redis.call('HINCRBY', record, prefix .. name, amount)
+  end
 end
 
 local function clear_fields(record, names)

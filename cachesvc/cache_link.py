@@ -1,0 +1,85 @@
+"""A store connection made in the background, so that a process serves whatever needs no
+store (health, status, events, results on disk, admission) from its first second, and answers
+503 for the rest until the store client is up.
+
+The connection and the torch it needs are loaded on a thread: a restarted API listens within
+a second instead of after its store client's set-up (10 s and more when the master is slow).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+import redis
+
+from cachesvc.errors import StoreUnavailableError
+from cachesvc.settings import Settings
+
+if TYPE_CHECKING:
+    from cachesvc.tensor_cache import TensorCache
+
+log = logging.getLogger(__name__)
+
+FIRST_RETRY_S = 0.5
+MAX_RETRY_S = 8.0
+
+
+class CacheLink:
+    """Connects to the store on a thread, retrying with back-off until it succeeds or is
+    closed; ``cache`` is the connection, or StoreUnavailableError while there is none yet."""
+
+    def __init__(self, settings: Settings, client: redis.Redis) -> None:
+        self._settings = settings
+        self._client = client
+        self._cache: TensorCache | None = None
+        self._last_error = "connecting"
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._connect, name="store-link", daemon=True)
+        self._thread.start()
+
+    @property
+    def cache(self) -> TensorCache:
+        cache = self._cache
+        if cache is None:
+            raise StoreUnavailableError(self.status, op="connect")
+        return cache
+
+    @property
+    def connected(self) -> bool:
+        return self._cache is not None
+
+    @property
+    def status(self) -> str:
+        """What the link is doing, for a readiness page."""
+        if self._cache is not None:
+            return "connected"
+        return f"the store client is not connected yet ({self._last_error})"
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the link connected within ``timeout_s``."""
+        self._thread.join(timeout_s)
+        return self.connected
+
+    def _connect(self) -> None:
+        from cachesvc.connect import open_cache  # torch and Mooncake load here, not at import
+
+        delay = FIRST_RETRY_S
+        while not self._closed.is_set():
+            try:
+                self._cache = open_cache(self._settings, self._client)
+                log.info("store client connected")
+                return
+            except Exception as exc:  # logged; the link outlives any failed attempt
+                self._last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("store client not connected (%s); retrying in %.1f s", exc, delay)
+            if self._closed.wait(delay):
+                return
+            delay = min(delay * 2, MAX_RETRY_S)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
+        if self._cache is not None:
+            self._cache.close()
