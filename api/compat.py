@@ -4,14 +4,34 @@ queue as ``/v1/generate``."""
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Annotated
 
-from fastapi import APIRouter, Request, Response
+import anyio.from_thread
+import xxhash
+from fastapi import APIRouter, Header, Request, Response
 
 from api.deps import Svc, Tenant
-from api.schemas import GenerateBody, ImagesBody, VideoJob, VideosBody
-from api.service import NotFoundError, NotReadyError, Service, WaitTimeoutError
+from api.schemas import (
+    GenerateBody,
+    ImagesBody,
+    ModelFacts,
+    ModelList,
+    ModelObject,
+    VideoJob,
+    VideosBody,
+)
+from api.service import (
+    ClientGoneError,
+    NotFoundError,
+    NotReadyError,
+    Service,
+    WaitTimeoutError,
+)
 from keys import OutputFormat
 from workers.queue.schema import RequestRecord, State
+from workers.queue.served_model import ServedModel
 
 _VIDEO_STATUS = {State.QUEUED: "queued", State.DONE: "completed", State.FAILED: "failed",
                  State.CANCELLED: "cancelled"}
@@ -46,21 +66,41 @@ router = APIRouter()
 
 
 @router.post("/v1/images/generations")
-def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request) -> dict[str, object]:
+def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request,
+           idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+           x_stainless_retry_count: Annotated[int | None, Header(ge=0)] = None
+           ) -> dict[str, object]:
     """OpenAI-compatible and synchronous: answers when the image is ready. ``model``, when
-    given, must name the served model (its folder, family, or ``family/folder``)."""
+    given, must name the served model (its folder, family, or ``family/folder``).
+
+    A call abandoned before its image is ready (the client went away, or the wait passed
+    ``api.sync_timeout_s``) cancels its request unless ``keep`` is set. A retry of the call
+    (the same ``Idempotency-Key``, or the official SDK's own retry of the same body, which it
+    marks with ``X-Stainless-Retry-Count``) joins the request the first call made, resuming it
+    from its checkpoint if the abandonment cancelled it, instead of queueing another."""
     served = svc.served()
-    if body.model is not None and body.model not in (
-            served.name, served.family, f"{served.family}/{served.name}"):
+    if body.model is not None and body.model not in model_ids(served):
         raise NotFoundError(f"model {body.model!r} is not served here; this deployment "
                             f"serves {served.family}/{served.name}")
     width, height = _size(body.size)
-    request_id = svc.generate(who, GenerateBody(
+    generate = GenerateBody(
         prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
         height=height, num_frames=1, num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale, seed=body.seed,
-        output_format=OutputFormat.PNG, loras=body.loras))
-    record = _wait(svc, who, request_id, svc.settings.api.sync_timeout_s)
+        output_format=OutputFormat.PNG, loras=body.loras)
+    if idempotency_key is not None:
+        request_id = (svc.join_call(who, idempotency_key)
+                      or svc.generate(who, generate, idempotency_key))
+    else:  # the SDK sends no key: a retry is the same body, marked as a retry
+        call = f"openai-call:{xxhash.xxh3_128_hexdigest(body.model_dump_json().encode())}"
+        joined = svc.join_call(who, call) if x_stainless_retry_count else None
+        request_id = joined or svc.generate(who, generate)
+        svc.remember_call(who, call, request_id)
+
+    def gone() -> bool:
+        return bool(anyio.from_thread.run(request.is_disconnected))
+
+    record = _wait(svc, who, request_id, svc.settings.api.sync_timeout_s, gone, body.keep)
     if body.response_format == "url":
         # OpenAI clients fetch the URL as given: it must be absolute.
         base = svc.settings.api.public_url or str(request.base_url)
@@ -69,6 +109,41 @@ def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request) -> dict[st
         _, data = svc.result(who, request_id)
         item = {"b64_json": base64.b64encode(data).decode()}
     return {"created": int(record.created_at), "data": [item]}
+
+
+def model_ids(served: ServedModel) -> tuple[str, ...]:
+    """The names a client may give the served model: ``family/folder`` first."""
+    return (f"{served.family}/{served.name}", served.name, served.family)
+
+
+def _model(served: ServedModel) -> ModelObject:
+    card = served.card
+
+    def size(w: int | None, h: int | None) -> str | None:
+        return f"{w}x{h}" if w and h else None
+
+    return ModelObject(id=model_ids(served)[0], created=0, owned_by="diffcache",
+                       diffcache=ModelFacts(
+                           family=served.family,
+                           native_size=size(card.native_width, card.native_height),
+                           max_size=size(card.max_width, card.max_height),
+                           size_multiple=served.spatial_multiple, prompts=card.prompts,
+                           defaults=asdict(served.defaults)))
+
+
+@router.get("/v1/models", response_model=ModelList)
+def models(_: Tenant, svc: Svc) -> ModelList:
+    """OpenAI-compatible: the one model this deployment serves."""
+    return ModelList(data=[_model(svc.served())])
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelObject)
+def model(model_id: str, _: Tenant, svc: Svc) -> ModelObject:
+    served = svc.served()
+    if model_id not in model_ids(served):
+        raise NotFoundError(f"model {model_id!r} is not served here; this deployment serves "
+                            f"{model_ids(served)[0]}")
+    return _model(served)
 
 @router.post("/v1/videos", response_model=VideoJob)
 def create_video(body: VideosBody, who: Tenant, svc: Svc) -> VideoJob:
@@ -91,13 +166,26 @@ def video_content(video_id: str, who: Tenant, svc: Svc) -> Response:
     return Response(data, media_type="video/mp4")
 
 
-def _wait(svc: Service, tenant: str, request_id: str, timeout_s: float) -> RequestRecord:
-    """The request once it is done, woken by its record's notifications."""
+POLL_S = 0.5  # how often an abandoned call is noticed
+
+
+def _wait(svc: Service, tenant: str, request_id: str, timeout_s: float,
+          gone: Callable[[], bool], keep: bool) -> RequestRecord:
+    """The request once it is done, woken by its record's notifications. Abandoned (the
+    client gone, or ``timeout_s`` passed), it is cancelled unless ``keep``."""
     try:
-        *_, record = svc.events.follow(tenant, request_id, timeout_s)
+        for record in svc.events.follow(tenant, request_id, timeout_s, reread_s=POLL_S):
+            if not record.state.terminal and gone():
+                if not keep:
+                    svc.records.cancel(tenant, request_id)
+                raise ClientGoneError(f"the client of request {request_id} went away")
     except TimeoutError as exc:
-        raise WaitTimeoutError(f"request {request_id} did not finish within {timeout_s:.0f} s; "
-                               f"poll /v1/requests/{request_id}") from exc
+        if not keep:
+            svc.records.cancel(tenant, request_id)
+        raise WaitTimeoutError(
+            f"request {request_id} did not finish within {timeout_s:.0f} s; "
+            + ("poll /v1/requests/" + request_id if keep else "it was cancelled (set keep to "
+               "let it run on); a retry of this call resumes it")) from exc
     if record.state is not State.DONE:
         raise NotReadyError(record)
     return record

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 
 from api.schemas import FieldError
 from api.service import (
+    ClientGoneError,
     GoneError,
     NoDenoiserError,
     NotFoundError,
@@ -27,31 +28,55 @@ from cachesvc.adapters import AdapterError
 from cachesvc.errors import StoreUnavailableError
 from workers.queue.submit import DurabilityError
 
+# Routes that speak OpenAI's dialect answer errors in its shape, which its SDK turns into the
+# exception's message: {"error": {"message", "type", "param", "code"}}.
+OPENAI_PREFIXES = ("/v1/images", "/v1/videos", "/v1/models")
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                 403: "permission_error", 404: "not_found_error", 409: "conflict_error",
+                 413: "invalid_request_error", 422: "invalid_request_error",
+                 429: "rate_limit_error", 504: "timeout_error"}
 
-def _body(status: int, error: str, field: str | None = None,
+
+def _code(status: int) -> str | None:
+    """The status as an OpenAI-style code: ``not_found`` for 404; None for a non-standard
+    status."""
+    try:
+        return HTTPStatus(status).phrase.lower().replace(" ", "_")
+    except ValueError:
+        return None
+
+
+def _body(request: Request, status: int, error: str, field: str | None = None,
           headers: dict[str, str] | None = None) -> JSONResponse:
-    content: dict[str, object] = {"error": error}
-    if field is not None:
-        content["field"] = field
+    content: dict[str, object]
+    if request.url.path.startswith(OPENAI_PREFIXES):
+        content = {"error": {"message": error, "param": field,
+                             "type": _OPENAI_TYPES.get(status, "server_error"),
+                             "code": _code(status)}}
+    else:
+        content = {"error": error}
+        if field is not None:
+            content["field"] = field
     return JSONResponse(content, status_code=status, headers=headers)
 
 
 def install(app: FastAPI, retry_after_s: int) -> None:
     @app.exception_handler(RequestValidationError)
     @app.exception_handler(ValidationError)
-    async def invalid(_: Request, exc: RequestValidationError | ValidationError) -> JSONResponse:
+    async def invalid(request: Request,
+                      exc: RequestValidationError | ValidationError) -> JSONResponse:
         # ValidationError: a body that a compatibility endpoint maps onto GenerateBody.
         first = exc.errors()[0]
         if first["type"] == "json_invalid":  # its loc holds a byte offset, not a field
-            return _body(422, f"body: is not valid JSON ({first['ctx']['error']} at byte "
-                         f"{first['loc'][-1]})", "body")
+            return _body(request, 422, f"body: is not valid JSON ({first['ctx']['error']} at "
+                         f"byte {first['loc'][-1]})", "body")
         field = ".".join(str(p) for p in first["loc"] if p not in ("body", "query", "path",
                                                                     "header"))
         if not field and tuple(first["loc"][:1]) == ("body",):
             field = "body"  # the body as a whole, e.g. none at all
         limit = first.get("ctx")
         detail = f"{field}: {first['msg']}" + (f" ({limit})" if limit else "")
-        return _body(422, detail, field or None)
+        return _body(request, 422, detail, field or None)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -59,36 +84,37 @@ def install(app: FastAPI, retry_after_s: int) -> None:
         error = str(exc.detail)
         if error == HTTPStatus(exc.status_code).phrase:
             error = f"{error}: {request.method} {request.url.path}"
-        return _body(exc.status_code, error, headers=dict(exc.headers or {}))
+        return _body(request, exc.status_code, error, headers=dict(exc.headers or {}))
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette raises the exception again after this answer, so the server logs it.
-        return _body(500, f"internal error ({type(exc).__name__}); see the API's log")
+        return _body(request, 500, f"internal error ({type(exc).__name__}); see the API's log")
 
     @app.exception_handler(FieldError)
-    async def out_of_limits(_: Request, exc: FieldError) -> JSONResponse:
-        return _body(422, str(exc), exc.field)
+    async def out_of_limits(request: Request, exc: FieldError) -> JSONResponse:
+        return _body(request, 422, str(exc), exc.field)
 
     @app.exception_handler(AdapterError)
-    async def bad_adapter(_: Request, exc: AdapterError) -> JSONResponse:
-        return _body(422, str(exc), exc.field)
+    async def bad_adapter(request: Request, exc: AdapterError) -> JSONResponse:
+        return _body(request, 422, str(exc), exc.field)
 
     # Exception type -> status, and whether the client should retry after a pause. Subclasses
     # map as their base does: redis-py's BusyLoadingError is a ConnectionError, for one.
     table: dict[type[Exception], tuple[int, bool]] = {
         QueueFullError: (429, True), NotFoundError: (404, False), NotReadyError: (409, False),
+        ClientGoneError: (499, False),
         NoDenoiserError: (503, True),
         GoneError: (410, False), WaitTimeoutError: (504, False), RecomputingError: (503, True),
         StoreUnavailableError: (503, True), DurabilityError: (503, True),
         redis.ConnectionError: (503, True), redis.TimeoutError: (503, True)}
 
-    async def mapped(_: Request, exc: Exception) -> JSONResponse:
+    async def mapped(request: Request, exc: Exception) -> JSONResponse:
         status, retry = next(table[t] for t in type(exc).__mro__ if t in table)
         error = str(exc)
         if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
             error = f"Redis is unreachable ({exc}); retry later"
-        return _body(status, error,
+        return _body(request, status, error,
                      headers={"Retry-After": str(retry_after_s)} if retry else None)
 
     for exc_type in table:

@@ -22,7 +22,7 @@ from api.schemas import (
     RequestStatus,
     ResumeBody,
 )
-from api.service import status_of
+from api.service import Service, status_of
 
 router = APIRouter()
 
@@ -31,12 +31,13 @@ router = APIRouter()
 def generate(body: GenerateBody, who: Tenant, svc: Svc,
              idempotency_key: Annotated[str | None, Header(max_length=256)] = None) -> Accepted:
     """Queue a generation; the 202 comes after the request is durable."""
-    return accepted(svc.generate(who, body, idempotency_key))
+    return accepted(svc, who, svc.generate(who, body, idempotency_key))
 
 
-def accepted(request_id: str) -> Accepted:
+def accepted(svc: Service, tenant: str, request_id: str) -> Accepted:
     return Accepted(id=request_id, status_url=f"/v1/requests/{request_id}",
-                    result_url=f"/v1/requests/{request_id}/result")
+                    result_url=f"/v1/requests/{request_id}/result",
+                    warnings=svc.record(tenant, request_id).warnings)
 
 
 @router.get("/v1/requests/{request_id}", response_model=RequestStatus)
@@ -72,7 +73,7 @@ def preempt(request_id: str, who: Tenant, svc: Svc,
 def resume(body: ResumeBody, who: Tenant, svc: Svc) -> Accepted:
     """Without overrides: continue a preempted, cancelled or failed request from its latest
     checkpoint (same id). With overrides: a new request branched from ``from_step``."""
-    return accepted(svc.resume(who, body))
+    return accepted(svc, who, svc.resume(who, body))
 
 
 @router.get("/v1/requests/{request_id}/events")

@@ -6,6 +6,7 @@ every error names the field and the limit it broke.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -22,7 +23,8 @@ MAX_SEED = 2**63 - 1
 
 # Static bounds, published in the OpenAPI schema. A deployment's ApiSettings may only tighten
 # them, which ``check_limits`` does.
-Spatial = Annotated[int, Field(ge=16, le=4096, multiple_of=16)]
+Spatial = Annotated[int, Field(ge=1, le=4096, description="a multiple of the served model's "
+                                                  "size_multiple (GET /v1/models)")]
 Frames = Annotated[int, Field(ge=1, le=1025, description="4k+1")]
 Steps = Annotated[int, Field(ge=1, le=1000)]
 Guidance = Annotated[float, Field(ge=0.0, le=30.0)]
@@ -185,11 +187,16 @@ def check_limits(body: GenerateBody, width: int, height: int, frames: int, steps
     model family it serves."""
     check_texts([("prompt", body.prompt), ("negative_prompt", body.negative_prompt),
                  *segment_texts("schedule", body.schedule)], texts)
-    m = max(limits.spatial_multiple, model.limits.spatial_multiple)
-    for name, value, top in (("width", width, limits.max_width),
-                             ("height", height, limits.max_height)):
+    m = math.lcm(limits.spatial_multiple, model.spatial_multiple)
+    card = model.card
+    for name, value, top, card_top in (("width", width, limits.max_width, card.max_width),
+                                       ("height", height, limits.max_height, card.max_height)):
         if not m <= value <= top or value % m:
             raise FieldError(name, f"must be a multiple of {m} from {m} to {top}, got {value}")
+        if limits.enforce_model_max and card_top is not None and value > card_top:
+            raise FieldError(name, f"must be at most {card_top} for {model.name}, which was "
+                             f"trained at {card.native_width}x{card.native_height} (its model "
+                             f"card; api.enforce_model_max), got {value}")
     if not model.limits.video:
         if frames != 1:
             raise FieldError("num_frames", f"{model.family} makes images: num_frames must be "
@@ -211,6 +218,9 @@ class Accepted(BaseModel):
     id: str
     status_url: str
     result_url: str
+    warnings: list[str] = Field(default_factory=list, description="what the request asks "
+                                "outside what the served model learnt (its native size, its "
+                                "training prompts): it runs, and may come out wrong")
 
 
 class RequestStatus(BaseModel):
@@ -232,6 +242,7 @@ class RequestStatus(BaseModel):
                                        "lost from the cache and made again")
     loras: list[dict[str, str | float]] = Field(default_factory=list, description="the "
                                                 "adapters applied: hash and scale")
+    warnings: list[str] = Field(default_factory=list, description="as in the 202 answer")
     rescues: int = Field(0, description="times the watchdog re-queued the request because "
                          "no live worker owned it (each one is a bug report)")
     late: dict[str, int] = Field(default_factory=dict, description="counter -> what attempts "
@@ -289,6 +300,35 @@ class ImagesBody(BaseModel):
     guidance_scale: float | None = Field(None, ge=0.0, le=30.0)
     loras: list[LoraBody] = Field(default_factory=list, description="extension: LoRA "
                                   "adapters, as in POST /v1/generate")
+    keep: bool = Field(False, description="extension: keep the request running when the "
+                       "call is abandoned (the client goes away, or the wait times out); by "
+                       "default it is cancelled, and a retry of the call resumes it")
+
+
+class ModelFacts(BaseModel):
+    """An extension of the OpenAI model object: what the served model knows."""
+
+    family: str
+    native_size: str | None = Field(description="the size it was trained at, WxH")
+    max_size: str | None = Field(description="the largest it serves (api.enforce_model_max)")
+    size_multiple: int = Field(description="width and height are multiples of this")
+    prompts: str = Field(description="the kinds of prompt it was trained on")
+    defaults: dict[str, float] = Field(description="what a request leaves out gets")
+
+
+class ModelObject(BaseModel):
+    """An OpenAI model object."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    diffcache: ModelFacts
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
 
 
 class VideosBody(BaseModel):

@@ -7,6 +7,7 @@ It holds the Redis client and the store connection, and talks to workers only th
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -104,6 +105,10 @@ class GoneError(RuntimeError):
     pass
 
 
+class ClientGoneError(ConnectionError):
+    """The client of a synchronous call went away before its answer was ready."""
+
+
 class WaitTimeoutError(TimeoutError):
     """A synchronous endpoint waited longer than ``api.sync_timeout_s``."""
 
@@ -127,7 +132,7 @@ def status_of(record: RequestRecord) -> RequestStatus:
         cache_hits=record.hits(), resumed_from=record.counter(Field.RESUMED_FROM),
         checkpoints=sorted(record.checkpoints()), preemptions=record.counter(Field.PREEMPTIONS),
         model=model_of(record), recomputed=record.recomputed(), error=record.error,
-        rescues=record.counter(Field.RESCUES), late=record.late(),
+        rescues=record.counter(Field.RESCUES), late=record.late(), warnings=record.warnings,
         loras=[{"hash": lora.hash, "scale": lora.scale} for lora in spec.loras],
         created_at=record.created_at, updated_at=record.updated_at)
 
@@ -225,7 +230,7 @@ class Service:
         """Refuse a request that would hold a worker too long; run a costly interactive one
         as batch work, so it cannot hold up the small ones behind it."""
         api = self.settings.api
-        cost = served.limits.cost(spec)
+        cost = served.cost(spec)
         if cost > api.max_cost:
             raise FieldError("cost", f"estimated cost {cost:,} token-forwards (latent tokens x "
                              f"steps x CFG branches) is above api.max_cost={api.max_cost:,}; "
@@ -273,11 +278,31 @@ class Service:
                 self._forget(keys=[idempotency_key(tenant, idem)], args=[spec.request_id])
             raise
 
+    def remember_call(self, tenant: str, call: str, request_id: str) -> None:
+        """Note which request a synchronous call made, for as long as a retry of it may come
+        (twice the call's own wait)."""
+        self.redis.set(idempotency_key(tenant, call), request_id,
+                       ex=int(2 * self.settings.api.sync_timeout_s) + 1)
+
+    def join_call(self, tenant: str, call: str) -> str | None:
+        """The request an earlier attempt of this call made, resumed if its abandonment
+        cancelled it; None when there is none to join (expired, or it failed)."""
+        found = self.redis.get(idempotency_key(tenant, call))
+        if found is None:
+            return None
+        record = self.records.get(tenant, found.decode())  # type: ignore[union-attr]
+        if record is None or record.state is State.FAILED:
+            return None
+        if record.state is State.CANCELLED:
+            self.resume(tenant, ResumeBody(request_id=record.spec.request_id))
+        return record.spec.request_id
+
     def submit(self, spec: GenerationSpec, served: ServedModel) -> str:
         """Admit and submit in one script, so concurrent submits cannot overshoot a bound."""
         try:
-            return submit(self.redis, spec, bounds=self.bounds,
-                          fields=RecordWrite({Field.MODEL: f"{served.family}/{served.name}"}))
+            return submit(self.redis, spec, bounds=self.bounds, fields=RecordWrite({
+                Field.MODEL: f"{served.family}/{served.name}",
+                Field.WARNINGS: json.dumps(served.card.warnings(spec))}))
         except AdmissionError as exc:
             raise QueueFullError(exc) from exc
 

@@ -213,7 +213,11 @@ class ApiSettings(_Section):
     max_height: int = Field(1024, ge=16)
     max_frames: int = Field(129, ge=1)
     max_steps: int = Field(100, ge=1)
-    spatial_multiple: int = Field(16, ge=1, description="VAE factor times DiT patch size")
+    spatial_multiple: int = Field(1, ge=1, description="a multiple width and height must "
+                                  "also be, on top of the served model's own (its VAE factor "
+                                  "times its DiT patch size, which the workers publish)")
+    # A model card may state the largest size its model serves; above it a request is a 422.
+    enforce_model_max: bool = True
     sync_timeout_s: float = Field(300.0, gt=0, description="synchronous endpoints wait this")
     # Estimated compute of one request, in token-forwards (latent frames x patches x forwards,
     # a CFG step counting two): above max_cost a request is refused, so none holds a worker
@@ -258,6 +262,11 @@ class Settings(BaseSettings):
     @property
     def outputs_dir(self) -> Path:
         return self.data_dir / "outputs"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        """Checkpoints a denoise job wrote as it stopped early (a drain, a preemption)."""
+        return self.data_dir / "checkpoints"
 
     @property
     def logs_dir(self) -> Path:

@@ -9,6 +9,7 @@ on a private network.
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import importlib.util
 import time
@@ -18,7 +19,6 @@ from pathlib import Path
 from urllib.parse import quote
 
 import redis
-import torch
 
 from cachesvc.errors import CacheError
 from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints, replicate_config
@@ -80,16 +80,18 @@ def store_round_trip(endpoints: StoreEndpoints, settings: Settings) -> bool:
         store = MooncakeStore.connect(endpoints, settings.store)
     except CacheError:
         return False
-    probe = torch.arange(64, dtype=torch.uint8)
+    # Plain ctypes buffers, not tensors: the CLI that starts the stack never loads torch.
+    probe = ctypes.create_string_buffer(bytes(range(64)), 64)
+    back = ctypes.create_string_buffer(64)
     key = f"v1:_system:probe:{uuid.uuid4().hex}"
     try:
-        store.register(probe.data_ptr(), probe.numel())
-        store.put_from(key, probe.data_ptr(), probe.numel(), replicate_config(soft_pin=False))
-        back = torch.zeros_like(probe)
-        store.register(back.data_ptr(), back.numel())
-        ok = store.get_into(key, back.data_ptr(), back.numel()) == probe.numel()
+        store.register(ctypes.addressof(probe), len(probe))
+        store.put_from(key, ctypes.addressof(probe), len(probe),
+                       replicate_config(soft_pin=False))
+        store.register(ctypes.addressof(back), len(back))
+        ok = store.get_into(key, ctypes.addressof(back), len(back)) == len(probe)
         store.remove(key)
-        return ok and bool(torch.equal(probe, back))
+        return ok and probe.raw == back.raw
     except CacheError:
         return False
     finally:

@@ -15,7 +15,7 @@ from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, StoreKey
 from workers.queue.events import RecordEvents
 from workers.queue.schema import RequestRecord, State
-from workers.queue.served_model import request_defaults
+from workers.queue.served_model import read_served
 from workers.queue.submit import new_request_id, submit
 
 # How long ``diffcache submit`` follows a request by default (its --timeout).
@@ -23,15 +23,24 @@ SUBMIT_TIMEOUT_S = 3600.0
 
 
 def submit_and_wait(settings: Settings, prompt: str, negative_prompt: str, seed: int,
-                    output_format: str, tenant: str, out: str, console: Console,
+                    output_format: str | None, tenant: str, out: str, console: Console,
                     timeout_s: float = SUBMIT_TIMEOUT_S) -> None:
-    m = request_defaults(settings.model, settings.model_dir)
+    client = open_redis(settings)
+    served = read_served(client)
+    if served is None:
+        raise SystemExit("error: no worker has said which model it serves yet; retry once "
+                         "`diffcache up` is ready")
+    chosen = OutputFormat(format_for(out, output_format, served.limits.video))
+    m = served.defaults
+    if chosen is OutputFormat.PNG and served.limits.video and m.num_frames != 1:
+        raise SystemExit(f"error: png holds one frame and this model makes {m.num_frames}; "
+                         f"name {out} .mp4 or .npy")
     spec = GenerationSpec.create(
         request_id=new_request_id(), tenant=tenant, prompt=prompt,
         negative_prompt=negative_prompt, width=m.width, height=m.height,
-        num_frames=m.num_frames, num_inference_steps=m.num_inference_steps,
-        guidance_scale=m.guidance_scale, seed=seed, output_format=OutputFormat(output_format))
-    client = open_redis(settings)
+        num_frames=m.num_frames if served.limits.video else 1,
+        num_inference_steps=m.num_inference_steps, guidance_scale=m.guidance_scale,
+        seed=seed, output_format=chosen)
     submit(client, spec)
     events = RecordEvents(client)
     # Woken by the record's notifications, not by polling it.
@@ -64,15 +73,31 @@ def submit_and_wait(settings: Settings, prompt: str, negative_prompt: str, seed:
     console.print(f"wrote {out} ({len(data)} bytes); {timings}; cache hits {record.hits()}")
 
 
-def format_for(out: str, asked: str | None) -> str | None:
-    """The output format a file name asks for; SystemExit when ``asked`` says otherwise.
-    None lets the server pick (an unknown extension, nothing asked)."""
-    suffix = Path(out).suffix.lower().removeprefix(".")
-    implied = suffix if suffix in {f.value for f in OutputFormat} else None
-    if asked is not None and implied is not None and asked != implied:
-        raise SystemExit(f"--output-format {asked} does not match {out}: use a .{asked} file "
-                         f"or --output-format {implied}")
-    return asked or implied
+def format_for(out: str, asked: str | None, video: bool | None = None) -> str:
+    """The output format ``--out`` asks for, checked before anything is submitted, so a
+    request never runs only for its output to be unwritable: the directory must exist, the
+    extension must be one the server writes (or ``asked`` names it, for a file without one),
+    and an image model makes no MP4 (``video`` False; None when not known here)."""
+    path = Path(out)
+    if not path.parent.is_dir():
+        raise SystemExit(f"error: {path.parent} is not a directory; create it or choose "
+                         "another --out")
+    written = sorted(f.value for f in OutputFormat)
+    suffix = path.suffix.lower().removeprefix(".")
+    if suffix and suffix not in written:
+        raise SystemExit(f"error: {out} asks for {suffix}, which the server does not write; "
+                         f"name the file .{', .'.join(written)}")
+    if not suffix and asked is None:
+        raise SystemExit(f"error: {out} has no extension; name the file "
+                         f".{', .'.join(written)}, or give --output-format")
+    if asked is not None and suffix and asked != suffix:
+        raise SystemExit(f"error: --output-format {asked} does not match {out}: use a "
+                         f".{asked} file or --output-format {suffix}")
+    chosen = asked or suffix
+    if video is False and chosen == OutputFormat.MP4.value:
+        raise SystemExit(f"error: the served model makes images, not video: name {out} "
+                         ".png or .npy")
+    return chosen
 
 
 def call_and_follow(api_url: str, api_key: str | None, path: str, body: Mapping[str, object],

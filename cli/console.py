@@ -7,6 +7,7 @@ log file of its own, and the console writes to a copy of the terminal's descript
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -25,6 +26,22 @@ _BENIGN = re.compile(r"Logging before InitGoogleLogging|metadata not found|"
                      r"Failed to (retrieve|unregister) segment descriptor|"
                      r"Failed to remove location")
 POLL_S = 0.5
+
+
+# The sweeper's periodic passes: what each removed is worth a line in the log file, not on a
+# console that an operator watches for trouble.
+PERIODIC_LOGGERS = ("workers.queue.retention", "cachesvc.ttl_index", "cachesvc.output_files")
+
+
+def log_handlers(terminal: IO[str], log_path: Path, fmt: str) -> list[logging.Handler]:
+    """Everything to ``log_path``; to the console, all but the periodic passes' INFO lines."""
+    console = logging.StreamHandler(terminal)
+    console.addFilter(lambda r: r.levelno >= logging.WARNING
+                      or not r.name.startswith(PERIODIC_LOGGERS))
+    handlers: list[logging.Handler] = [console, logging.FileHandler(log_path)]
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter(fmt))
+    return handlers
 
 
 def detach_native_stderr(log_path: Path) -> IO[str]:

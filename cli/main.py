@@ -13,7 +13,7 @@ from cachesvc.processes import StartupError
 from cachesvc.settings import Settings, SettingsError, load_settings
 from cachesvc.stack import HEAD, NODE, ONE_MACHINE, Roles
 from cli import train
-from cli.console import detach_native_stderr
+from cli.console import detach_native_stderr, log_handlers
 from cli.up import ServiceTree, api_url, endpoints_path
 
 app = typer.Typer(help="Cache-centric disaggregated diffusion serving.", no_args_is_help=True)
@@ -50,6 +50,13 @@ def _client_settings() -> Settings:
             "master_address": found["master_address"],
             "metadata_server": found["metadata_server"],
             "master_metrics_url": found.get("master_metrics_url")})})
+
+
+def duration(seconds: float | None) -> str:
+    """A duration as a person reads it: ``35 ms``, ``2.40 s``, an en dash for none."""
+    if seconds is None:
+        return "\N{EN DASH}"
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 @app.callback()
@@ -118,9 +125,10 @@ def _cluster_settings(data_dir: str | None, bind_host: str | None,
 
 
 def _serve(settings: Settings, roles: Roles, command: str) -> None:
-    terminal = detach_native_stderr(settings.logs_dir / f"{command}.log")
+    log_path = settings.logs_dir / f"{command}.log"
+    terminal = detach_native_stderr(log_path)
     console = Console(file=terminal, soft_wrap=True)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=terminal)
+    logging.basicConfig(level=logging.INFO, handlers=log_handlers(terminal, log_path, LOG_FORMAT))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe
     try:
         ServiceTree(settings, console, roles).run()
@@ -207,7 +215,8 @@ def submit(
     out: str = typer.Option(..., help="file to write the output to"),
     negative_prompt: str = "",
     seed: int = 0,
-    output_format: str = typer.Option("mp4", help="mp4, png or npy"),
+    output_format: str | None = typer.Option(None, help="mp4, png or npy; default: from the "
+                                             "--out file's extension"),
     tenant: str | None = None,
     timeout: float = typer.Option(3600.0, min=0, help="seconds to wait for the output before "
                                   "giving up (the request keeps running)"),
@@ -223,8 +232,11 @@ def submit(
 
 
 def _api_base() -> str:
-    """The API's URL: what ``diffcache up`` wrote down, else the configured host and port."""
+    """The API's URL: the configured host and port when a setting names either, else what
+    ``diffcache up`` wrote down, else the defaults."""
     settings = _settings()
+    if settings.api.model_fields_set & {"host", "port"}:
+        return api_url(settings)
     return _discovered(settings).get("api_url", api_url(settings))
 
 
@@ -244,7 +256,12 @@ def generate(
     priority: str = typer.Option("interactive", help="interactive or batch"),
     api_key: str | None = typer.Option(None, help="sent as X-API-Key"),
 ) -> None:
-    """Generate through the REST API with a progress bar; prints cache hits and timings."""
+    """Generate through the REST API with a progress bar; prints cache hits and timings.
+
+    The built-in model (preset shapes) was trained at 32x32 on one coloured circle, square or
+    triangle on a plain background, as in "a small red circle on the left on a blue
+    background"; other sizes and words run, with a warning. GET /v1/models says what the
+    served model knows."""
     from cli.client import call_and_follow, format_for
 
     body = {k: v for k, v in {
@@ -322,4 +339,5 @@ def status(api_key: str | None = typer.Option(None, help="sent as X-API-Key")) -
         lat = board["latency"][q["stage"]]
         lat = lat.get(q["priority"], lat)  # per priority class where the API reports that
         console.print(f"{q['stage']:<8} {q['priority']:<12} waiting {q['waiting']:<4} "
-                      f"in flight {q['in_flight']:<4} p50 {lat['p50']} s  p95 {lat['p95']} s")
+                      f"in flight {q['in_flight']:<4} p50 {duration(lat['p50']):>8}  "
+                      f"p95 {duration(lat['p95']):>8}")

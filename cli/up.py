@@ -34,6 +34,7 @@ from cachesvc.stack import ONE_MACHINE, EmbeddedStack, Roles, StackAddresses
 from cachesvc.supervisor import Supervisor, publish
 from cachesvc.ttl_index import TtlIndex
 from cli.console import LogEcho
+from workers.queue.served_model import model_card
 
 log = logging.getLogger("diffcache")
 
@@ -119,6 +120,7 @@ class ServiceTree:
             publish(client, self.supervisor.status())
             if self.roles.head and not self.roles.node:
                 self.console.print(f"join a node with:\n  {join_line(addresses)}")
+            self._print_model()
             self.console.print("[green]diffcache is up[/green]; Ctrl-C to stop")
             if self.roles.head:  # one sweeper per cluster
                 self._sweeper = threading.Thread(target=sweep_until,
@@ -181,6 +183,17 @@ class ServiceTree:
         self.console.print(f"logs            {self.settings.logs_dir} "
                            "(`diffcache logs <role>`)")
 
+    def _print_model(self) -> None:
+        """What the served model was trained on, so a first prompt asks for what it knows."""
+        if not self.roles.node:
+            return
+        card = model_card(self.settings.model_dir)
+        if card.native_width:
+            self.console.print(f"model           {self.settings.model_dir.name}, trained at "
+                               f"{card.native_width}x{card.native_height} (at most "
+                               f"{card.max_width}x{card.max_height}) on {card.prompts}",
+                               highlight=False, markup=False)
+
     def _write_endpoints(self, addresses: StackAddresses) -> None:
         (self.settings.data_dir / ENDPOINTS_FILE).write_text(json.dumps({
             "redis_url": addresses.redis_url,
@@ -235,6 +248,7 @@ def sweep_until(stop: threading.Event, settings: Settings) -> None:
     watchdog = Watchdog(client, settings.workers.orphan_bound_s,
                         settings.workers.live_within_s)
     files = OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
+    kept = OutputFiles(settings.checkpoints_dir, settings.cache.checkpoint_ttl_s)
     store: MooncakeStore | None = None
     while not stop.wait(settings.cache.sweep_interval_s):
         try:
@@ -254,6 +268,7 @@ def sweep_until(stop: threading.Event, settings: Settings) -> None:
         except redis.RedisError as exc:
             log.warning("the watchdog could not read Redis (%s); retrying next interval", exc)
         files.sweep()
+        kept.sweep()
     if store is not None:
         store.close()
 

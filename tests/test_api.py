@@ -278,7 +278,7 @@ def test_openai_images_and_sglang_videos(http: TestClient) -> None:
     assert url.startswith("http://") and url.endswith("/result")
     assert http.get(url).status_code == 200
     other = http.post("/v1/images/generations", json={"prompt": "a flower", "model": "dall-e-3"})
-    assert other.status_code == 404 and "wan/" in other.json()["error"]
+    assert other.status_code == 404 and "wan/" in other.json()["error"]["message"]
     job = http.post("/v1/videos", json={"prompt": "a horse running", "size": "32x32",
                                         "num_frames": 5, "num_inference_steps": 3}).json()
     assert job["object"] == "video" and job["status"] in ("queued", "in_progress")

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import redis
 
+from api.errors import OPENAI_PREFIXES
 from api.metrics import hashed_tenant, tenant_labeller
 from cachesvc.counters import CacheCounters, Event
 from cachesvc.processes import free_port
@@ -52,10 +53,17 @@ def keyed(api_stack: Settings, quiet: redis.Redis) -> Iterator[httpx.Client]:
 
 
 def error_body(response: httpx.Response, status: int) -> dict[str, object]:
-    """The documented error body of ``response``, after checking its status."""
+    """The documented error body of ``response``, after checking its status, as
+    ``{"error", "field"}``: native routes answer that; the OpenAI-style ones answer
+    ``{"error": {"message", "type", "param", "code"}}``, which is read into the same form."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/json"
     body: dict[str, object] = response.json()
+    if response.request.url.path.startswith(OPENAI_PREFIXES):
+        error = body["error"]
+        assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}
+        assert set(body) == {"error"}
+        body = {"error": error["message"], "field": error["param"]}
     assert isinstance(body["error"], str) and body["error"]
     assert set(body) <= {"error", "field"}
     return body

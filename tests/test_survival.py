@@ -12,6 +12,7 @@ import pytest
 
 from bench.running_service import RunningService
 from cachesvc.processes import free_port
+from cachesvc.waiting import wait_until
 from keys import GenerationSpec
 from tests.workers_harness import make_spec, reference
 from workers.stages.media import decode_npy
@@ -63,16 +64,26 @@ def test_a_restart_of_the_whole_service_loses_nothing(service: RunningService, p
     done = make_spec(tenant="default", seed=3001)
     done_id = service.generate(done)
     service.wait(done_id, {"DONE"})
+    long = make_spec(tenant="default", seed=3002, num_inference_steps=100, width=64,
+                     height=64)  # still denoising when the drain comes
     in_flight = {service.generate(spec): spec for spec in
-                 [make_spec(tenant="default", seed=3002 + i, num_inference_steps=30)
-                  for i in range(3)]}
-    service.wait(next(iter(in_flight)), {"DENOISING"})
-    assert service.stop() == 0
+                 [long, *(make_spec(tenant="default", seed=3003 + i, num_inference_steps=30)
+                          for i in range(2))]}
+    first = next(iter(in_flight))
+    denoised = wait_until(lambda: (s := service.status(first))["state"] == "DENOISING"
+                          and s["step"] >= 11 and s, timeout_s=120, interval_s=0.05,
+                          what=f"{first} denoising at step 11")
+    assert service.stop() == 0  # the drain checkpoints it where it stands, on disk too
     again = RunningService.start(service.data_dir, model_dir, service.port)
     try:
         # The DONE request's output comes from disk: the store restarted empty.
         assert np.array_equal(decode_npy(again.result(done_id)), reference(pipe, done))
         check_all_done(again, pipe, in_flight)
+        # The store restarted empty too; the checkpoint the drain kept on disk is where the
+        # request went on from, not step 0 (checkpoints come every 10 of its 100 steps).
+        resumed = again.status(first)
+        assert resumed["preemptions"] >= 1, resumed  # the drain took it off mid-denoise
+        assert resumed["resumed_from"] >= denoised["step"] - 10 > 0, resumed
         assert again.stop() == 0
     finally:
         again.kill()  # nothing left running, however the test ended

@@ -59,6 +59,15 @@ ATTRIBUTES: dict[str, tuple[Enum, ...]] = {
     "position": tuple(Position), "background": tuple(Colour)}
 
 
+def vocabulary() -> tuple[str, ...]:
+    """Every word a caption can hold, sorted: what the model card says the model knows."""
+    words = {"a", "an", "on", "background", *(c.name.lower() for c in Colour),
+             *(s.value for s in Shape), *(z.name.lower() for z in Size)}
+    for phrase in POSITION_WORDS.values():
+        words.update(phrase.split())
+    return tuple(sorted(words))
+
+
 def with_article(phrase: str) -> str:
     """``phrase`` after its indefinite article, as people write it: "an orange", "a red".
     Captions that said "a orange" taught a model that broke on the "an orange" people type."""

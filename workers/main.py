@@ -21,6 +21,7 @@ from workers.queue.preemption import InteractiveWaiting
 from workers.queue.runtime import Handler, Worker, consumer_name
 from workers.queue.served_model import (
     ServedModel,
+    model_card,
     publish_lora_targets,
     publish_served,
     request_defaults,
@@ -53,7 +54,8 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
     cache = open_cache(settings, client)
     directory = settings.model_dir
     publish_served(client, ServedModel(family.name, directory.resolve().name,
-                                       request_defaults(settings.model, directory)))
+                                       request_defaults(settings.model, directory),
+                                       family.geometry(directory), model_card(directory)))
     handler: Handler
     files = (OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
              if settings.cache.durable_outputs else None)
@@ -78,7 +80,9 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
                 consumer, stats.loads, stats.swaps, stats.load_seconds, held,
                 tuple(lora.hash for lora in stats.active)))
 
-        handler = DenoiseHandler(cache, denoiser, settings.workers, credits, report)
+        kept = (OutputFiles(settings.checkpoints_dir, settings.cache.checkpoint_ttl_s)
+                if settings.cache.durable_outputs else None)
+        handler = DenoiseHandler(cache, denoiser, settings.workers, credits, report, kept)
         publish_lora_targets(client, {
             name: (m.out_features, m.in_features)
             for name, m in denoiser.transformer.named_modules()

@@ -21,7 +21,7 @@ from encoders.text import TextModel as TextEncoder
 from encoders.text import TokenizedText as Tokens
 from keys import Fingerprint, GenerationSpec, file_digest, model_fingerprint
 from keys.canonical import Canonical
-from workers.queue.served_model import FamilyLimits
+from workers.queue.served_model import FamilyLimits, ModelGeometry
 
 __all__ = ["CPU", "Decoder", "Denoiser", "Family", "Placement", "PlacementError",
            "TextEncoder", "Tokens", "Trajectory", "component_fingerprint", "to_uint8"]
@@ -114,6 +114,15 @@ class Family:
     # run on a request's first prompt segment: what the stages' output must equal bit for bit
     # (tests and benchmarks).
     reference: Callable[[Path, Placement], Callable[[GenerationSpec], np.ndarray]]
+    # Read from the folder's configs without loading a weight: what the API's cost estimate
+    # and size rule need, published with the served model.
+    geometry: Callable[[Path], ModelGeometry]
+
+
+def component_config(directory: Path, component: str) -> dict[str, Any]:
+    """A component's ``config.json``, as ``save_pretrained`` wrote it."""
+    config: dict[str, Any] = json.loads((directory / component / "config.json").read_text())
+    return config
 
 
 MANIFEST = "diffcache-fingerprints.json"

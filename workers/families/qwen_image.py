@@ -25,11 +25,12 @@ from workers.families.base import (
     Family,
     Placement,
     Tokens,
+    component_config,
     component_fingerprint,
     placed_pipeline,
     to_uint8,
 )
-from workers.queue.served_model import LIMITS
+from workers.queue.served_model import LIMITS, ModelGeometry
 
 # QwenImagePipeline's prompt template; its first DROP_IDX tokens (the system prompt) are
 # dropped from the text encoder's hidden states.
@@ -383,7 +384,16 @@ class QwenReference:
         return to_uint8(images)
 
 
+def geometry(directory: Path) -> ModelGeometry:
+    vae, dit = component_config(directory, "vae"), component_config(directory, "transformer")
+    # As QwenImagePipeline computes it: one VAE downsampling per temporal-downsample entry.
+    return ModelGeometry(spatial_factor=2 ** len(vae["temperal_downsample"]) * dit["patch_size"],
+                         frame_factor=1, layers=dit["num_layers"],
+                         width=dit["num_attention_heads"] * dit["attention_head_dim"])
+
+
 FAMILY = Family(name="qwen-image", pipeline_class="QwenImagePipeline",
                 limits=LIMITS["qwen-image"], presets=tuple(PRESETS), build=build,
                 text_encoder=QwenTextEncoder, trajectory=QwenTrajectory,
-                denoiser=QwenDenoiser, decoder=QwenDecoder, reference=QwenReference)
+                denoiser=QwenDenoiser, decoder=QwenDecoder, reference=QwenReference,
+                geometry=geometry)

@@ -23,11 +23,12 @@ from workers.families.base import (
     Family,
     Placement,
     Tokens,
+    component_config,
     component_fingerprint,
     placed_pipeline,
     to_uint8,
 )
-from workers.queue.served_model import LIMITS
+from workers.queue.served_model import LIMITS, ModelGeometry
 
 MAX_SEQUENCE_LENGTH = 512  # what WanPipeline.__call__ uses (encode_prompt defaults to 226)
 PRESET_FILE = "diffcache-preset.json"
@@ -302,7 +303,15 @@ class WanReference:
         return to_uint8(frames[0])
 
 
+def geometry(directory: Path) -> ModelGeometry:
+    vae, dit = component_config(directory, "vae"), component_config(directory, "transformer")
+    _, patch_h, _ = dit["patch_size"]  # (frames, height, width)
+    return ModelGeometry(spatial_factor=vae["scale_factor_spatial"] * patch_h,
+                         frame_factor=vae["scale_factor_temporal"], layers=dit["num_layers"],
+                         width=dit["num_attention_heads"] * dit["attention_head_dim"])
+
+
 FAMILY = Family(name="wan", pipeline_class="WanPipeline", limits=LIMITS["wan"],
                 presets=tuple(PRESETS), build=build, text_encoder=WanTextEncoder,
                 trajectory=WanTrajectory, denoiser=WanDenoiser, decoder=WanDecoder,
-                reference=WanReference)
+                reference=WanReference, geometry=geometry)

@@ -65,10 +65,11 @@ class RecordEvents:
                     del self._waiters[channel]
                     self._pubsub.unsubscribe(channel)
 
-    def follow(self, tenant: str, request_id: str,
-               timeout_s: float | None = None) -> Iterator[RequestRecord]:
-        """The record now and after each change until it is terminal (the last one yielded);
-        TimeoutError after ``timeout_s``, KeyError if it does not exist."""
+    def follow(self, tenant: str, request_id: str, timeout_s: float | None = None,
+               reread_s: float | None = None) -> Iterator[RequestRecord]:
+        """The record now and after each change until it is terminal (the last one yielded),
+        and at least every ``reread_s`` (default: the fallback) so a caller can look up from
+        the wait; TimeoutError after ``timeout_s``, KeyError if it does not exist."""
         changed: queue.SimpleQueue[None] = queue.SimpleQueue()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self.watching(tenant, request_id, lambda: changed.put(None)):
@@ -79,7 +80,7 @@ class RecordEvents:
                 yield record
                 if record.state.terminal:
                     return
-                wait = self.fallback_s
+                wait = reread_s or self.fallback_s
                 if deadline is not None:
                     wait = min(wait, deadline - time.monotonic())
                     if wait <= 0:

@@ -4,6 +4,7 @@ names, state sets and field names generated from here (``scripts.py``), never ty
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -105,6 +106,7 @@ class Field(StrEnum):
     RESUMED_FROM = "resumed_from"  # the checkpoint step denoise last started from
     CHECKPOINT_STEP = "checkpoint_step"  # the latest checkpoint written
     STOPPED_MID_STEP = "stopped_mid_step"
+    WARNINGS = "warnings"  # JSON list: what the request asks outside what the model learnt
     # Counters, added to rather than set.
     PREEMPTIONS = "preemptions"
     RESUMES = "resumes"
@@ -201,6 +203,12 @@ class RequestRecord:
     @property
     def error(self) -> str | None:
         return self.get(Field.ERROR)
+
+    @property
+    def warnings(self) -> list[str]:
+        raw = self.get(Field.WARNINGS)
+        found: list[str] = json.loads(raw) if raw else []
+        return found
 
     @property
     def output_key(self) -> str | None:

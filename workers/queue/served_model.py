@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -33,14 +34,6 @@ class FamilyLimits:
     spatial_multiple: int  # width and height: VAE factor times DiT patch size
     max_prompt_tokens: int  # what the text encoder keeps of a prompt, less what it adds
 
-    def cost(self, spec: GenerationSpec) -> int:
-        """A request's estimated compute in token-forwards: the DiT's tokens (latent frames
-        times patches) times the forwards it runs (a step with CFG runs two)."""
-        frames = (spec.num_frames - 1) // self.frame_multiple + 1
-        patches = (spec.height // self.spatial_multiple) * (spec.width // self.spatial_multiple)
-        forwards = sum(2 if spec.segment_uses_cfg(spec.schedule[seg]) else 1
-                       for seg in spec.step_segments())
-        return frames * patches * forwards
 
 
 # One entry per family module in workers/families/.
@@ -54,6 +47,26 @@ LIMITS = {
     "qwen-image": FamilyLimits(video=False, frame_multiple=1, spatial_multiple=16,
                                max_prompt_tokens=507),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class ModelGeometry:
+    """What a request's compute depends on in the served model's own folder, read from its
+    configs by the family: the cost estimate, the size rule and the model info use it."""
+
+    spatial_factor: int  # pixels per DiT token side: the VAE's factor times the patch size
+    frame_factor: int  # pixel frames per latent frame (1 for an image family)
+    layers: int  # transformer blocks of the DiT
+    width: int  # the DiT's hidden size
+
+    def cost(self, spec: GenerationSpec) -> int:
+        """A request's estimated compute in token-forwards: the DiT's tokens (latent frames
+        times patches) times the forwards it runs (a step with CFG runs two)."""
+        frames = (spec.num_frames - 1) // self.frame_factor + 1
+        patches = (spec.height // self.spatial_factor) * (spec.width // self.spatial_factor)
+        forwards = sum(2 if spec.segment_uses_cfg(spec.schedule[seg]) else 1
+                       for seg in spec.step_segments())
+        return frames * patches * forwards
 
 
 def family_to_build(family: str, preset: str) -> str:
@@ -98,14 +111,74 @@ def request_defaults(model: ModelSettings, directory: Path) -> RequestDefaults:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelCard:
+    """What a model folder's card says of the model beyond its request defaults: the size it
+    was trained at, the largest it serves, and the prompts it knows."""
+
+    native_width: int | None = None
+    native_height: int | None = None
+    max_width: int | None = None
+    max_height: int | None = None
+    prompts: str = ""  # the kinds of prompt it was trained on, in a sentence
+    vocabulary: tuple[str, ...] = ()  # every word its training captions hold; () for any
+
+    def warnings(self, spec: GenerationSpec) -> list[str]:
+        """What a request asks for outside what the model was trained on: it runs, and
+        the answer says so."""
+        out = []
+        native = (self.native_width, self.native_height)
+        if self.native_width and (spec.width, spec.height) != native:
+            out.append(f"the model was trained at {native[0]}x{native[1]}; "
+                       f"{spec.width}x{spec.height} is outside what it learnt")
+        if self.vocabulary:
+            known = set(self.vocabulary)
+            unknown = sorted({w for seg in spec.schedule for w in _words(seg.prompt)
+                              if w not in known})
+            if unknown:
+                out.append(f"the model was trained on {self.prompts or 'other prompts'}; "
+                           f"it never saw: {', '.join(unknown)}")
+        return out
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z]+", text.lower())
+
+
+def model_card(directory: Path) -> ModelCard:
+    """The card's model facts; an empty ModelCard for a folder without a card."""
+    card = directory / MODEL_CARD
+    if not card.exists():
+        return ModelCard()
+    try:
+        facts = json.loads(card.read_text()).get("model", {})
+        return ModelCard(**{**facts, "vocabulary": tuple(facts.get("vocabulary", ()))})
+    except (ValueError, TypeError, AttributeError) as error:
+        raise ModelCardError(f"{card}: unreadable model facts ({error})") from error
+
+
+@dataclass(frozen=True, slots=True)
 class ServedModel:
     family: str
     name: str  # the model folder's name
     defaults: RequestDefaults = RequestDefaults()
+    # Published by the workers from the folder itself; None only before any worker started,
+    # when the API falls back to the family's table.
+    geometry: ModelGeometry | None = None
+    card: ModelCard = ModelCard()
 
     @property
     def limits(self) -> FamilyLimits:
         return LIMITS[self.family]
+
+    @property
+    def spatial_multiple(self) -> int:
+        """What width and height must be multiples of."""
+        return self.geometry.spatial_factor if self.geometry else self.limits.spatial_multiple
+
+    def cost(self, spec: GenerationSpec) -> int:
+        geometry = self.geometry or ModelGeometry(self.limits.spatial_multiple,
+                                                  self.limits.frame_multiple, 0, 0)
+        return geometry.cost(spec)
 
 
 _SERVED: TypeAdapter[ServedModel] = TypeAdapter(ServedModel)

@@ -23,6 +23,7 @@ import torch
 
 from cachesvc.codec import TensorSpec
 from cachesvc.counters import Event
+from cachesvc.output_files import OutputFiles
 from cachesvc.settings import WorkerSettings
 from cachesvc.tensor_cache import TensorCache
 from keys import ChainLink, GenerationSpec, KeyKind, StoreKey, adapted, latents_key
@@ -31,7 +32,7 @@ from workers.queue.credits import Credits
 from workers.queue.messages import LATENTS, Job, RefName, Role, Stage, TensorRef
 from workers.queue.runtime import InputLostError, JobContext, Outcome
 from workers.queue.schema import Field, KindField, State, checkpoint_field
-from workers.queue.scripts import RecordWrite
+from workers.queue.scripts import NOTHING, RecordWrite
 from workers.stages.adapters import AdapterStats, LoadedAdapters
 from workers.stages.checkpoint import Checkpoint, CheckpointError
 from workers.stages.guidance import Guidance
@@ -70,8 +71,12 @@ class DenoiseHandler:
     def __init__(self, cache: TensorCache, model: Denoiser, settings: WorkerSettings,
                  credits: Credits,
                  report_adapters: Callable[[AdapterStats, tuple[str, ...]], None] | None = None,
-                 ) -> None:
+                 files: OutputFiles | None = None) -> None:
         self.cache = cache
+        # Where a checkpoint written as the job stops early (a drain, a preemption) is also
+        # kept: the store may live in memory only, and a drain is often followed by a restart
+        # of everything, the storage node included.
+        self.files = files
         self.model = model
         self.settings = settings
         self.credits = credits
@@ -201,6 +206,8 @@ class DenoiseHandler:
         the cache counters, for the record."""
         keys = [link.checkpoint_key() for link in links[1:]]
         present = [k for k, ok in zip(keys, self.cache.batch_exists(keys), strict=True) if ok]
+        if not present and (kept := self._kept_checkpoint(ctx, keys)) is not None:
+            return kept, NOTHING
         lookups, hits = 0, 0
         if not present:  # a lookup that found nothing is a miss, or hit rates lie
             self.cache.counters.add_many(ctx.job.tenant, KeyKind.CHECKPOINT,
@@ -224,6 +231,32 @@ class DenoiseHandler:
         return found, RecordWrite(add={KindField.LOOKUPS.of(KeyKind.CHECKPOINT): lookups,
                                        KindField.HITS.of(KeyKind.CHECKPOINT): hits})
 
+    def _kept_checkpoint(self, ctx: JobContext, keys: list[StoreKey]) -> Checkpoint | None:
+        """The furthest checkpoint a stop kept on disk, put back in the store; None if there
+        is none (or no disk)."""
+        if self.files is None:
+            return None
+        for key in reversed(keys):
+            data = self.files.read(key)
+            if data is None:
+                continue
+            try:
+                found = Checkpoint.from_bytes(data)
+            except CheckpointError:
+                log.warning("request %s: unreadable kept checkpoint %s removed",
+                            ctx.job.request_id, key, exc_info=True)
+                self.files.path(key).unlink(missing_ok=True)
+                continue
+            log.info("request %s: resuming from the checkpoint kept on disk at step %d",
+                     ctx.job.request_id, found.step)
+            self._store_checkpoint(key, data, found.compute_s)
+            return found
+        return None
+
+    def _store_checkpoint(self, key: StoreKey, data: bytes, compute_s: float) -> None:
+        self.cache.put(key, torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                       cost_s=compute_s)
+
     def _take_credit(self, ctx: JobContext) -> bool:
         """Wait for a decode credit; False if the job was cancelled or preempted meanwhile."""
         job = ctx.job
@@ -239,14 +272,16 @@ class DenoiseHandler:
             ctx.progress(RecordWrite({Field.WAITING: ""}))
         return True
 
-    def _save(self, ctx: JobContext, run: _Run) -> None:
+    def _save(self, ctx: JobContext, run: _Run, keep: bool = False) -> None:
+        """Checkpoint where the run stands, behind the loop; with ``keep``, on disk too."""
         snapshot = run.checkpoint()
         key = run.links[snapshot.step].checkpoint_key()
 
         def write() -> None:
             data = snapshot.to_bytes()
-            self.cache.put(key, torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                           cost_s=snapshot.compute_s)
+            if keep and self.files is not None:
+                self.files.write(key, data)
+            self._store_checkpoint(key, data, snapshot.compute_s)
             ctx.progress(RecordWrite({checkpoint_field(snapshot.step): str(key),
                                       Field.CHECKPOINT_STEP: snapshot.step}))
 
@@ -256,7 +291,7 @@ class DenoiseHandler:
         """The loop stopped early: checkpoint where it stands (unless a newer attempt owns the
         request), wait for the write, and report why."""
         if not ctx.stale.is_set() and run.step > 0:
-            self._save(ctx, run)
+            self._save(ctx, run, keep=True)
         self._writes.drain()
         fields = run.guidance.stats.as_fields()
         if ctx.preempt is not None and not ctx.should_stop:
