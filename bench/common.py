@@ -7,7 +7,7 @@ import multiprocessing as mp
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -166,13 +166,16 @@ def run_noop(stage: Stage, settings: Settings, batch: int) -> None:
     worker.run()
 
 
-def start_noop_workers(settings: Settings, batch: int) -> list[BaseProcess]:
-    """One no-op worker process per stage, as in a deployment (no stage waits on another's
-    GIL), each ready and waiting until ``NOOP_GO`` is set."""
+def start_noop_workers(settings: Settings, batch: int,
+                       target: Callable[[Stage, Settings, int], None] = run_noop
+                       ) -> list[BaseProcess]:
+    """One no-op worker process per stage (``target`` runs in each), as in a deployment (no
+    stage waits on another's GIL), each ready and waiting until ``NOOP_GO`` is set."""
     client = open_redis(settings)
+    client.delete(NOOP_READY, NOOP_GO)
     ctx = mp.get_context("spawn")
     procs: list[BaseProcess] = [
-        ctx.Process(target=run_noop, args=(stage, settings, batch), daemon=True)
+        ctx.Process(target=target, args=(stage, settings, batch), daemon=True)
         for stage in Stage]
     for p in procs:
         p.start()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 
 KEY_VERSION = "v1"
 
@@ -29,6 +30,7 @@ class InvalidTenantError(ValueError):
         self.tenant = tenant
 
 
+@lru_cache(maxsize=4096)  # every key of every request is built through it
 def check_tenant(tenant: str) -> str:
     """Return ``tenant`` unchanged if it is a valid namespace, else raise InvalidTenantError."""
     if not _TENANT_RE.fullmatch(tenant):

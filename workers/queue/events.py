@@ -20,6 +20,7 @@ import redis
 from keys.names import request_record
 from workers.queue.records import Records
 from workers.queue.schema import RequestRecord
+from workers.queue.script_args import WatchArgs
 from workers.queue.scripts import events_channel
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,13 @@ class RecordEvents:
                  wake: Callable[[], object]) -> Iterator[None]:
         """Call ``wake`` (from the subscriber thread) on every change of the request's record
         while the block runs. Subscribed before the block starts: read the record inside it."""
-        channel = events_channel(request_record(tenant, request_id))
+        record = request_record(tenant, request_id)
+        channel = events_channel(record)
         with self._lock:
             if channel not in self._waiters:
                 self._pubsub.subscribe(channel)
+                # The hot scripts announce a change only to a record someone watches.
+                self.records.scripts.run(WatchArgs(record, 1))
             self._waiters.setdefault(channel, set()).add(wake)
         try:
             yield
@@ -64,6 +68,13 @@ class RecordEvents:
                 if not waiters:
                     del self._waiters[channel]
                     self._pubsub.unsubscribe(channel)
+                    self._unwatch(record)
+
+    def _unwatch(self, record: str) -> None:
+        try:
+            self.records.scripts.run(WatchArgs(record, -1))
+        except redis.RedisError:  # a count left too high costs announcements, nothing else
+            log.warning("could not count a watcher of %s out", record, exc_info=True)
 
     def follow(self, tenant: str, request_id: str, timeout_s: float | None = None,
                reread_s: float | None = None) -> Iterator[RequestRecord]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
@@ -26,7 +25,7 @@ from keys.names import (
 )
 from workers.queue.messages import Stage
 from workers.queue.script_args import ExpireRecordsArgs, TrimStreamArgs
-from workers.queue.scripts import Scripts
+from workers.queue.scripts import Scripts, execute
 from workers.queue.streams import stage_streams
 
 log = logging.getLogger(__name__)
@@ -101,10 +100,11 @@ class Retention:
         try:
             for stage in Stage:
                 streams += stage_streams(self.redis, stage)
-            pipe = self.redis.pipeline(transaction=False)
-            for stream in streams:
-                self.scripts.run(TrimStreamArgs(stream, idle_ms), pipe)
-            results: list[Any] = pipe.execute()
+            results = execute(self.redis, lambda pipe: [
+                self.scripts.run(TrimStreamArgs(stream, idle_ms), pipe) for stream in streams])
+            for result in results:
+                if isinstance(result, Exception):
+                    raise result
         except redis.RedisError as exc:
             raise RetentionError(f"could not trim the stage streams {streams}: {exc}") from exc
         return (sum(int(trimmed) for trimmed, _ in results),

@@ -93,11 +93,13 @@ class JobContext:
         self._stopping = stopping
         self._pending = RecordWrite()
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._done = threading.Event()
-        self.cancelled = threading.Event()
-        self.stale = threading.Event()
-        # Started by the first progress report: a stage that reports nothing costs nothing.
+        # Set by the progress thread, read by the handler: plain flags (a bool is written
+        # whole), not Events, since every delivery makes a context and most report nothing.
+        self.cancelled = False
+        self.stale = False  # a newer attempt owns the request
+        # Made by the first progress report: a stage that reports nothing costs nothing.
+        self._wake: threading.Event | None = None
+        self._done = False
         self._thread: threading.Thread | None = None
 
     @property
@@ -118,10 +120,13 @@ class JobContext:
     def progress(self, fields: RecordWrite) -> None:
         with self._lock:
             self._pending |= fields
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+            if self._wake is None:
+                self._wake = threading.Event()
+                self._thread = threading.Thread(target=self._run, args=(self._wake,),
+                                                name="progress", daemon=True)
                 self._thread.start()
-        self._wake.set()
+            wake = self._wake
+        wake.set()
 
     def _flush(self) -> None:
         with self._lock:
@@ -136,21 +141,22 @@ class JobContext:
                 self._pending = fields | self._pending
             return
         if progress.state is None:
-            self.stale.set()
+            self.stale = True
         elif progress.state is State.CANCELLED:
-            self.cancelled.set()
+            self.cancelled = True
         if progress.preempt is not None:
             self._asked = progress.preempt
 
-    def _run(self) -> None:
-        while not self._done.is_set():
-            self._wake.wait(0.2)
-            self._wake.clear()
+    def _run(self, wake: threading.Event) -> None:
+        while not self._done:
+            wake.wait(0.2)
+            wake.clear()
             self._flush()
 
     def close(self) -> None:
-        self._done.set()
-        self._wake.set()
+        self._done = True
+        if self._wake is not None:
+            self._wake.set()
         if self._thread is not None:
             self._thread.join()
         if self._pending.set or self._pending.add:
@@ -158,7 +164,7 @@ class JobContext:
 
     @property
     def should_stop(self) -> bool:
-        return self.cancelled.is_set() or self.stale.is_set()
+        return self.cancelled or self.stale
 
 
 class Handler(Protocol):

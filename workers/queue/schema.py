@@ -107,6 +107,9 @@ class Field(StrEnum):
     CHECKPOINT_STEP = "checkpoint_step"  # the latest checkpoint written
     STOPPED_MID_STEP = "stopped_mid_step"
     WARNINGS = "warnings"  # JSON list: what the request asks outside what the model learnt
+    # Followers of the record's events (``events.py``, through ``lua/watch.lua``): the hot
+    # scripts announce a change only while it is above 0.
+    WATCHERS = "watchers"
     # Counters, added to rather than set.
     PREEMPTIONS = "preemptions"
     RESUMES = "resumes"

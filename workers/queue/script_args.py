@@ -209,3 +209,10 @@ class RescueArgs(ScriptArgs):
     counter: str = arg()
     groups: tuple[str, ...] = arg(table=True)
     entry_ids: tuple[str, ...] = arg(table=True)
+
+
+@dataclass(frozen=True, slots=True)
+class WatchArgs(ScriptArgs):
+    NAME = "watch"
+    record: str = key()
+    delta: int = arg()

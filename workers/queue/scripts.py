@@ -1,16 +1,18 @@
 """The Lua scripts that change request records and streams, and the typed arguments of each.
 
-A script lives in ``lua/<name>.lua``. It runs after a prelude generated here from the record
-schema (state names, state sets, field names, result codes) and ``lua/common.lua``, then lines
-that bind every KEYS and ARGV slot to a local named after its argument field, so no script
-addresses an argument by position or repeats a state set by hand.
+A script lives in ``lua/<name>.lua``. Every script is a function of one Redis function library
+(``FUNCTION LOAD``, once per process and server): a prelude generated here from the record schema
+(state names, state sets, field names, result codes) and ``lua/common.lua``, then one function
+per script whose first lines bind every KEYS and ARGV slot to a local named after its argument
+field, so no script addresses an argument by position or repeats a state set by hand.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from functools import cache
@@ -18,8 +20,9 @@ from importlib import resources
 from typing import Any, ClassVar
 
 import redis
+import xxhash
+from pydantic_core import to_json
 from redis.client import Pipeline
-from redis.commands.core import Script
 
 from workers.queue.messages import ATTEMPTS_PER_GENERATION
 from workers.queue.schema import (
@@ -84,8 +87,9 @@ class RecordWrite:
 
     def to_json(self) -> str:
         # Strings throughout: Lua numbers lose integers past 2^53 and format floats their way.
-        return json.dumps({"set": {k: str(v) for k, v in self.set.items()},
-                           "add": {k: str(v) for k, v in self.add.items()}})
+        # pydantic-core's encoder: two of these travel with every dispatch.
+        return to_json({"set": {k: str(v) for k, v in self.set.items()},
+                        "add": {k: str(v) for k, v in self.add.items()}}).decode()
 
     def __or__(self, other: RecordWrite) -> RecordWrite:
         add = dict(self.add)
@@ -97,6 +101,7 @@ class RecordWrite:
 NOTHING = RecordWrite()
 
 
+@cache  # a few dozen names, checked for every field of every write
 def check_field(name: str) -> None:
     """Refuse a record field the schema does not name: a typo would otherwise be a field
     nothing ever reads."""
@@ -116,21 +121,47 @@ class ScriptArgs:
     NAME: ClassVar[str]
 
     def keys(self) -> list[str]:
-        return [v for f in _slots(type(self), "KEYS") for v in _flat(getattr(self, f.name))]
+        out: list[str] = []
+        for name, rest in _key_names(type(self)):
+            value = getattr(self, name)
+            if rest:
+                out += value
+            else:
+                out.append(value)
+        return out
 
     def argv(self) -> list[str]:
-        return [_wire(getattr(self, f.name)) for f in _slots(type(self), "ARGV")]
+        return [_wire(getattr(self, name)) for name in _arg_names(type(self))]
+
+
+# Each class's slots, worked out once: every dispatch packs two scripts' arguments.
+_KEY_NAMES: dict[type, tuple[tuple[str, bool], ...]] = {}
+_ARG_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _key_names(cls: type) -> tuple[tuple[str, bool], ...]:
+    """(field, whether it takes every remaining slot) for each KEYS slot."""
+    found = _KEY_NAMES.get(cls)
+    if found is None:
+        found = _KEY_NAMES[cls] = tuple((f.name, bool(f.metadata["rest"]))
+                                        for f in _slots(cls, "KEYS"))
+    return found
+
+
+def _arg_names(cls: type) -> tuple[str, ...]:
+    found = _ARG_NAMES.get(cls)
+    if found is None:
+        found = _ARG_NAMES[cls] = tuple(f.name for f in _slots(cls, "ARGV"))
+    return found
 
 
 def _slots(cls: type, kind: str) -> list[dataclasses.Field[Any]]:
     return [f for f in dataclasses.fields(cls) if f.metadata.get("slot") == kind]
 
 
-def _flat(value: object) -> list[str]:
-    return [str(v) for v in value] if isinstance(value, tuple) else [str(value)]
-
-
 def _wire(value: object) -> str:
+    if isinstance(value, str):
+        return value
     if isinstance(value, RecordWrite):
         return value.to_json()
     if isinstance(value, Enum):
@@ -196,38 +227,127 @@ def _source(name: str) -> str:
     return resources.files("workers.queue").joinpath("lua", f"{name}.lua").read_text()
 
 
-def source(cls: type[ScriptArgs]) -> str:
-    """The whole text Redis runs for ``cls``'s script."""
-    return prelude() + _bindings(cls) + _source(cls.NAME)
-
-
 def slot_comment(cls: type[ScriptArgs]) -> list[str]:
     """The slot names, in order, that the header of ``cls``'s file must document."""
     return [f.name for f in _slots(cls, "KEYS")] + [f.name for f in _slots(cls, "ARGV")]
 
 
+def script_types() -> list[type[ScriptArgs]]:
+    """Every script's argument type, in a fixed order."""
+    from workers.queue import script_args  # noqa: F401 -- defines them; it imports this module
+
+    return sorted(ScriptArgs.__subclasses__(), key=lambda cls: cls.NAME)
+
+
+BATCH = "batch"  # lua/batch.lua: many calls of one script in one command
+
+
+@cache
+def library() -> tuple[str, str]:
+    """The library every script is a function of, and its name.
+
+    The prelude's tables are built once, when the library loads, instead of on every call of
+    every script (5 us each on Valkey here, two calls per dispatch). The name carries a digest
+    of the text, so processes of two releases sharing one Redis each call their own."""
+    bodies = {cls.NAME: _bindings(cls) + _source(cls.NAME) for cls in script_types()}
+    digest = xxhash.xxh3_64_hexdigest((prelude() + json.dumps(bodies)
+                                       + _source(BATCH)).encode())
+    name = f"diffcache_{digest[:12]}"
+    # Each script's body becomes a local function (prefixed: some share a name with a function
+    # of common.lua), registered under its own name and callable by ``batch``.
+    functions = "".join(f"local function script_{script}(KEYS, ARGV)\n{body}\nend\n"
+                        f"redis.register_function('{name}_{script}', script_{script})\n"
+                        for script, body in bodies.items())
+    table = "local SCRIPTS = {" + ", ".join(f"{s} = script_{s}" for s in bodies) + "}\n"
+    return (f"#!lua name={name}\n{prelude()}{functions}{table}{_source(BATCH)}\n"
+            f"redis.register_function('{name}_{BATCH}', {BATCH})\n", name)
+
+
+def function_name(cls: type[ScriptArgs]) -> str:
+    return f"{library()[1]}_{cls.NAME}"
+
+
+# Pools whose server this process has loaded the library on.
+_LOADED: weakref.WeakSet[redis.ConnectionPool] = weakref.WeakSet()
+
+
+def load_library(client: redis.Redis, *, again: bool = False) -> None:
+    """Load the library once per connection pool (``again``: its server lost it, as one that
+    restarted without persistence does). Loading is idempotent: REPLACE swaps it atomically."""
+    pool = client.connection_pool
+    if pool in _LOADED and not again:
+        return
+    client.function_load(library()[0], replace=True)
+    _LOADED.add(pool)
+
+
+def lost_library(error: object) -> bool:
+    """Whether ``error`` says the server does not have the library (it was restarted without
+    persistence, or flushed its functions)."""
+    return isinstance(error, redis.ResponseError) and "function not found" in str(error).lower()
+
+
+def execute(client: redis.Redis, queue: Callable[[Pipeline], object]) -> list[Any]:
+    """Run the commands ``queue`` puts in a pipeline, in one round trip; if the server lost
+    the library, load it and run them once more (no FCALL ran, so nothing ran twice). Errors
+    come back in place, as ``execute(raise_on_error=False)`` has them."""
+    load_library(client)
+    for attempt in range(2):
+        pipe = client.pipeline(transaction=False)
+        queue(pipe)
+        results: list[Any] = pipe.execute(raise_on_error=False)
+        if attempt == 0 and any(lost_library(r) for r in results):
+            load_library(client, again=True)
+            continue
+        return results
+    raise AssertionError("unreachable")
+
+
 class Scripts:
-    """Scripts registered on one client; ``run`` executes one, directly or in a pipeline."""
+    """The library's functions on one client; ``run`` calls one, directly or in a pipeline."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
-        self._registered: dict[type[ScriptArgs], Script] = {}
-
-    def _script(self, cls: type[ScriptArgs]) -> Script:
-        script = self._registered.get(cls)
-        if script is None:
-            script = self._registered[cls] = self.redis.register_script(source(cls))
-        return script
+        load_library(client)
 
     def run(self, args: ScriptArgs, pipe: Pipeline | None = None) -> Any:
-        return self._script(type(args))(keys=args.keys(), args=args.argv(), client=pipe)
+        """Call the script of ``args``; queued in ``pipe`` when one is given (run it with
+        ``execute``, which reloads a library the server lost)."""
+        name, keys, argv = function_name(type(args)), args.keys(), args.argv()
+        if pipe is not None:
+            return pipe.fcall(name, len(keys), *keys, *argv)
+        try:
+            return self.redis.fcall(name, len(keys), *keys, *argv)
+        except redis.ResponseError as exc:
+            if not lost_library(exc):
+                raise
+            load_library(self.redis, again=True)
+            return self.redis.fcall(name, len(keys), *keys, *argv)
 
     def result(self, args: ScriptArgs) -> Result:
         return Result(int(self.run(args)))
 
     def results(self, many: Sequence[ScriptArgs]) -> list[Result]:
-        """Run several scripts in one round trip; each is atomic on its own."""
-        pipe = self.redis.pipeline(transaction=False)
-        for args in many:
-            self.run(args, pipe)
-        return [Result(int(code)) for code in pipe.execute()]
+        """Run several scripts in one round trip, those of one script in one command (the
+        ``batch`` function), in order; each call is atomic on its own."""
+        if not many:
+            return []
+        kinds = list(dict.fromkeys(type(a) for a in many))
+        def queue(pipe: Pipeline) -> None:
+            for cls in kinds:
+                self._batch([a for a in many if type(a) is cls], pipe)
+
+        answers = execute(self.redis, queue)
+        for answer in answers:
+            if isinstance(answer, Exception):
+                raise answer
+        by_kind = {cls: iter(codes) for cls, codes in zip(kinds, answers, strict=True)}
+        return [Result(int(next(by_kind[type(a)]))) for a in many]
+
+    def _batch(self, calls: Sequence[ScriptArgs], pipe: Pipeline) -> None:
+        keys = [a.keys() for a in calls]
+        argv = [a.argv() for a in calls]
+        shapes = json.dumps([[len(k), len(v)] for k, v in zip(keys, argv, strict=True)])
+        flat_keys = [k for ks in keys for k in ks]
+        pipe.fcall(f"{library()[1]}_{BATCH}", len(flat_keys), *flat_keys,
+                   type(calls[0]).NAME, shapes, *(v for vs in argv for v in vs))

@@ -193,7 +193,7 @@ class LeaseKeeper:
     def __init__(self, queue: StageQueue, interval_s: float) -> None:
         self._queue = queue
         self._interval_s = interval_s
-        self._held: Counter[Delivery] = Counter()
+        self._held: Counter[tuple[str, str]] = Counter()  # (stream, entry id)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease", daemon=True)
@@ -201,13 +201,14 @@ class LeaseKeeper:
 
     @contextmanager
     def hold(self, *deliveries: Delivery) -> Iterator[None]:
+        entries = [(d.stream, d.entry_id) for d in deliveries]
         with self._lock:
-            self._held.update(deliveries)
+            self._held.update(entries)
         try:
             yield
         finally:
             with self._lock:
-                self._held.subtract(deliveries)
+                self._held.subtract(entries)
                 self._held = +self._held  # drop what no hold names any more
 
     def _run(self) -> None:
@@ -217,8 +218,8 @@ class LeaseKeeper:
                 held = tuple(self._held)
             if not held:
                 continue
-            for stream in {d.stream for d in held}:
-                ids: list[Any] = [d.entry_id for d in held if d.stream == stream]
+            for stream in {s for s, _ in held}:
+                ids: list[Any] = [e for s, e in held if s == stream]
                 try:
                     q.redis.xclaim(stream, q.group, q.consumer, min_idle_time=0,
                                    message_ids=ids, justid=True)

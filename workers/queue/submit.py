@@ -29,7 +29,7 @@ from keys.names import (
 from workers.queue.messages import Job, Stage
 from workers.queue.records import initial_fields, timestamp
 from workers.queue.script_args import ReadmitArgs, SubmitArgs
-from workers.queue.scripts import NOTHING, RecordWrite, Result, Scripts
+from workers.queue.scripts import NOTHING, RecordWrite, Result, Scripts, execute
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,11 @@ def run_durably(client: redis.Redis, request_id: str, write: Callable[[Pipeline]
     WAITAOF covers the writes of its own connection, so both travel in one pipeline.
     Returns the results of the queued commands.
     """
-    pipe = client.pipeline(transaction=False)
-    write(pipe)
-    pipe.execute_command("WAITAOF", 1, 0, timeout_ms)
-    *results, waited = pipe.execute(raise_on_error=False)
+    def queue(pipe: Pipeline) -> None:
+        write(pipe)
+        pipe.execute_command("WAITAOF", 1, 0, timeout_ms)
+
+    *results, waited = execute(client, queue)
     for result in results:
         if isinstance(result, Exception):
             raise result

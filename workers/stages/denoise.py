@@ -290,7 +290,7 @@ class DenoiseHandler:
     def _stopped(self, ctx: JobContext, run: _Run) -> Outcome:
         """The loop stopped early: checkpoint where it stands (unless a newer attempt owns the
         request), wait for the write, and report why."""
-        if not ctx.stale.is_set() and run.step > 0:
+        if not ctx.stale and run.step > 0:
             self._save(ctx, run, keep=True)
         self._writes.drain()
         fields = run.guidance.stats.as_fields()

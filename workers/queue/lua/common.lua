@@ -26,6 +26,90 @@ local function notify(record)
   redis.call('PUBLISH', record .. EVENTS_SUFFIX, state_of(record) or '')
 end
 
+-- The hot scripts (claim, update, publish) read what they decide on in one HMGET and write in
+-- one HSET: every redis.call costs, and these run once or twice per dispatch.
+
+-- What a stage's writer decides on, as one read: the state (false: no record), the
+-- generation, the stage's fence, its done flag, and the preemption asked.
+local function read_stage(record, stage)
+  local v = redis.call('HMGET', record, F.STATE, F.GENERATION,
+                       stage_field(STAGE_FIELD.FENCE, stage),
+                       stage_field(STAGE_FIELD.DONE, stage), F.PREEMPT, F.ERROR, F.WAITING,
+                       F.WATCHERS)
+  return {state = v[1], generation = tonumber(v[2] or '0'), fence = tonumber(v[3] or '0'),
+          done = v[4], preempt = v[5], error = v[6], waiting = v[7],
+          watched = tonumber(v[8] or '0') > 0}
+end
+
+-- Latency histogram increments made while ``batch`` runs: applied once when it ends, so a
+-- read of many jobs updates each histogram once (a field holds the same sums either way).
+local DEFERRED = nil
+
+local function count_latency(latency, bucket, seconds)
+  if DEFERRED == nil then
+    redis.call('HINCRBY', latency, bucket, 1)
+    redis.call('HINCRBYFLOAT', latency, 'sum', seconds)
+    redis.call('HINCRBY', latency, 'count', 1)
+    return
+  end
+  local h = DEFERRED[latency]
+  if h == nil then
+    h = {buckets = {}, sum = 0, count = 0}
+    DEFERRED[latency] = h
+  end
+  h.buckets[bucket] = (h.buckets[bucket] or 0) + 1
+  h.sum = h.sum + tonumber(seconds)
+  h.count = h.count + 1
+end
+
+local function defer_latency()
+  DEFERRED = {}
+end
+
+local function apply_latency()
+  local deferred = DEFERRED
+  DEFERRED = nil
+  for latency, h in pairs(deferred or {}) do
+    for bucket, n in pairs(h.buckets) do redis.call('HINCRBY', latency, bucket, n) end
+    redis.call('HINCRBYFLOAT', latency, 'sum', string.format('%.6f', h.sum))
+    redis.call('HINCRBY', latency, 'count', h.count)
+  end
+end
+
+-- ``current`` over what ``read_stage`` read.
+local function is_current(read, token)
+  return tonumber(token) == read.fence
+    and math.floor(tonumber(token) / ATTEMPTS_PER_GENERATION) >= read.generation
+end
+
+-- Move the record from ``from`` (as read) into ``to``, and write the name/value pairs of
+-- ``extra`` and a RecordWrite's fields, in one HSET (its counters by HINCRBY).
+local function check_move(record, from, to)
+  if from and not TRANSITIONS[from][to] then
+    error({err = 'ERR diffcache: ' .. record .. ' may not move from ' .. from .. ' to ' .. to})
+  end
+end
+
+local function transition(record, from, to, now, extra, write)
+  check_move(record, from, to)
+  local args = {F.STATE, to}
+  for _, v in ipairs(extra) do args[#args + 1] = v end
+  for name, value in pairs(write.set) do
+    args[#args + 1] = name
+    args[#args + 1] = value
+  end
+  args[#args + 1] = F.UPDATED_AT
+  args[#args + 1] = now
+  redis.call('HSET', record, unpack(args))
+  for name, amount in pairs(write.add) do redis.call('HINCRBY', record, name, amount) end
+end
+
+-- ``notify`` when the state is known, and only if someone follows the record (``read_stage``
+-- read its watchers): most records are never followed, and a PUBLISH costs a call.
+local function announce(record, state, read)
+  if read.watched then redis.call('PUBLISH', record .. EVENTS_SUFFIX, state) end
+end
+
 -- Move the record into state ``to``. A move the schema does not allow is a bug in a script:
 -- it raises before anything is written, since every script moves before it writes.
 local function move(record, to, now)

@@ -7,29 +7,26 @@
 -- Returns OK, STALE, ALREADY_DONE or FINISHED (cancelled or failed meanwhile: acknowledged).
 -- Whatever happens to the result, the lookups the attempt made were made: the record counts
 -- them as the cache counters did.
-if not current(record, stage, token) then
+local read = read_stage(record, stage)
+if not is_current(read, token) then
   add_counters(record, fields)
   return R.STALE
 end
-if redis.call('HGET', record, stage_field(STAGE_FIELD.DONE, stage)) then
+if read.done or TERMINAL[read.state] then
   add_counters(record, fields)
   redis.call('XACK', stream, group, entry_id)
-  return R.ALREADY_DONE
-end
-if TERMINAL[state_of(record)] then
-  add_counters(record, fields)
-  redis.call('XACK', stream, group, entry_id)
+  if read.done then return R.ALREADY_DONE end
   return R.FINISHED
 end
-move(record, finished, now)
+check_move(record, read.state, finished)  -- before anything is written, as ``move`` does
 if next_job ~= '' then redis.call('XADD', next_stream, '*', 'job', next_job) end
-redis.call('HSET', record, stage_field(STAGE_FIELD.DONE, stage), '1')
 -- A preemption asked too late has nothing to stop; an earlier attempt's error or wait is over.
-redis.call('HDEL', record, F.PREEMPT, F.ERROR, F.WAITING)
-write_fields(record, fields, now)
+if read.preempt or read.error or read.waiting then
+  redis.call('HDEL', record, F.PREEMPT, F.ERROR, F.WAITING)
+end
+transition(record, read.state, finished, now, {stage_field(STAGE_FIELD.DONE, stage), '1'},
+           fields)
 redis.call('XACK', stream, group, entry_id)
-redis.call('HINCRBY', latency, bucket, 1)
-redis.call('HINCRBYFLOAT', latency, 'sum', seconds)
-redis.call('HINCRBY', latency, 'count', 1)
-notify(record)
+count_latency(latency, bucket, seconds)
+announce(record, finished, read)
 return R.OK

@@ -3,12 +3,13 @@
 -- KEYS: record
 -- ARGV: stage, token, now, fields
 -- Returns {OK or STALE, the request's state, the preemption asked ('' for none)}.
-if not current(record, stage, token) then
+local read = read_stage(record, stage)
+if not is_current(read, token) then
   add_counters(record, fields)  -- lookups a stale attempt made were made all the same
   return {R.STALE, '', ''}
 end
 if has_fields(fields) then
-  write_fields(record, fields, now)
-  notify(record)
+  transition(record, nil, read.state, now, {}, fields)
+  announce(record, read.state, read)
 end
-return {R.OK, state_of(record), redis.call('HGET', record, F.PREEMPT) or ''}
+return {R.OK, read.state, read.preempt or ''}

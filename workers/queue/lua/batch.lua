@@ -1,0 +1,19 @@
+-- Many calls of one script in one command: the calls a worker makes for a read of many jobs
+-- (claims, publishes) cost one command's overhead, not one each. Each call runs as it would
+-- alone, in order; the answers come back as a list. Latency histograms are updated once, at
+-- the end (``count_latency``).
+-- ARGV[1]: the script's name; ARGV[2]: JSON [[number of keys, number of args], ...], one
+-- pair per call; then every call's args in turn. KEYS: every call's keys in turn.
+local function batch(KEYS, ARGV)
+  local script = SCRIPTS[ARGV[1]]
+  local answers = {}
+  local k, a = 1, 3
+  defer_latency()
+  for i, shape in ipairs(cjson.decode(ARGV[2])) do
+    answers[i] = script({unpack(KEYS, k, k + shape[1] - 1)},
+                        {unpack(ARGV, a, a + shape[2] - 1)})
+    k, a = k + shape[1], a + shape[2]
+  end
+  apply_latency()
+  return answers
+end
