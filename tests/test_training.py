@@ -4,6 +4,7 @@ are bit-identical to an uninterrupted run's (one thread, CPU, float32)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -21,8 +22,11 @@ from training.scenes import (
     Scene,
     Shape,
     Size,
+    free_caption,
+    free_phrasings,
     scene_at,
     training_caption,
+    vocabulary,
 )
 from training.scenes import Position as Where
 from training.shapes_model import TrainPlan
@@ -81,6 +85,18 @@ def test_a_training_caption_leaves_out_only_what_defaults_to_the_picture() -> No
         assert (scene.size.name.lower() in caption) or scene.size is Size.LARGE
         assert POSITION_WORDS[scene.position] in caption or scene.position is Where.CENTER
     assert any(caption == scene.short_caption(False, False) for scene, caption in captions)
+
+
+def test_free_phrasings_name_what_the_caption_names_in_words_the_card_lists() -> None:
+    known = set(vocabulary())
+    for i in range(300):
+        scene = scene_at(3, i)
+        for text in free_phrasings(scene, with_size=True, with_position=True):
+            words = set(re.findall(r"[a-z]+", text))
+            assert {scene.colour.name.lower(), scene.shape.value,
+                    scene.background.name.lower(), scene.size.name.lower()} <= words, text
+            assert words <= known, text
+        assert free_caption(scene, 3, i) in free_phrasings(scene, True, True)[1:]
 
 
 def test_a_plan_of_an_unknown_architecture_is_refused_by_name() -> None:

@@ -59,9 +59,14 @@ ATTRIBUTES: dict[str, tuple[Enum, ...]] = {
     "position": tuple(Position), "background": tuple(Colour)}
 
 
+# The share of training captions written as people write them (``free_phrasings``) rather
+# than as the caption is.
+FREE_SHARE = 0.5
+
+
 def vocabulary() -> tuple[str, ...]:
     """Every word a caption can hold, sorted: what the model card says the model knows."""
-    words = {"a", "an", "on", "background", *(c.name.lower() for c in Colour),
+    words = {"a", "an", "on", "background", "with", *(c.name.lower() for c in Colour),
              *(s.value for s in Shape), *(z.name.lower() for z in Size)}
     for phrase in POSITION_WORDS.values():
         words.update(phrase.split())
@@ -127,6 +132,35 @@ def scene_at(seed: int, index: int) -> Scene:
                  (rng.randint(-1, 1), rng.randint(-1, 1)))
 
 
+def _bare(phrase: str) -> str:
+    """``phrase`` without its article: "red circle", as people type it."""
+    return phrase.removeprefix("a ").removeprefix("an ")
+
+
+def free_phrasings(scene: Scene, with_size: bool, with_position: bool) -> list[str]:
+    """The ways people write the same short caption, every one naming the same attributes:
+    as the caption does; without articles; "on white" for "on a white background";
+    comma-separated; and background first."""
+    size = f"{scene.size.name.lower()} " if with_size else ""
+    where = f" {POSITION_WORDS[scene.position]}" if with_position else ""
+    thing = f"{with_article(f'{size}{scene.colour.name.lower()}')} {scene.shape.value}"
+    ground = scene.background.name.lower()
+    return [
+        scene.short_caption(with_size, with_position),
+        f"{_bare(thing)}{where} on {ground} background",
+        f"{thing}{where} on {ground}",
+        f"{_bare(thing)}{where}, {ground} background",
+        f"{ground} background with {thing}{where}",
+    ]
+
+
+def free_caption(scene: Scene, seed: int, index: int) -> str:
+    """One free phrasing of the scene's full caption, drawn by (seed, index): the set that
+    ``bench.quality`` reads the model's outputs of beside the full captions."""
+    rng = random.Random(seed * 9_000_011 + index)
+    return rng.choice(free_phrasings(scene, with_size=True, with_position=True)[1:])
+
+
 def training_caption(scene: Scene, seed: int, index: int) -> str:
     """The caption a training step pairs with the scene: the full one, or one that leaves out
     what a person leaves out. A caption leaves out the size only of a large shape (half the
@@ -135,9 +169,11 @@ def training_caption(scene: Scene, seed: int, index: int) -> str:
     every size and position taught the model to smear them into one blob."""
     rng = random.Random(seed * 7_000_003 + index)
     drop_size, drop_position = rng.random() < 1 / 2, rng.random() < 2 / 3
-    return scene.short_caption(
-        with_size=not (drop_size and scene.size is Size.LARGE),
-        with_position=not (drop_position and scene.position is Position.CENTER))
+    with_size = not (drop_size and scene.size is Size.LARGE)
+    with_position = not (drop_position and scene.position is Position.CENTER)
+    if rng.random() < FREE_SHARE:
+        return rng.choice(free_phrasings(scene, with_size, with_position)[1:])
+    return scene.short_caption(with_size, with_position)
 
 
 def to_tensor(images: list[Image.Image]) -> torch.Tensor:

@@ -307,15 +307,17 @@ class Scripts:
     """The library's functions on one client; ``run`` calls one, directly or in a pipeline."""
 
     def __init__(self, client: redis.Redis) -> None:
+        # The library is loaded at the first call, not here: a process must start (and answer
+        # 503) while Redis is away.
         self.redis = client
-        load_library(client)
 
     def run(self, args: ScriptArgs, pipe: Pipeline | None = None) -> Any:
         """Call the script of ``args``; queued in ``pipe`` when one is given (run it with
-        ``execute``, which reloads a library the server lost)."""
+        ``execute``, which loads the library first and again if the server lost it)."""
         name, keys, argv = function_name(type(args)), args.keys(), args.argv()
         if pipe is not None:
             return pipe.fcall(name, len(keys), *keys, *argv)
+        load_library(self.redis)
         try:
             return self.redis.fcall(name, len(keys), *keys, *argv)
         except redis.ResponseError as exc:
