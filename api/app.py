@@ -84,7 +84,8 @@ class BodyLimit:
     async def _refuse(scope: Scope, receive: Receive, send: Send, limit: int,
                       setting: str) -> None:
         error = BodyTooLargeError(limit, setting)
-        await JSONResponse({"error": error.detail}, status_code=413)(scope, receive, send)
+        await JSONResponse(errors.error_content(scope["path"], 413, str(error.detail)),
+                           status_code=413)(scope, receive, send)
 
 
 def create_app(settings: Settings) -> FastAPI:

@@ -88,19 +88,27 @@ def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request,
         height=height, num_frames=1, num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale, seed=body.seed,
         output_format=OutputFormat.PNG, loras=body.loras)
-    if idempotency_key is not None:
-        request_id = (svc.join_call(who, idempotency_key)
-                      or svc.generate(who, generate, idempotency_key))
-    else:  # the SDK sends no key: a retry is the same body, marked as a retry
-        call = f"openai-call:{xxhash.xxh3_128_hexdigest(body.model_dump_json().encode())}"
-        joined = svc.join_call(who, call) if x_stainless_retry_count else None
-        request_id = joined or svc.generate(who, generate)
-        svc.remember_call(who, call, request_id)
+    # The SDK sends no key: its retry is the same body, marked as a retry.
+    call = idempotency_key or (
+        f"openai-call:{xxhash.xxh3_128_hexdigest(body.model_dump_json().encode())}")
+    svc.attend_call(who, call)
+    try:
+        if idempotency_key is not None:
+            request_id = (svc.join_call(who, idempotency_key)
+                          or svc.generate(who, generate, idempotency_key))
+        else:
+            joined = svc.join_call(who, call) if x_stainless_retry_count else None
+            request_id = joined or svc.generate(who, generate)
+            svc.remember_call(who, call, request_id)
+    except BaseException:
+        svc.leave_call(who, call)
+        raise
 
     def gone() -> bool:
         return bool(anyio.from_thread.run(request.is_disconnected))
 
-    record = _wait(svc, who, request_id, svc.settings.api.sync_timeout_s, gone, body.keep)
+    record = _wait(svc, who, request_id, svc.settings.api.sync_timeout_s, gone, body.keep,
+                   call)
     if body.response_format == "url":
         # OpenAI clients fetch the URL as given: it must be absolute.
         base = svc.settings.api.public_url or str(request.base_url)
@@ -170,22 +178,25 @@ POLL_S = 0.5  # how often an abandoned call is noticed
 
 
 def _wait(svc: Service, tenant: str, request_id: str, timeout_s: float,
-          gone: Callable[[], bool], keep: bool) -> RequestRecord:
+          gone: Callable[[], bool], keep: bool, call: str) -> RequestRecord:
     """The request once it is done, woken by its record's notifications. Abandoned (the
-    client gone, or ``timeout_s`` passed), it is cancelled unless ``keep``."""
+    client gone, or ``timeout_s`` passed), it is cancelled unless ``keep``, or another caller
+    of the same call still waits on it (a retry that joined it)."""
+    abandoned = False
     try:
         for record in svc.events.follow(tenant, request_id, timeout_s, reread_s=POLL_S):
             if not record.state.terminal and gone():
-                if not keep:
-                    svc.records.cancel(tenant, request_id)
+                abandoned = True
                 raise ClientGoneError(f"the client of request {request_id} went away")
     except TimeoutError as exc:
-        if not keep:
-            svc.records.cancel(tenant, request_id)
+        abandoned = True
         raise WaitTimeoutError(
             f"request {request_id} did not finish within {timeout_s:.0f} s; "
             + ("poll /v1/requests/" + request_id if keep else "it was cancelled (set keep to "
                "let it run on); a retry of this call resumes it")) from exc
+    finally:
+        if svc.leave_call(tenant, call) <= 0 and abandoned and not keep:
+            svc.records.cancel(tenant, request_id)
     if record.state is not State.DONE:
         raise NotReadyError(record)
     return record

@@ -48,8 +48,15 @@ def _code(status: int) -> str | None:
 
 def _body(request: Request, status: int, error: str, field: str | None = None,
           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_content(request.url.path, status, error, field),
+                        status_code=status, headers=headers)
+
+
+def error_content(path: str, status: int, error: str,
+                  field: str | None = None) -> dict[str, object]:
+    """The error body for a route at ``path``: OpenAI's shape on its routes, ours elsewhere."""
     content: dict[str, object]
-    if request.url.path.startswith(OPENAI_PREFIXES):
+    if path.startswith(OPENAI_PREFIXES):
         content = {"error": {"message": error, "param": field,
                              "type": _OPENAI_TYPES.get(status, "server_error"),
                              "code": _code(status)}}
@@ -57,7 +64,7 @@ def _body(request: Request, status: int, error: str, field: str | None = None,
         content = {"error": error}
         if field is not None:
             content["field"] = field
-    return JSONResponse(content, status_code=status, headers=headers)
+    return content
 
 
 def install(app: FastAPI, retry_after_s: int) -> None:

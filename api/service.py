@@ -37,7 +37,7 @@ from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from cachesvc.supervisor import ChildStatus, read_published
 from keys import GenerationSpec, KeyKind, LoraUse, OutputFormat, Priority, StoreKey
-from keys.names import KEY_VERSION, check_tenant
+from keys.names import KEY_VERSION, call_waiters, check_tenant
 from keys.spec import valid_request_id
 from workers.queue.events import RecordEvents
 from workers.queue.heartbeats import live_workers
@@ -283,6 +283,18 @@ class Service:
         (twice the call's own wait)."""
         self.redis.set(idempotency_key(tenant, call), request_id,
                        ex=int(2 * self.settings.api.sync_timeout_s) + 1)
+
+    def attend_call(self, tenant: str, call: str) -> None:
+        """Count one more caller waiting on the call's request, before it joins or makes one:
+        an abandoned caller cancels the request only when it was the last."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.incr(call_waiters(tenant, call))
+        pipe.expire(call_waiters(tenant, call), int(2 * self.settings.api.sync_timeout_s) + 1)
+        pipe.execute()
+
+    def leave_call(self, tenant: str, call: str) -> int:
+        """Count a caller out; how many still wait."""
+        return int(self.redis.decr(call_waiters(tenant, call)))
 
     def join_call(self, tenant: str, call: str) -> str | None:
         """The request an earlier attempt of this call made, resumed if its abandonment

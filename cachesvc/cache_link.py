@@ -63,12 +63,16 @@ class CacheLink:
         return self.connected
 
     def _connect(self) -> None:
-        from cachesvc.connect import open_cache  # torch and Mooncake load here, not at import
-
         delay = FIRST_RETRY_S
         while not self._closed.is_set():
             try:
-                self._cache = open_cache(self._settings, self._client)
+                from cachesvc.connect import open_cache  # torch and Mooncake load here
+
+                cache = open_cache(self._settings, self._client)
+                if self._closed.is_set():  # closed while it connected: nobody will use it
+                    cache.close()
+                    return
+                self._cache = cache
                 log.info("store client connected")
                 return
             except Exception as exc:  # logged; the link outlives any failed attempt
@@ -78,8 +82,10 @@ class CacheLink:
                 return
             delay = min(delay * 2, MAX_RETRY_S)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop connecting and close the connection. A connect attempt still blocked in the
+        store's client is not waited for past ``timeout_s``: it closes what it opens."""
         self._closed.set()
-        self._thread.join()
+        self._thread.join(timeout_s)
         if self._cache is not None:
             self._cache.close()

@@ -110,6 +110,12 @@ def tenants_registry() -> str:
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:tenants"
 
 
+def call_waiters(tenant: str, call: str) -> str:
+    """String: how many synchronous callers wait on the request of one call (an idempotency
+    key, or an OpenAI call's body digest); the last to leave an abandoned call cancels it."""
+    return f"{KEY_VERSION}:{check_tenant(tenant)}:call-waiters:{call}"
+
+
 def adapter_index(tenant: str) -> str:
     """Hash: a tenant's LoRA adapters, name -> JSON (hash, size, rank, targets)."""
     return f"{KEY_VERSION}:{check_tenant(tenant)}:adapters"

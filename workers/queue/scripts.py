@@ -255,8 +255,11 @@ def library() -> tuple[str, str]:
     name = f"diffcache_{digest[:12]}"
     # Each script's body becomes a local function (prefixed: some share a name with a function
     # of common.lua), registered under its own name and callable by ``batch``.
+    # Called alone, a script never defers its latency counts (``batch`` does, and ends by
+    # applying them).
     functions = "".join(f"local function script_{script}(KEYS, ARGV)\n{body}\nend\n"
-                        f"redis.register_function('{name}_{script}', script_{script})\n"
+                        f"redis.register_function('{name}_{script}', function(KEYS, ARGV)\n"
+                        f"  stop_deferring()\n  return script_{script}(KEYS, ARGV)\nend)\n"
                         for script, body in bodies.items())
     table = "local SCRIPTS = {" + ", ".join(f"{s} = script_{s}" for s in bodies) + "}\n"
     return (f"#!lua name={name}\n{prelude()}{functions}{table}{_source(BATCH)}\n"
@@ -344,7 +347,11 @@ class Scripts:
             if isinstance(answer, Exception):
                 raise answer
         by_kind = {cls: iter(codes) for cls, codes in zip(kinds, answers, strict=True)}
-        return [Result(int(next(by_kind[type(a)]))) for a in many]
+        codes = [next(by_kind[type(a)]) for a in many]
+        for code in codes:  # every call ran; the first that failed is reported
+            if isinstance(code, Exception):
+                raise code
+        return [Result(int(code)) for code in codes]
 
     def _batch(self, calls: Sequence[ScriptArgs], pipe: Pipeline) -> None:
         keys = [a.keys() for a in calls]

@@ -159,7 +159,12 @@ class Watchdog:
         raw: dict[bytes, bytes] = self.redis.hgetall(record_key)  # type: ignore[assignment]
         if not raw:
             return None
-        record = RequestRecord.parse({k.decode(): v.decode() for k, v in raw.items()})
+        try:
+            record = RequestRecord.parse({k.decode(): v.decode() for k, v in raw.items()})
+        except (KeyError, ValueError):  # not a record any worker could run either
+            log.error("watchdog: %s is not a readable request record; left alone", record_key,
+                      exc_info=True)
+            return None
         spec = record.spec
         who = (spec.tenant, spec.request_id)
         if record.state in IDLE or who in seen.covered:

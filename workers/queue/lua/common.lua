@@ -66,6 +66,10 @@ local function defer_latency()
   DEFERRED = {}
 end
 
+local function stop_deferring()
+  DEFERRED = nil
+end
+
 local function apply_latency()
   local deferred = DEFERRED
   DEFERRED = nil
