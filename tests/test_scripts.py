@@ -11,12 +11,12 @@ from importlib import resources
 import pytest
 import redis
 
-from keys import GenerationSpec, KeyKind, OutputFormat
+from keys import GenerationSpec, OutputFormat
 from keys.names import request_record
 from workers.queue import script_args
 from workers.queue.records import Records, initial_fields, timestamp
-from workers.queue.schema import LATE_PREFIX, TERMINAL, TRANSITIONS, Field, KindField, State
-from workers.queue.script_args import CancelArgs, ClaimArgs, UpdateArgs
+from workers.queue.schema import TERMINAL, TRANSITIONS, Field, State
+from workers.queue.script_args import CancelArgs, ClaimArgs
 from workers.queue.scripts import RecordWrite, Result, ScriptArgs, Scripts, slot_comment
 
 LUA = resources.files("workers.queue").joinpath("lua")
@@ -122,20 +122,3 @@ def test_one_failing_call_of_a_batch_leaves_the_others_to_run(
     # One command for the three, yet the calls after the failing one ran, as alone they did.
     assert [records.get("scripts", f"batch-{i}").state for i in range(2)] == [  # type: ignore[union-attr]
         State.ENCODING, State.ENCODING]
-
-
-def test_progress_of_an_attempt_whose_request_was_cancelled_leaves_the_record_final(
-        redis_client: redis.Redis) -> None:
-    key = recorded(redis_client, "cancelled-progress")
-    scripts = Scripts(redis_client)
-    assert scripts.result(ClaimArgs(key, "encode", 1, 0, State.ENCODING, timestamp(),
-                                    RecordWrite())) is Result.OK
-    assert scripts.result(CancelArgs(key, timestamp())) is Result.OK
-    before = redis_client.hgetall(key)
-    code, state, _ = scripts.run(UpdateArgs(key, "encode", 1, timestamp(), RecordWrite(
-        {Field.STEP: 5}, {KindField.LOOKUPS.of(KeyKind.EMBEDDING): 2})))
-    assert (Result(int(code)), state.decode()) == (Result.OK, State.CANCELLED.value)
-    after = redis_client.hgetall(key)
-    late = f"{LATE_PREFIX}:{KindField.LOOKUPS.of(KeyKind.EMBEDDING)}".encode()
-    assert after.pop(late) == b"2"  # what it counted is kept apart; nothing else changed
-    assert after == before

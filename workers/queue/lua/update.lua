@@ -8,11 +8,9 @@ if not is_current(read, token) then
   add_counters(record, fields)  -- lookups a stale attempt made were made all the same
   return {R.STALE, '', ''}
 end
-if TERMINAL[read.state] then
-  -- Cancelled (which moves no fence) while this attempt runs: the record is final, and the
-  -- attempt learns from the state that it should stop.
-  add_counters(record, fields)
-elseif has_fields(fields) then
+-- A current attempt of a request cancelled meanwhile (a cancel moves no fence) still writes:
+-- the checkpoint it stops at is what a resume or a branch starts from.
+if has_fields(fields) then
   transition(record, nil, read.state, now, {}, fields)
   announce(record, read.state, read)
 end
