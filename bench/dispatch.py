@@ -17,7 +17,14 @@ from collections.abc import Callable
 import redis
 
 from bench import raw_dispatch
-from bench.common import NOOP_GO, bench_stack, report, start_noop_workers, stop_processes
+from bench.common import (
+    NOOP_GO,
+    bench_stack,
+    report,
+    run_noop,
+    start_noop_workers,
+    stop_processes,
+)
 from cachesvc.connect import open_redis
 from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
@@ -40,13 +47,12 @@ def requests(count: int) -> list[GenerationSpec]:
         output_format=OutputFormat.NPY) for i in range(count)]
 
 
-def timed(settings: Settings, client: redis.Redis, target: Callable[..., None] | None,
+def timed(settings: Settings, client: redis.Redis,
+          target: Callable[[Stage, Settings, int], None],
           done: Callable[[], bool]) -> tuple[float, int]:
-    """Seconds from go until ``done``, with one worker process per stage running ``target``
-    (the no-op workers by default); and the Redis commands run meanwhile, nested ones in
-    scripts included."""
-    procs = (start_noop_workers(settings, BATCH) if target is None
-             else start_noop_workers(settings, BATCH, target))
+    """Seconds from go until ``done``, with one worker process per stage running ``target``;
+    and the Redis commands run meanwhile, nested ones in scripts included."""
+    procs = start_noop_workers(settings, BATCH, target)
     try:
         client.config_resetstat()
         start = time.perf_counter()
@@ -73,7 +79,7 @@ def diffcache_round(settings: Settings, client: redis.Redis, count: int,
             in_flight for (stage, _), (_, in_flight) in queue_counts(client).items()
             if stage is Stage.DECODE)
 
-    seconds, calls = timed(settings, client, None, done)
+    seconds, calls = timed(settings, client, run_noop, done)
     records = Records(client)
     assert all(r is not None and r.state is State.DONE
                for r in (records.get(TENANT, s.request_id) for s in specs))
