@@ -70,12 +70,21 @@ class Host:
         return int(json.loads(shown)[0]["stats64"]["tx"]["bytes"])
 
     def kill_everything(self) -> None:
-        """The machine is gone: every process in its namespace dies at once."""
-        pids = subprocess.run(["ip", "netns", "pids", self.namespace], capture_output=True,
-                              text=True, check=False).stdout.split()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+        """The machine is gone: every process in its namespace dies at once.
+
+        Everything is frozen before anything is killed, so no supervisor sees a child die and
+        starts another in the moment between; the sweep repeats until the namespace is empty
+        (a process that forked while the list was read is caught by the next one)."""
+        while pids := self._pids():
+            for sig in (signal.SIGSTOP, signal.SIGKILL):
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+
+    def _pids(self) -> list[int]:
+        listed = subprocess.run(["ip", "netns", "pids", self.namespace], capture_output=True,
+                                text=True, check=False).stdout.split()
+        return [int(pid) for pid in listed]
 
 
 @contextmanager

@@ -21,8 +21,15 @@ from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, StoreKey
 from keys.names import stage_stream
-from tests.test_preemption import LONG, wait_for
-from tests.workers_harness import make_spec, read_frames, reference, serve_api, wait_done
+from tests.test_preemption import LONG
+from tests.workers_harness import (
+    make_spec,
+    read_frames,
+    reference,
+    serve_api,
+    wait_done,
+    wait_for,
+)
 from workers.queue.messages import LATENTS, Job, Stage
 from workers.queue.records import Records
 from workers.queue.schema import State

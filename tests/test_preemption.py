@@ -27,6 +27,7 @@ from tests.workers_harness import (
     start_worker,
     stop_owner_when,
     wait_done,
+    wait_for,
 )
 from workers.families import wan
 from workers.families.base import CPU
@@ -41,21 +42,6 @@ from workers.queue.submit import submit
 pytestmark = pytest.mark.slow
 
 LONG = {"num_inference_steps": 40, "width": 64, "height": 64}
-
-
-def wait_for(client: redis.Redis, spec: GenerationSpec, state: State, min_step: int = 0,
-             timeout_s: float = 120) -> dict[str, str]:
-    """The record once it is in ``state`` with at least ``min_step`` steps reported."""
-
-    def reached() -> dict[str, str] | None:
-        fields = record_fields(client, spec)
-        if fields.get("state") == state.value and int(fields.get("step", 0)) >= min_step:
-            return fields
-        assert fields.get("state") not in ("DONE", "FAILED") or state is State.DONE, fields
-        return None
-
-    return wait_until(reached, timeout_s=timeout_s, interval_s=0.005,
-                      what=f"{spec.request_id} {state} at step {min_step}")
 
 
 def denoising(client: redis.Redis, pool: dict[Stage, list[ChildProcess]], seed: int,

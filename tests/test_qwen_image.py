@@ -24,13 +24,13 @@ from keys import GenerationSpec, StoreKey
 from tests.workers_harness import (
     lose_output,
     make_spec,
-    record_fields,
     reference,
     run_request,
     serve_api,
     start_worker,
     stop_owner_when,
     wait_done,
+    wait_for,
 )
 from workers.families import family_named, qwen_image
 from workers.families.base import CPU
@@ -205,8 +205,7 @@ def test_a_parked_request_resumes_bit_identically_and_an_edit_branches(
     finally:
         assert worker.pid is not None
         os.kill(worker.pid, signal.SIGCONT)
-    wait_until(lambda: record_fields(qwen_client, spec).get("state") == State.PREEMPTED.value,
-               timeout_s=120, what=f"{spec.request_id} parked")
+    wait_for(qwen_client, spec, State.PREEMPTED)  # fails at once, with the record, if it ends
     parked = Records(qwen_client).get(spec.tenant, spec.request_id)
     assert parked is not None
     lifecycle.resume(parked)

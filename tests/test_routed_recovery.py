@@ -19,7 +19,7 @@ from cachesvc.waiting import wait_until
 from keys import LoraUse
 from keys.names import consumer_group, decode_credits, request_record, worker_inbox
 from tests.test_lora import upload
-from tests.test_preemption import LONG, decode_entries_for, wait_for
+from tests.test_preemption import LONG, decode_entries_for
 from tests.workers_harness import (
     make_spec,
     read_frames,
@@ -27,6 +27,7 @@ from tests.workers_harness import (
     start_worker,
     stop_owner_when,
     wait_done,
+    wait_for,
     worker_named,
 )
 from workers.families import wan

@@ -89,6 +89,21 @@ def wait_done(client: redis.Redis, spec: GenerationSpec, timeout_s: float = 120)
         raise
 
 
+def wait_for(client: redis.Redis, spec: GenerationSpec, state: State, min_step: int = 0,
+             timeout_s: float = 120) -> dict[str, str]:
+    """The record once it is in ``state`` with at least ``min_step`` steps reported."""
+
+    def reached() -> dict[str, str] | None:
+        fields = record_fields(client, spec)
+        if fields.get("state") == state.value and int(fields.get("step", 0)) >= min_step:
+            return fields
+        assert fields.get("state") not in ("DONE", "FAILED") or state is State.DONE, fields
+        return None
+
+    return wait_until(reached, timeout_s=timeout_s, interval_s=0.005,
+                      what=f"{spec.request_id} {state} at step {min_step}")
+
+
 def in_hand(client: redis.Redis, stage: Stage, request_id: str) -> bool:
     """Whether a worker of ``stage`` holds a delivery of ``request_id`` that it has not yet
     acknowledged: once it is False, that worker is done with the job, whatever it did."""
