@@ -21,7 +21,7 @@ from cachesvc.counters import read_buckets, read_totals, tenants
 from cachesvc.supervisor import read_published
 from keys import KeyKind, Priority
 from keys.names import request_index
-from workers.queue import stage_metrics
+from workers.queue import engine_metrics, stage_metrics
 from workers.queue.adapter_stats import read_adapter_stats
 from workers.queue.messages import Stage
 from workers.queue.streams import queue_counts
@@ -88,9 +88,21 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
             "compute_saved_s": saved, "bytes_served": served, "queues": queues,
             "latency": latency, "children": children,
             "adapters": [asdict(a) for a in read_adapter_stats(svc.redis)],
+            "engine": engine_view(svc),
             "rescued": [{"stage": stage.value, "reason": reason.value, "count": count}
                         for (stage, reason), count in sorted(read_rescued(svc.redis).items())],
             "model": asdict(svc.served()), "reuse": reuse, "recent": recent[:RECENT]}
+
+
+def engine_view(svc: Service) -> dict[str, Any]:
+    """Rows per forward, the wait to join, and each denoise worker's occupancy."""
+    rows = engine_metrics.read_rows(svc.redis)
+    forwards = sum(rows.values())
+    wait = engine_metrics.read_join_wait(svc.redis)
+    mean = sum(r * n for r, n in rows.items()) / forwards if forwards else None
+    return {"forwards": forwards, "rows_per_forward": mean,
+            "join_wait_p50": wait.quantile(0.5), "join_wait_p95": wait.quantile(0.95),
+            "workers": [asdict(o) for o in engine_metrics.read_occupancy(svc.redis)]}
 
 
 router = APIRouter()

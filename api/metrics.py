@@ -20,7 +20,7 @@ from cachesvc.counters import Event, read_totals, tenants
 from cachesvc.settings import ApiSettings
 from cachesvc.supervisor import ChildStatus, read_published
 from keys import Priority
-from workers.queue import stage_metrics
+from workers.queue import engine_metrics, stage_metrics
 from workers.queue.adapter_stats import WorkerAdapters, read_adapter_stats
 from workers.queue.messages import Stage
 from workers.queue.served_model import read_served
@@ -78,6 +78,7 @@ class ClusterCollector(Collector):
         yield rescued
         yield from children_families(read_published(self._redis))
         yield from adapter_families(read_adapter_stats(self._redis))
+        yield from engine_families(self._redis)
         served = read_served(self._redis)
         if served is not None:
             info = GaugeMetricFamily("diffcache_served_model_info", "The model the workers "
@@ -148,6 +149,33 @@ def adapter_families(workers: list[WorkerAdapters]) -> Iterator[CounterMetricFam
         seconds.add_metric([w.consumer], w.load_seconds)
         held.add_metric([w.consumer], len(w.held))
     yield from (loads, swaps, seconds, held)
+
+
+def engine_families(client: redis.Redis) -> Iterator[GaugeMetricFamily |
+                                                     HistogramMetricFamily]:
+    """Rows per transformer forward and the wait to join, over every denoise engine, and how
+    full each worker's engine is."""
+    rows = HistogramMetricFamily("diffcache_engine_rows_per_forward", "Rows one transformer "
+                                 "forward of a denoise engine took", labels=[])
+    counts = engine_metrics.read_rows(client)
+    cumulative = [(str(bound), sum(n for r, n in counts.items() if r <= bound))
+                  for bound in engine_metrics.ROW_BOUNDS]
+    rows.add_metric([], [*cumulative, ("+Inf", sum(counts.values()))],
+                    sum(r * n for r, n in counts.items()))
+    yield rows
+    wait = engine_metrics.read_join_wait(client)
+    joins = HistogramMetricFamily("diffcache_engine_join_wait_seconds", "Seconds from a "
+                                  "denoise job's arrival to its first step in an engine",
+                                  labels=[])
+    joins.add_metric([], [("+Inf" if b == float("inf") else str(b), n)
+                          for b, n in wait.cumulative], wait.total)
+    yield joins
+    occupancy = GaugeMetricFamily("diffcache_engine_occupancy", "Runs a denoise worker's "
+                                  "engine holds, as a share of its max_batch",
+                                  labels=["worker"])
+    for o in engine_metrics.read_occupancy(client):
+        occupancy.add_metric([o.worker], o.runs / o.capacity)
+    yield occupancy
 
 
 def registry_with(collector: Collector) -> CollectorRegistry:

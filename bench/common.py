@@ -66,13 +66,17 @@ def median(samples: Sequence[float]) -> float:
 def report(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]],
            result: dict[str, object]) -> None:
     """Print a readable table, then the one JSON line that the issue names."""
+    print_table(title, columns, rows)
+    print(json.dumps(result), flush=True)
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     table = Table(title=title)
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row))
     console.print(table)
-    print(json.dumps(result), flush=True)
 
 
 def start_workers(settings: Settings, logs: Path) -> list[ChildProcess]:

@@ -134,14 +134,26 @@ class WorkerSettings(_Section):
     max_deliveries: int = Field(3, ge=1, description="then the job goes to the dead letters")
     block_ms: int = Field(500, ge=1)
     # Jobs read, fenced and published together. Larger batches cut round trips for quick
-    # stages; a batch holds its jobs' leases until the last one is done.
+    # stages; a batch holds its jobs' leases until the last one is done. (The denoise engine
+    # reads as many as it has room for.)
     batch_size: int = Field(1, ge=1, le=256)
     # Intra-op threads per stage (0: torch's default, every core). On small tensors one thread
-    # per op wastes less than splitting each op; denoise gets its parallelism from cfg_parallel.
+    # per op wastes less than splitting each op; denoise gets its parallelism from batching
+    # rows and from cfg_parallel.
     encode_threads: int = Field(1, ge=0)
     denoise_threads: int = Field(1, ge=0)
     decode_threads: int = Field(1, ge=0)
-    cfg_parallel: bool = Field(True, description="run the cond and uncond forwards concurrently")
+    cfg_parallel: bool = Field(True, description="run a step's independent forwards (the "
+                               "cond and uncond rows of texts of different lengths) on two "
+                               "threads")
+    # The denoise engine (README "The denoise engine"): the most rows one transformer forward
+    # takes, which is also the most runs a worker holds; on this CPU a batch of 8 costs about a
+    # quarter per row of a lone forward, and 16 gains little more.
+    max_batch: int = Field(8, ge=1, le=256)
+    # And the most token-rows (image plus text tokens, summed over its rows) one forward takes,
+    # so activation memory stays bounded when the requests are large: 64k is two rows of a
+    # 480p 81-frame Wan video, thousands of the shipped image model's.
+    max_batch_tokens: int = Field(65536, ge=1)
     fps: int = Field(16, ge=1, description="frame rate of MP4 outputs")
     # Denoise writes a checkpoint every this many steps (0: a tenth of the request's steps, so
     # a crash loses about a tenth of a job), at every prompt switch and when it stops early.

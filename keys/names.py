@@ -121,6 +121,22 @@ def adapter_index(tenant: str) -> str:
     return f"{KEY_VERSION}:{check_tenant(tenant)}:adapters"
 
 
+def engine_rows() -> str:
+    """Hash: ``rows:<n>`` -> transformer forwards of the denoise engines that took n rows."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:engine:rows"
+
+
+def engine_join_wait() -> str:
+    """Hash: histogram of the seconds from a denoise job's arrival in its stream to its first
+    step in an engine, fields ``le:<bound>``, ``sum`` and ``count``."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:engine:join-wait"
+
+
+def engine_occupancy() -> str:
+    """Hash: consumer name -> ``<runs held> <capacity>`` of that denoise worker's engine."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:engine:occupancy"
+
+
 def adapter_stats() -> str:
     """Hash: consumer name -> JSON of that denoise worker's adapter loads, swaps and holdings."""
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:adapter-stats"

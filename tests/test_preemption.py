@@ -97,11 +97,30 @@ def test_denoise_waits_for_a_decode_credit(worker_settings: Settings, client: re
         credits.release("acme", holder)
 
 
-def test_waiting_interactive_work_preempts_one_batch_job(
+def test_interactive_work_joins_a_running_batch_job_at_the_next_step(
+        worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
+        pipe: object) -> None:
+    batch = make_spec(seed=480, priority="batch", **LONG)
+    submit(client, batch)
+    wait_for(client, batch, State.DENOISING, min_step=2)
+    interactive = make_spec(seed=481)
+    submit(client, interactive)
+    done = wait_done(client, interactive)
+    beside = Records(client).get(batch.tenant, batch.request_id)
+    assert beside is not None and beside.state is State.DENOISING  # still running beside it
+    assert done.fields["worker:denoise"] == beside.fields["worker:denoise"]  # in one engine
+    finished = wait_done(client, batch)
+    assert finished.counter("preemptions") == 0 and done.counter("preemptions") == 0
+    for record in (done, finished):
+        assert np.array_equal(read_frames(worker_settings, record), reference(pipe, record.spec))
+
+
+def test_waiting_interactive_work_preempts_one_batch_job_when_the_engine_is_full(
         worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
         pipe: object) -> None:
     busy = [c for c in pool[Stage.DENOISE] if c.alive()]
-    batch = [make_spec(seed=500 + n, priority="batch", **LONG) for n in range(len(busy))]
+    batch = [make_spec(seed=500 + n, priority="batch", **LONG)
+             for n in range(len(busy) * worker_settings.workers.max_batch)]
     for spec in batch:
         submit(client, spec)
     for spec in batch:

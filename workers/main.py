@@ -18,7 +18,7 @@ from workers.queue.affinity import AdapterRouter
 from workers.queue.credits import Credits
 from workers.queue.messages import Stage
 from workers.queue.preemption import InteractiveWaiting
-from workers.queue.runtime import Handler, Worker, consumer_name
+from workers.queue.runtime import StageHandler, StageWorker, Worker, consumer_name
 from workers.queue.served_model import (
     ServedModel,
     model_card,
@@ -42,7 +42,7 @@ def ensure_model(settings: Settings) -> Family:
     return family
 
 
-def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
+def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHandler]:
     family = resolve(settings.model.family, settings.model_dir, settings.model.preset)
     placement = Placement.for_settings(settings.model.device, settings.model.dtype)
     threads = {Stage.ENCODE: settings.workers.encode_threads,
@@ -56,19 +56,19 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
     publish_served(client, ServedModel(family.name, directory.resolve().name,
                                        request_defaults(settings.model, directory),
                                        family.geometry(directory), model_card(directory)))
-    handler: Handler
     files = (OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
              if settings.cache.durable_outputs else None)
     if stage is Stage.ENCODE:
         from workers.stages.encode import EncodeHandler
 
-        handler = EncodeHandler(cache, family.text_encoder(directory, placement),
-                                family.trajectory(directory, placement), files)
+        encode = EncodeHandler(cache, family.text_encoder(directory, placement),
+                               family.trajectory(directory, placement), files)
         router = (AdapterRouter(client, settings.workers.idle_timeout_s)
                   if settings.workers.adapter_routing else None)
-        return Worker(handler, client, settings.workers, router=router), handler
+        return Worker(encode, client, settings.workers, router=router), encode
     credits = Credits(client, settings.workers.decode_credits)
     if stage is Stage.DENOISE:
+        from workers.engine.loop import EngineWorker
         from workers.stages.adapters import AdapterStats
         from workers.stages.denoise import DenoiseHandler
 
@@ -82,15 +82,15 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[Worker, Handler]:
 
         kept = (OutputFiles(settings.checkpoints_dir, settings.cache.checkpoint_ttl_s)
                 if settings.cache.durable_outputs else None)
-        handler = DenoiseHandler(cache, denoiser, settings.workers, credits, report, kept)
+        denoise = DenoiseHandler(cache, denoiser, settings.workers, credits, report, kept)
         publish_lora_targets(client, {
             name: (m.out_features, m.in_features)
             for name, m in denoiser.transformer.named_modules()
             if isinstance(m, torch.nn.Linear)})
         waiting = InteractiveWaiting(client, stage, consumer, settings.workers)
-        return Worker(handler, client, settings.workers,
-                      preemption=waiting.check_for if settings.workers.preempt else None,
-                      inbox=settings.workers.adapter_routing), handler
+        return EngineWorker(denoise, client, settings.workers,
+                            preemption=waiting.check_for if settings.workers.preempt else None,
+                            inbox=settings.workers.adapter_routing), denoise
     from workers.stages.decode import DecodeHandler
 
     decode = DecodeHandler(cache, family.decoder(directory, placement), settings.workers.fps,

@@ -73,6 +73,9 @@ class Denoiser(Trajectory, Protocol):
     """The DiT, driven one step at a time by the denoise worker."""
 
     transformer: torch.nn.Module  # its ModuleLists of blocks can be interrupted
+    # Whether texts of different lengths may share a forward, padded to the longest under a
+    # key mask (``predict``'s ``text_mask``); the engine runs the masked attention row by row.
+    pads_text: bool
 
     def latent_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
         """The shape of one request's latents, batch dimension included."""
@@ -80,9 +83,14 @@ class Denoiser(Trajectory, Protocol):
     def initial_latents(self, spec: GenerationSpec) -> tuple[torch.Tensor, torch.Generator]:
         """The pipeline's starting noise, and the generator it came from."""
 
+    def tokens(self, spec: GenerationSpec) -> int:
+        """The image tokens one row of ``spec`` puts through the transformer."""
+
     def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
-                spec: GenerationSpec) -> torch.Tensor:
-        """One transformer forward at timestep ``t`` under one text's conditioning."""
+                spec: GenerationSpec, text_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One transformer forward over a batch of rows of ``spec``'s geometry: row ``i`` at
+        timestep ``t[i]`` (or ``t`` for all) under the text ``embeds[i]``, whose positions
+        ``text_mask[i]`` keeps if the texts were padded."""
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """Classifier-free guidance, in the family pipeline's exact operation order."""

@@ -292,6 +292,8 @@ class QwenTrajectory:
 class QwenDenoiser(QwenTrajectory):
     """The Qwen-Image DiT over packed 2x2 latent patches."""
 
+    pads_text = True
+
     def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import QwenImageTransformer2DModel
 
@@ -316,14 +318,19 @@ class QwenDenoiser(QwenTrajectory):
                              device=self.device, dtype=self.placement.text_dtype)
         return pack_latents(noise[:, 0]), generator
 
+    def tokens(self, spec: GenerationSpec) -> int:
+        rows, cols = self.tokens_per_side(spec)
+        return rows * cols
+
     @torch.no_grad()
     def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
-                spec: GenerationSpec) -> torch.Tensor:
+                spec: GenerationSpec, text_mask: torch.Tensor | None = None) -> torch.Tensor:
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
         return self.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=None,
-                                encoder_hidden_states_mask=None,
+                                encoder_hidden_states_mask=text_mask,
                                 encoder_hidden_states=embeds.to(self.device),
-                                img_shapes=[[(1, *self.tokens_per_side(spec))]],
+                                img_shapes=[[(1, *self.tokens_per_side(spec))]]
+                                * latents.shape[0],
                                 attention_kwargs={}, return_dict=False)[0]
 
     @staticmethod

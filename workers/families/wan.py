@@ -195,6 +195,8 @@ class WanTrajectory:
 class WanDenoiser(WanTrajectory):
     """The DiT and scheduler, driven one step at a time by the denoise worker."""
 
+    pads_text = False  # every text is padded to MAX_SEQUENCE_LENGTH already, as the pipeline does
+
     def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import WanTransformer3DModel
 
@@ -223,10 +225,16 @@ class WanDenoiser(WanTrajectory):
                                device=self.device, dtype=torch.float32)
         return latents, generator
 
+    def tokens(self, spec: GenerationSpec) -> int:
+        _, _, frames, height, width = self.latent_shape(spec)
+        pt, ph, pw = self.transformer.config.patch_size
+        return (frames // pt) * (height // ph) * (width // pw)
+
     @torch.no_grad()
     def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
-                spec: GenerationSpec) -> torch.Tensor:
-        """One transformer forward: the model's prediction for ``latents`` at timestep ``t``."""
+                spec: GenerationSpec, text_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One transformer forward: the model's prediction for ``latents`` at timestep ``t``
+        (texts are never padded here, so ``text_mask`` is None)."""
         model_input = latents.to(self.transformer.dtype)
         return self.transformer(hidden_states=model_input, timestep=t.expand(latents.shape[0]),
                                 encoder_hidden_states=embeds.to(self.device,

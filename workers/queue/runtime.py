@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import redis
 
@@ -32,6 +32,7 @@ from workers.queue.scripts import RecordWrite, Result
 from workers.queue.streams import Delivery, LeaseKeeper, StageQueue
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 OUTAGE_FIRST_RETRY_S = 0.5
 OUTAGE_MAX_RETRY_S = 8.0
@@ -167,13 +168,17 @@ class JobContext:
         return self.cancelled or self.stale
 
 
-class Handler(Protocol):
+class StageHandler(Protocol):
     stage: Stage
 
-    def handle(self, ctx: JobContext) -> Outcome: ...
-
     def discard(self, outcome: Outcome) -> None:
-        """Undo what ``handle`` wrote for a result that was not published (a stale attempt)."""
+        """Undo what a job wrote for a result that was not published (a stale attempt)."""
+
+
+class Handler(StageHandler, Protocol):
+    """A stage that runs one job at a time (encode, decode)."""
+
+    def handle(self, ctx: JobContext) -> Outcome: ...
 
 
 def consumer_name(pid: int | None = None) -> str:
@@ -181,8 +186,11 @@ def consumer_name(pid: int | None = None) -> str:
     return f"{socket.gethostname()}-{os.getpid() if pid is None else pid}"
 
 
-class Worker:
-    def __init__(self, handler: Handler, client: redis.Redis, settings: WorkerSettings,
+class StageWorker:
+    """The queue contract every stage worker keeps: claim with fencing, leases, retries
+    through store outages, dead letters, publish or re-queue. Subclasses say how jobs run."""
+
+    def __init__(self, handler: StageHandler, client: redis.Redis, settings: WorkerSettings,
                  after_publish: Callable[[Job, Outcome], None] | None = None,
                  preemption: Callable[[Job], PreemptCheck | None] | None = None,
                  router: AdapterRouter | None = None, inbox: bool = False) -> None:
@@ -210,32 +218,9 @@ class Worker:
             heartbeat.close()
             self.leases.close()
 
-    def _loop(self, idle_ms: int) -> None:
-        recovering = False
-        while not self.stop.is_set():
-            try:
-                if recovering:
-                    # What this worker had in hand when Redis went away is still pending
-                    # under its name: take it up again now, not after the idle timeout.
-                    deliveries = self.queue.own_pending(self.settings.batch_size)
-                    recovering = bool(deliveries)
-                else:
-                    deliveries = self.queue.next(self.settings.block_ms, idle_ms,
-                                                 self.settings.batch_size)
-                # One class at a time, interactive first: its results are published before
-                # any batch job of the same read starts. The whole read stays leased.
-                with self.leases.hold(*deliveries):
-                    for _, same_class in itertools.groupby(deliveries, key=lambda d: d.stream):
-                        self.process(list(same_class))
-            except redis.RedisError as exc:
-                log.warning("Redis error in the %s loop (%s); retrying", self.handler.stage, exc)
-                recovering = True
-                self.stop.wait(1.0)
-                with contextlib.suppress(redis.RedisError):  # logged above; retried next turn
-                    self.queue.ensure_group()
-
-    def process(self, deliveries: list[Delivery]) -> None:
-        """Fence, run and publish a batch; one round trip to claim and one to publish it."""
+    def claim(self, deliveries: list[Delivery]) -> list[tuple[Job, Delivery]]:
+        """The deliveries this attempt now owns, fenced in one round trip; the others are
+        dropped, dead-lettered, or acknowledged as needing no work."""
         runnable = [(job, d) for d in deliveries if (job := self._admissible(d)) is not None]
         stage = self.handler.stage
         claims = self.records.claim_many([
@@ -251,8 +236,11 @@ class Worker:
             else:
                 log.info("request %s: %s needs no work (%s)", job.request_id, stage, claim.name)
                 self.queue.ack(d)
-        with self.leases.hold(*(d for _, d in owned)):
-            results = [r for job, d in owned if (r := self._run(job, d)) is not None]
+        return owned
+
+    def settle(self, results: list[tuple[StageResult, Outcome]]) -> None:
+        """Re-queue what stopped early and publish the rest in one round trip; a result that
+        lost its fence has what it wrote discarded."""
         finished = [(r, o) for r, o in results if o.preempted is None]
         for result, outcome in results:
             if outcome.preempted is not None:
@@ -280,15 +268,15 @@ class Worker:
         if status is Result.STALE:
             self.handler.discard(outcome)
 
-    def _handle_through_outages(self, ctx: JobContext) -> Outcome:
-        """``handle``, run again with back-off while the store is unreachable: an outage
-        costs time, not deliveries, until ``outage_budget_s`` has passed. Stages are
-        idempotent, and denoise continues from its latest checkpoint."""
+    def through_outages(self, ctx: JobContext, work: Callable[[], T]) -> T:
+        """``work``, run again with back-off while the store is unreachable: an outage costs
+        time, not deliveries, until ``outage_budget_s`` has passed. Stages are idempotent,
+        and denoise continues from its latest checkpoint."""
         deadline = time.monotonic() + self.settings.outage_budget_s
         delay = OUTAGE_FIRST_RETRY_S
         while True:
             try:
-                return self.handler.handle(ctx)
+                return work()
             except (StoreUnavailableError, StoreFullError) as exc:
                 if time.monotonic() + delay > deadline or self.stop.is_set():
                     raise
@@ -318,29 +306,82 @@ class Worker:
             return None
         return job
 
-    def _run(self, job: Job, delivery: Delivery) -> tuple[StageResult, Outcome] | None:
-        """Run the stage for one job; None if it failed (it stays unacknowledged) or went
-        back to the stage that produces a lost input."""
+    def context(self, job: Job, delivery: Delivery) -> JobContext:
         check = self._preemption(job) if self._preemption is not None else None
-        ctx = JobContext(self.records, job, delivery.attempt, check, self.stop)
-        start = time.perf_counter()
-        try:
-            outcome = self._handle_through_outages(ctx)
-        except InputLostError as lost:
+        return JobContext(self.records, job, delivery.attempt, check, self.stop)
+
+    def failed(self, ctx: JobContext, delivery: Delivery, exc: Exception) -> None:
+        """A job that raised: a lost input is recomputed upstream; anything else is left
+        unacknowledged (redelivered after the idle timeout, dead-lettered after
+        max_deliveries) with the error on the record meanwhile."""
+        job = ctx.job
+        if isinstance(exc, InputLostError):
             ctx.close()
-            self._recompute(job, delivery, lost)
-            return None
-        except Exception as exc:
-            # Left unacknowledged: redelivered after the idle timeout, dead-lettered after
-            # max_deliveries. The error is on the record meanwhile.
-            log.exception("request %s failed in %s", job.request_id, job.stage)
-            ctx.progress(RecordWrite({Field.ERROR: f"{type(exc).__name__}: {exc}"}))
-            ctx.close()
-            return None
+            self._recompute(job, delivery, exc)
+            return
+        log.error("request %s failed in %s", job.request_id, job.stage, exc_info=exc)
+        ctx.progress(RecordWrite({Field.ERROR: f"{type(exc).__name__}: {exc}"}))
         ctx.close()
-        seconds = time.perf_counter() - start
+
+    def result(self, ctx: JobContext, delivery: Delivery, outcome: Outcome,
+               seconds: float) -> tuple[StageResult, Outcome]:
+        """What is published (or re-queued) for a job that ran to ``outcome``."""
+        ctx.close()
+        job = ctx.job
         fields = RecordWrite({StageField.SECONDS.of(job.stage): f"{seconds:.4f}"}) | outcome.fields
         routed = (self._router.inbox_for(outcome.affinity)
                   if self._router is not None and outcome.affinity else None)
         return StageResult(job, delivery, outcome.next_job, outcome.state, seconds,
                            fields, routed), outcome
+
+    def _loop(self, idle_ms: int) -> None:
+        raise NotImplementedError
+
+
+class Worker(StageWorker):
+    """A stage worker that runs the jobs of each read one after another."""
+
+    handler: Handler
+
+    def _loop(self, idle_ms: int) -> None:
+        recovering = False
+        while not self.stop.is_set():
+            try:
+                if recovering:
+                    # What this worker had in hand when Redis went away is still pending
+                    # under its name: take it up again now, not after the idle timeout.
+                    deliveries = self.queue.own_pending(self.settings.batch_size)
+                    recovering = bool(deliveries)
+                else:
+                    deliveries = self.queue.next(self.settings.block_ms, idle_ms,
+                                                 self.settings.batch_size)
+                # One class at a time, interactive first: its results are published before
+                # any batch job of the same read starts. The whole read stays leased.
+                with self.leases.hold(*deliveries):
+                    for _, same_class in itertools.groupby(deliveries, key=lambda d: d.stream):
+                        self.process(list(same_class))
+            except redis.RedisError as exc:
+                log.warning("Redis error in the %s loop (%s); retrying", self.handler.stage, exc)
+                recovering = True
+                self.stop.wait(1.0)
+                with contextlib.suppress(redis.RedisError):  # logged above; retried next turn
+                    self.queue.ensure_group()
+
+    def process(self, deliveries: list[Delivery]) -> None:
+        """Fence, run and publish a batch; one round trip to claim and one to publish it."""
+        owned = self.claim(deliveries)
+        with self.leases.hold(*(d for _, d in owned)):
+            results = [r for job, d in owned if (r := self._run(job, d)) is not None]
+        self.settle(results)
+
+    def _run(self, job: Job, delivery: Delivery) -> tuple[StageResult, Outcome] | None:
+        """Run the stage for one job; None if it failed (it stays unacknowledged) or went
+        back to the stage that produces a lost input."""
+        ctx = self.context(job, delivery)
+        start = time.perf_counter()
+        try:
+            outcome = self.through_outages(ctx, lambda: self.handler.handle(ctx))
+        except Exception as exc:
+            self.failed(ctx, delivery, exc)
+            return None
+        return self.result(ctx, delivery, outcome, time.perf_counter() - start)

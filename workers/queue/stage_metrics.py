@@ -52,8 +52,12 @@ class Histogram:
 
 
 def read(client: redis.Redis, stage: Stage, priority: Priority) -> Histogram:
-    raw: dict[bytes, bytes] = client.hgetall(  # type: ignore[assignment]
-        stage_latency(stage.value, priority.value))
+    return read_hash(client, stage_latency(stage.value, priority.value))
+
+
+def read_hash(client: redis.Redis, key: str) -> Histogram:
+    """The histogram kept in the hash ``key`` (fields ``le:<bound>``, ``sum``, ``count``)."""
+    raw: dict[bytes, bytes] = client.hgetall(key)  # type: ignore[assignment]
     fields = {k.decode(): float(v) for k, v in raw.items()}
     running, cumulative = 0, []
     for bound in BOUNDS:

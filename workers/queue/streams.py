@@ -64,9 +64,10 @@ class StageQueue:
         if self.inbox:
             self.redis.sadd(worker_inboxes(self.stage.value), self.inbox)
 
-    def next(self, block_ms: int, idle_timeout_ms: int, count: int = 1) -> list[Delivery]:
+    def next(self, block_ms: int | None, idle_timeout_ms: int,
+             count: int = 1) -> list[Delivery]:
         """Stale entries of dead consumers if there are any, else up to ``count`` new ones,
-        interactive ones first.
+        interactive ones first; with ``block_ms`` None, only what is there now.
 
         Stale entries are looked for at most every quarter of the idle timeout, which keeps
         the takeover delay within 1.25 idle timeouts and the hot path at one round trip.
@@ -138,14 +139,18 @@ class StageQueue:
                 return [self._delivery(inbox, e, f, reclaimed=False) for e, f in got[0][1]]
         return []
 
-    def own_pending(self, count: int) -> list[Delivery]:
+    def own_pending(self, count: int,
+                    in_hand: frozenset[tuple[str, str]] = frozenset()) -> list[Delivery]:
         """Up to ``count`` entries still pending under this consumer's own name, in the shared
         streams or its inbox, claimed again (a new delivery attempt, so the fence moves on
-        from the one that was cut off)."""
+        from the one that was cut off); entries ``in_hand`` (stream, entry id) are still
+        being worked on and are left alone."""
         for stream in (*self.streams, *([self.inbox] if self.inbox else [])):
             pending = self.redis.xpending_range(stream, self.group, min="-", max="+",
-                                                count=count, consumername=self.consumer)
-            ids: list[Any] = [p["message_id"] for p in pending]
+                                                count=count + len(in_hand),
+                                                consumername=self.consumer)
+            ids: list[Any] = [p["message_id"] for p in pending
+                              if (stream, _text(p["message_id"])) not in in_hand][:count]
             if ids:
                 claimed: Any = self.redis.xclaim(stream, self.group, self.consumer,
                                                  min_idle_time=0, message_ids=ids)
@@ -201,15 +206,21 @@ class LeaseKeeper:
 
     @contextmanager
     def hold(self, *deliveries: Delivery) -> Iterator[None]:
-        entries = [(d.stream, d.entry_id) for d in deliveries]
-        with self._lock:
-            self._held.update(entries)
+        self.acquire(*deliveries)
         try:
             yield
         finally:
-            with self._lock:
-                self._held.subtract(entries)
-                self._held = +self._held  # drop what no hold names any more
+            self.release(*deliveries)
+
+    def acquire(self, *deliveries: Delivery) -> None:
+        """Renew ``deliveries`` until as many ``release`` calls name them."""
+        with self._lock:
+            self._held.update((d.stream, d.entry_id) for d in deliveries)
+
+    def release(self, *deliveries: Delivery) -> None:
+        with self._lock:
+            self._held.subtract((d.stream, d.entry_id) for d in deliveries)
+            self._held = +self._held  # drop what no hold names any more
 
     def _run(self) -> None:
         q = self._queue
@@ -274,3 +285,7 @@ def stage_streams(client: redis.Redis, stage: Stage) -> list[str]:
     inboxes: set[bytes] = client.smembers(worker_inboxes(stage.value))  # type: ignore[assignment]
     return [*(stage_stream(stage.value, p.value) for p in PRIORITY_ORDER),
             *sorted(i.decode() for i in inboxes)]
+
+
+def _text(entry_id: bytes | str | int) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)

@@ -1,0 +1,204 @@
+"""The denoise engine over the real stack: requests offered together share transformer
+forwards, and every one of them is bit-identical to the monolithic pipeline (CPU, float32, one
+thread per op), whether it joined first or mid-way, and whatever happened to the others
+(cancelled, or their worker killed)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from cachesvc.processes import ChildProcess
+from cachesvc.settings import Settings
+from cachesvc.waiting import wait_until
+from keys import GenerationSpec
+from keys.names import consumer_group, stage_stream
+from tests.test_preemption import decode_entries_for
+from tests.workers_harness import (
+    make_spec,
+    read_frames,
+    record_fields,
+    reference,
+    start_worker,
+    stop_owner_when,
+    wait_done,
+    wait_for,
+)
+from workers.engine.exact_rows import rows_apart
+from workers.families import qwen_image, wan
+from workers.families.base import CPU
+from workers.queue.engine_metrics import read_occupancy, read_rows
+from workers.queue.messages import Stage
+from workers.queue.records import Records
+from workers.queue.runtime import consumer_name
+from workers.queue.schema import State
+from workers.queue.submit import submit
+
+# Prompts of different lengths; the negative prompt is the same, so unconditional rows of
+# different requests share forwards while conditional ones group by length.
+PROMPTS = ["a fox", "a red fox in the snow", "a cat", "a small boat on a wide grey sea",
+           "a red fox in the rain"]
+
+
+@pytest.mark.parametrize("family", ["wan", "qwen-image"])
+def test_every_row_of_a_batched_forward_is_that_row_alone(
+        family: str, model_dir: Path, qwen_model_dir: Path) -> None:
+    """The measurement the engine rests on, for every row: other inputs, other timesteps."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model: Any
+        if family == "wan":
+            model = wan.WanDenoiser(model_dir, CPU)
+            text_dim = model.transformer.config.text_dim
+        else:
+            model = qwen_image.QwenDenoiser(qwen_model_dir, CPU)
+            text_dim = model.transformer.config.joint_attention_dim
+        spec = make_spec(width=32, height=32, num_frames=5)
+        g = torch.Generator().manual_seed(3)
+        shape = model.latent_shape(spec)
+        latents = torch.randn((6, *shape[1:]), generator=g)
+        embeds = torch.randn((6, 9, text_dim), generator=g)
+        steps = torch.rand(6, generator=g) * 1000
+        with rows_apart():
+            batched = model.predict(latents, steps, embeds, spec)
+        for i in range(6):
+            alone = model.predict(latents[i:i + 1], steps[i:i + 1], embeds[i:i + 1], spec)
+            assert torch.equal(batched[i:i + 1], alone), f"row {i}"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engine(worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChildProcess]:
+    """A denoise worker of this module's own (in the pool, so that other tests' ``only`` holds
+    it too); the others stand aside while a test here runs."""
+    child = start_worker(worker_settings, Stage.DENOISE, tmp_path_factory.mktemp("engine"),
+                         client, "engine-0")
+    pool[Stage.DENOISE].append(child)
+    yield child
+    pool[Stage.DENOISE].remove(child)
+    child.stop()
+
+
+@contextmanager
+def only(engine: ChildProcess, pool: dict[Stage, list[ChildProcess]],
+         client: redis.Redis, settings: Settings) -> Iterator[None]:
+    """Denoise jobs go to ``engine`` alone for the block (the others are held stopped, and the
+    block starts once their last reads have lapsed: Redis still hands entries to a blocked
+    read of a stopped process)."""
+    others = [c for c in pool[Stage.DENOISE] if c.alive() and c is not engine]
+    for child in others:
+        os.kill(child.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+    names = {consumer_name(c.pid) for c in others}
+    stream = stage_stream(Stage.DENOISE.value, "interactive")
+
+    def lapsed() -> bool:
+        consumers = client.xinfo_consumers(stream, consumer_group(Stage.DENOISE.value))
+        return all(int(c["idle"]) > settings.workers.block_ms for c in consumers
+                   if c["name"].decode() in names)
+
+    wait_until(lapsed, timeout_s=60, what="the stopped workers' reads lapsed")
+    try:
+        yield
+    finally:
+        for child in others:
+            os.kill(child.pid, signal.SIGCONT)  # type: ignore[arg-type]
+
+
+@contextmanager
+def held(worker: ChildProcess) -> Iterator[None]:
+    """``worker`` takes nothing while the block runs, then takes what waits all at once."""
+    os.kill(worker.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)  # type: ignore[arg-type]
+
+
+def offered_together(client: redis.Redis, engine: ChildProcess,
+                     specs: list[GenerationSpec]) -> None:
+    """Submit ``specs`` while ``engine`` is stopped, so that it reads them in one go."""
+    with held(engine):
+        for spec in specs:
+            submit(client, spec)
+        for spec in specs:
+            wait_for(client, spec, State.ENCODED)
+
+
+def batched_forwards(client: redis.Redis) -> int:
+    return sum(n for rows, n in read_rows(client).items() if rows > 1)
+
+
+@pytest.mark.slow
+def test_requests_offered_together_share_forwards_and_each_matches_the_pipeline(
+        worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
+        engine: ChildProcess, pipe: object) -> None:
+    specs = [make_spec(seed=1700 + i, prompt=p, negative_prompt="blurry",
+                       num_inference_steps=4 + 2 * (i % 3))
+             for i, p in enumerate(PROMPTS)]
+    before = batched_forwards(client)
+    with only(engine, pool, client, worker_settings):
+        offered_together(client, engine, specs)
+        wait_for(client, specs[0], State.DENOISING, min_step=2)
+        late = make_spec(seed=1799, prompt="a fox", negative_prompt="blurry",
+                         num_inference_steps=6)  # joins mid-way, at other steps than the rest
+        submit(client, late)
+        records = [wait_done(client, s) for s in [*specs, late]]
+    assert {r.fields["worker:denoise"] for r in records} == {records[0].fields["worker:denoise"]}
+    assert batched_forwards(client) > before
+    for record in records:
+        assert record.state is State.DONE
+        assert np.array_equal(read_frames(worker_settings, record), reference(pipe, record.spec))
+    assert any(o.worker == records[0].fields["worker:denoise"] for o in read_occupancy(client))
+
+
+@pytest.mark.slow
+def test_a_run_cancelled_mid_batch_leaves_the_others_unchanged(
+        worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
+        engine: ChildProcess, pipe: object) -> None:
+    specs = [make_spec(seed=1800 + i, prompt=p, negative_prompt="blurry",
+                       num_inference_steps=12) for i, p in enumerate(PROMPTS[:3])]
+    with only(engine, pool, client, worker_settings):
+        offered_together(client, engine, specs)
+        wait_for(client, specs[1], State.DENOISING, min_step=2)
+        assert Records(client).cancel(specs[1].tenant, specs[1].request_id)
+        records = [wait_done(client, s) for s in specs]
+    assert [r.state for r in records] == [State.DONE, State.CANCELLED, State.DONE]
+    for record in (records[0], records[2]):
+        assert np.array_equal(read_frames(worker_settings, record), reference(pipe, record.spec))
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_worker_holding_a_batch_finishes_every_request_once(
+        worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
+        pipe: object, tmp_path: Path) -> None:
+    victim = start_worker(worker_settings, Stage.DENOISE, tmp_path, client, "engine-victim")
+    specs = [make_spec(seed=1900 + i, prompt=PROMPTS[i % len(PROMPTS)],
+                       negative_prompt="blurry", num_inference_steps=40, width=64, height=64)
+             for i in range(worker_settings.workers.max_batch)]  # a full batch
+    with only(victim, pool, client, worker_settings):
+        offered_together(client, victim, specs)
+        # Stopped once every run of the batch is two steps in, killed there.
+        stop_owner_when(client, specs[-1], Stage.DENOISE, [victim], lambda _: all(
+            int(record_fields(client, s).get("step", 0)) >= 2 for s in specs))
+        for spec in specs:
+            fields = record_fields(client, spec)
+            assert fields["state"] == State.DENOISING.value, fields
+            assert fields["worker:denoise"] == record_fields(client, specs[0])["worker:denoise"]
+        victim.kill()
+    records = [wait_done(client, s) for s in specs]  # taken over by the pool's workers
+    for spec, record in zip(specs, records, strict=True):
+        assert record.state is State.DONE
+        assert decode_entries_for(client, spec) == 1  # published once
+        assert np.array_equal(read_frames(worker_settings, record), reference(pipe, spec))

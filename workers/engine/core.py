@@ -1,0 +1,163 @@
+"""The engine of one denoise worker, shaped like vLLM's ``EngineCore``: runs are added, a step
+advances every run that may move by one denoising step, and runs leave between steps.
+
+Each step is planned centrally: every run says which rows it needs (after its CFG cache
+lookups), rows of one geometry share a forward (at most ``max_batch`` rows and ``max_tokens``
+token-rows each; texts of different lengths are padded where the family allows it, else they
+group by length), and each run finishes its own step with its own scheduler.
+Runs at different steps share a forward: the timestep is per row. Family code stays behind
+``Denoiser.predict``; the engine knows tensors, not models.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.exact_rows import rows_apart
+from workers.engine.run import DenoiseRun
+from workers.families.base import Denoiser
+from workers.stages.guidance import Row
+from workers.stages.interrupt import BlockInterrupts, StepInterrupted
+
+# Where rows_apart's batched rows were measured bit-identical to the same rows alone.
+PROVEN_DEVICES = frozenset({"cpu"})
+# The rows of one forward: which run, which of its rows.
+Slot = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """One transformer call of a step: its rows, and the seconds it took."""
+
+    rows: int
+    seconds: float
+
+
+def _group_key(row: Row, pads_text: bool) -> tuple[object, ...]:
+    spec = row.spec
+    text = row.embeds.shape[2:] if pads_text else row.embeds.shape[1:]
+    return (tuple(row.latents.shape), tuple(text), row.latents.dtype,
+            spec.width, spec.height, spec.num_frames)
+
+
+class DenoiseEngine:
+    def __init__(self, model: Denoiser, max_batch: int, max_tokens: int,
+                 parallel: bool) -> None:
+        self.model = model
+        self.max_batch = max_batch
+        # Batched rows are proven bit-identical on CPU only (README "The denoise engine"); on
+        # another device the runs still step together, each row in a forward of its own, until
+        # a measurement there says otherwise, so no result is cached under a key it would not
+        # have computed alone.
+        self.max_rows = max_batch if model.device.type in PROVEN_DEVICES else 1
+        self.max_tokens = max_tokens
+        self.runs: list[DenoiseRun] = []
+        # Independent forwards of one step (a step's conditional and unconditional rows when
+        # their texts differ in length) run on two threads, each with this thread's intra-op
+        # count: a kernel splits work by its thread count, and results must not depend on it.
+        self._pool = (ThreadPoolExecutor(2, "forward", initializer=torch.set_num_threads,
+                                         initargs=(torch.get_num_threads(),))
+                      if parallel else None)
+        self._interrupts = BlockInterrupts(model.transformer)
+
+    # --- membership ----------------------------------------------------------------------
+
+    @property
+    def room(self) -> int:
+        return self.max_batch - len(self.runs)
+
+    def add(self, run: DenoiseRun) -> None:
+        self.runs.append(run)
+
+    def abort(self, run: DenoiseRun) -> None:
+        self.runs.remove(run)
+
+    def leaving(self) -> list[DenoiseRun]:
+        """The runs that finished or must stop, taken out of the engine."""
+        out = [r for r in self.runs if r.finished or r.wants_stop]
+        self.runs = [r for r in self.runs if r not in out]
+        return out
+
+    # --- a step --------------------------------------------------------------------------
+
+    def step(self) -> list[Forward]:
+        """Advance every run that holds its decode credit by one step; the forwards run.
+        A step that every one of its runs abandons (all asked to stop) changes none."""
+        active = [r for r in self.runs if r.has_credit and not r.finished]
+        if not active:
+            return []
+        plans = [run.plan() for run in active]
+        rows = {(i, j): row for i, plan in enumerate(plans) for j, row in enumerate(plan.rows)}
+        outputs: dict[Slot, torch.Tensor] = {}
+        seconds: dict[Slot, float] = {}
+        forwards: list[Forward] = []
+        try:
+            with self._interrupts.watching(lambda: all(r.wants_stop for r in active)):
+                for slots, out, took in self._run_forwards(rows):
+                    forwards.append(Forward(len(slots), took))
+                    for n, slot in enumerate(slots):
+                        outputs[slot] = out[n:n + 1]
+                        seconds[slot] = took / len(slots)
+        except StepInterrupted:
+            for run in active:
+                run.stopped_mid_step()
+            return forwards
+        for i, (run, plan) in enumerate(zip(active, plans, strict=True)):
+            run.advance(plan, [outputs[i, j] for j in range(len(plan.rows))],
+                        [seconds[i, j] for j in range(len(plan.rows))])
+        return forwards
+
+    def _run_forwards(self, rows: dict[Slot, Row]
+                      ) -> Iterator[tuple[list[Slot], torch.Tensor, float]]:
+        chunks = list(self._chunks(rows))
+        calls = [lambda c=c: self._forward([rows[s] for s in c]) for c in chunks]
+        if self._pool is None or len(calls) == 1:
+            results = [call() for call in calls]
+        else:
+            results = [f.result() for f in [self._pool.submit(call) for call in calls]]
+        for chunk, (out, took) in zip(chunks, results, strict=True):
+            yield chunk, out, took
+
+    def _chunks(self, rows: dict[Slot, Row]) -> Iterator[list[Slot]]:
+        """Rows that may share a forward, cut to the engine's bounds."""
+        groups: dict[tuple[object, ...], list[Slot]] = {}
+        for slot, row in rows.items():
+            groups.setdefault(_group_key(row, self.model.pads_text), []).append(slot)
+        for slots in groups.values():
+            first = rows[slots[0]]
+            text = max(rows[s].embeds.shape[1] for s in slots)
+            tokens = self.model.tokens(first.spec) + text
+            per_forward = max(1, min(self.max_rows, self.max_tokens // max(tokens, 1)))
+            for start in range(0, len(slots), per_forward):
+                yield slots[start:start + per_forward]
+
+    def _forward(self, rows: Sequence[Row]) -> tuple[torch.Tensor, float]:
+        start = time.perf_counter()
+        latents = torch.cat([r.latents for r in rows])
+        timesteps = torch.stack([r.timestep for r in rows])
+        embeds, mask = _padded([r.embeds for r in rows])
+        if len(rows) == 1:
+            out = self.model.predict(latents, timesteps, embeds, rows[0].spec)
+        else:
+            with rows_apart():
+                out = self.model.predict(latents, timesteps, embeds, rows[0].spec, mask)
+        return out, time.perf_counter() - start
+
+
+def _padded(texts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Texts (1, length, dim) as one batch, padded with zeros to the longest, and the mask of
+    their real positions; no mask when they are all one length."""
+    longest = max(t.shape[1] for t in texts)
+    if all(t.shape[1] == longest for t in texts):
+        return torch.cat(list(texts)), None
+    batch = texts[0].new_zeros((len(texts), longest, *texts[0].shape[2:]))
+    mask = torch.zeros((len(texts), longest), dtype=torch.bool, device=batch.device)
+    for i, t in enumerate(texts):
+        batch[i, :t.shape[1]] = t[0]
+        mask[i, :t.shape[1]] = True
+    return batch, mask

@@ -1,0 +1,184 @@
+"""The denoise worker's loop around its engine: between two steps, runs that finished or must
+stop leave (published or re-queued in one round trip), new jobs join while there is room, and
+waiting runs take their decode credits; then the engine takes one step for all.
+
+A job of another adapter set waits, claimed and leased, until the engine has emptied of the
+current set (which then takes no newcomers), so a forward only ever mixes rows of one set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import redis
+
+from cachesvc.settings import WorkerSettings
+from workers.engine.run import DenoiseRun
+from workers.queue.engine_metrics import EngineMetrics
+from workers.queue.messages import Job
+from workers.queue.runtime import JobContext, PreemptCheck, StageWorker
+from workers.queue.schema import PreemptMode
+from workers.queue.streams import Delivery
+from workers.stages.denoise import DenoiseHandler
+
+log = logging.getLogger(__name__)
+
+CREDIT_POLL_S = 0.05  # how long a worker whose every run waits for a decode credit sleeps
+
+
+class EngineWorker(StageWorker):
+    """The denoise worker: its jobs are runs of one engine."""
+
+    handler: DenoiseHandler
+
+    def __init__(self, handler: DenoiseHandler, client: redis.Redis, settings: WorkerSettings,
+                 preemption: Callable[[Job], PreemptCheck | None] | None = None,
+                 inbox: bool = False) -> None:
+        super().__init__(handler, client, settings, preemption=preemption, inbox=inbox)
+        self.engine = handler.engine
+        self.metrics = EngineMetrics(client, self.queue.consumer, self.engine.max_batch)
+        self.waiting: list[DenoiseRun] = []  # claimed, of another adapter set than the engine's
+        self._adapters: tuple[object, ...] | None = None  # the set the engine's runs use
+
+    def _loop(self, idle_ms: int) -> None:
+        try:
+            self._turns(idle_ms)
+        finally:
+            with contextlib.suppress(redis.RedisError):  # the entry only goes stale
+                self.metrics.close()
+
+    def _turns(self, idle_ms: int) -> None:
+        recovering = False
+        while not (self.stop.is_set() and not self._held()):
+            try:
+                self._leave()
+                if not self.stop.is_set():
+                    recovering = self._join(idle_ms, recovering)
+                self._take_in()
+                self._take_credits()
+                self._step()
+            except redis.RedisError as exc:
+                log.warning("Redis error in the denoise loop (%s); retrying", exc)
+                recovering = True
+                self.stop.wait(1.0)
+
+    def _held(self) -> list[DenoiseRun]:
+        return [*self.engine.runs, *self.waiting]
+
+    # --- between steps ---------------------------------------------------------------------
+
+    def _join(self, idle_ms: int, recovering: bool) -> bool:
+        """Read new jobs while there is room; block only when the engine holds nothing."""
+        room = self.engine.room - len(self.waiting)
+        if room <= 0:
+            return recovering
+        if recovering:
+            # What this worker held when Redis went away is still pending under its name.
+            in_hand = frozenset((r.delivery.stream, r.delivery.entry_id) for r in self._held())
+            deliveries = self.queue.own_pending(room, in_hand)
+            recovering = bool(deliveries)
+        else:
+            block = None if self._held() else self.settings.block_ms
+            deliveries = self.queue.next(block, idle_ms, room)
+        for job, delivery in self.claim(deliveries):
+            self._start(job, delivery)
+        return recovering
+
+    def _start(self, job: Job, delivery: Delivery) -> None:
+        ctx = self.context(job, delivery)
+        self.leases.acquire(delivery)
+        try:
+            run = self.through_outages(ctx, lambda: self.handler.start(ctx, delivery))
+        except Exception as exc:
+            self.leases.release(delivery)
+            self.failed(ctx, delivery, exc)
+            return
+        self.waiting.append(run)
+
+    def context(self, job: Job, delivery: Delivery) -> JobContext:
+        """A batch job makes way for interactive work only when the engine is full: with room,
+        the interactive job joins at the next step instead."""
+        check = self._preemption(job) if self._preemption is not None else None
+        full_check: PreemptCheck | None = None
+        if check is not None:
+            def full_check(check: PreemptCheck = check) -> PreemptMode | None:
+                return check() if self.engine.room <= 0 else None
+        return JobContext(self.records, job, delivery.attempt, full_check, self.stop)
+
+    def _take_in(self) -> None:
+        """Waiting runs of the engine's adapter set join it; once the engine is empty, the
+        oldest waiting run's set becomes the engine's."""
+        if not self.waiting:
+            return
+        if not self.engine.runs:
+            self._adapters = self.waiting[0].adapters
+        joining = [r for r in self.waiting if r.adapters == self._adapters]
+        if not joining:
+            return
+        try:
+            self.handler.use_adapters(joining[0])
+        except Exception as exc:
+            for run in joining:  # the set cannot be loaded: none of its runs can move
+                self.waiting.remove(run)
+                self._drop(run, exc)
+            return
+        for run in joining:
+            self.waiting.remove(run)
+            self.engine.add(run)
+
+    def _take_credits(self) -> None:
+        for run in self.engine.runs:
+            if not run.has_credit and not run.wants_stop:
+                self.handler.take_credit(run)
+
+    def _step(self) -> None:
+        if not any(r.has_credit for r in self.engine.runs):
+            if self.engine.runs:  # every run waits for a decode credit
+                self.stop.wait(CREDIT_POLL_S)
+            return
+        fresh = [r for r in self.engine.runs if r.first_step_at is None]
+        try:
+            forwards = self.engine.step()
+        except Exception as exc:
+            # Nothing of the step was applied; the runs stay unacknowledged and are
+            # redelivered after the idle timeout, from their latest checkpoints.
+            for run in list(self.engine.runs):
+                self.engine.abort(run)
+                self._drop(run, exc)
+            return
+        for run in self.engine.runs:
+            if run.has_credit:
+                self.handler.after_step(run)
+        now = time.time()
+        self.metrics.step([f.rows for f in forwards],
+                          [now - r.queued_at for r in fresh if r.first_step_at is not None],
+                          len(self.engine.runs))
+
+    def _leave(self) -> None:
+        """Runs that finished or must stop leave: published or re-queued together."""
+        leaving = self.engine.leaving()
+        stopped = [r for r in self.waiting if r.wants_stop]
+        self.waiting = [r for r in self.waiting if r not in stopped]
+        results, left = [], []
+        for run in [*leaving, *stopped]:
+            try:
+                outcome = (self.handler.finish(run) if run.finished
+                           else self.handler.stopped(run))
+            except Exception as exc:
+                self._drop(run, exc)
+                continue
+            seconds = time.monotonic() - run.joined_at
+            results.append(self.result(run.ctx, run.delivery, outcome, seconds))
+            left.append(run.delivery)
+        try:
+            self.settle(results)
+        finally:
+            self.leases.release(*left)
+
+    def _drop(self, run: DenoiseRun, exc: Exception) -> None:
+        self.leases.release(run.delivery)
+        self.failed(run.ctx, run.delivery, exc)
+

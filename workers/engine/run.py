@@ -1,0 +1,91 @@
+"""One request's trajectory in the engine: where it stands, and how a step of it is planned
+and finished around the forwards the engine runs for it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from keys import ChainLink, GenerationSpec, StoreKey
+from workers.queue.messages import RefName, Role
+from workers.queue.runtime import JobContext
+from workers.queue.schema import Field
+from workers.queue.scripts import RecordWrite
+from workers.queue.streams import Delivery
+from workers.stages.checkpoint import Checkpoint
+from workers.stages.guidance import Guidance, StepPlan
+
+# Each condition the job names: its store key (which keys the chain) and its tensor.
+Embeddings = dict[RefName, tuple[StoreKey, torch.Tensor]]
+
+
+@dataclass
+class DenoiseRun:
+    """A denoise job in hand: its context, its trajectory state and what the steps need."""
+
+    ctx: JobContext
+    delivery: Delivery
+    spec: GenerationSpec
+    embeds: Embeddings
+    links: list[ChainLink]
+    scheduler: Any
+    rng: torch.Generator
+    latents: torch.Tensor
+    step: int
+    compute_s: float
+    guidance: Guidance
+    saves: frozenset[int]
+    segments: list[int]
+    adapters: tuple[object, ...]  # the adapter set (LoraUse values) its forwards need
+    has_credit: bool = False
+    waited_for_credit: bool = False
+    joined_at: float = field(default_factory=time.monotonic)
+    first_step_at: float | None = None
+
+    @property
+    def queued_at(self) -> float:
+        """When the job was added to its stream (wall clock, from the entry id)."""
+        return int(self.delivery.entry_id.partition("-")[0]) / 1000
+
+    @property
+    def finished(self) -> bool:
+        return self.step >= self.spec.num_inference_steps
+
+    @property
+    def wants_stop(self) -> bool:
+        """Cancelled, fenced off, or asked to make way: it leaves at the next boundary."""
+        return self.ctx.should_stop or self.ctx.preempt is not None
+
+    def plan(self) -> StepPlan:
+        """The rows of the next step (after the CFG cache is asked)."""
+        spec, i = self.spec, self.step
+        segment = spec.schedule[self.segments[i]]
+        cond = self.embeds[RefName(Role.PROMPT, self.segments[i])][1]
+        negative = (self.embeds[RefName(Role.NEGATIVE, self.segments[i])]
+                    if spec.segment_uses_cfg(segment) else None)
+        return self.guidance.plan(i, self.latents, self.scheduler.timesteps[i], cond, negative,
+                                  spec.guidance_of(segment))
+
+    def advance(self, plan: StepPlan, outputs: list[torch.Tensor], seconds: list[float]) -> None:
+        """Finish the step ``plan`` began with its rows' outputs; report it."""
+        start = time.perf_counter()
+        prediction = self.guidance.finish(plan, outputs, seconds)
+        t = self.scheduler.timesteps[self.step]
+        self.latents = self.scheduler.step(prediction, t, self.latents, return_dict=False)[0]
+        self.compute_s += sum(seconds) + time.perf_counter() - start
+        self.step += 1
+        if self.first_step_at is None:
+            self.first_step_at = time.monotonic()
+        self.ctx.progress(RecordWrite({Field.STEP: self.step}))
+
+    def stopped_mid_step(self) -> None:
+        """The step was abandoned: nothing of it was applied, and the checkpoint is of the
+        last whole step."""
+        self.ctx.progress(RecordWrite({Field.STOPPED_MID_STEP: self.step}))
+
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint.capture(self.step, self.latents, self.scheduler, self.rng,
+                                  self.guidance.residual, self.compute_s)
