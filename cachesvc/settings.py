@@ -143,9 +143,9 @@ class WorkerSettings(_Section):
     encode_threads: int = Field(1, ge=0)
     denoise_threads: int = Field(1, ge=0)
     decode_threads: int = Field(1, ge=0)
-    cfg_parallel: bool = Field(True, description="run a step's independent forwards (the "
-                               "cond and uncond rows of texts of different lengths) on two "
-                               "threads")
+    cfg_parallel: bool = Field(True, description="run a step's independent forwards (rows "
+                               "the batch bounds split, or texts of different lengths where "
+                               "a family cannot pad them) on two threads")
     # The denoise engine (README "The denoise engine"): the most rows one transformer forward
     # takes, which is also the most runs a worker holds; on this CPU a batch of 8 costs about a
     # quarter per row of a lone forward, and 16 gains little more.

@@ -17,11 +17,13 @@ import pytest
 import redis
 import torch
 
+from bench.lora import random_lora
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
-from keys import GenerationSpec
+from keys import GenerationSpec, LoraUse
 from keys.names import consumer_group, stage_stream
+from tests.test_lora import TENANT, upload
 from tests.test_preemption import decode_entries_for
 from tests.workers_harness import (
     make_spec,
@@ -202,3 +204,26 @@ def test_kill_9_of_a_worker_holding_a_batch_finishes_every_request_once(
         assert record.state is State.DONE
         assert decode_entries_for(client, spec) == 1  # published once
         assert np.array_equal(read_frames(worker_settings, record), reference(pipe, spec))
+
+
+@pytest.mark.slow
+def test_runs_of_different_adapter_sets_never_share_a_forward(
+        worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
+        engine: ChildProcess, model_dir: Path, pipe: object) -> None:
+    """Offered together, runs with an adapter and runs without it each match their own
+    pipeline: a row of one set in a forward of the other would not."""
+    state = random_lora(model_dir, seed=5)
+    content_hash = upload(worker_settings, state)
+    adapted = [make_spec(tenant=TENANT, seed=2000 + i, prompt=PROMPTS[i],
+                         loras=(LoraUse(content_hash, 0.8),)) for i in range(2)]
+    plain = [make_spec(tenant=TENANT, seed=2010 + i, prompt=PROMPTS[i]) for i in range(2)]
+    specs = [adapted[0], plain[0], adapted[1], plain[1]]  # interleaved in the stream
+    with only(engine, pool, client, worker_settings):
+        offered_together(client, engine, specs)
+        records = [wait_done(client, s) for s in specs]
+    lora_pipe = wan.FAMILY.reference(model_dir, CPU)
+    lora_pipe.pipe.load_lora_weights(state, adapter_name="a")  # type: ignore[attr-defined]
+    lora_pipe.pipe.set_adapters(["a"], [0.8])  # type: ignore[attr-defined]
+    for record in records:
+        expected = reference(lora_pipe if record.spec.loras else pipe, record.spec)
+        assert np.array_equal(read_frames(worker_settings, record), expected)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import wait as wait_for_all
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,11 +32,13 @@ Slot = tuple[int, int]
 
 
 @dataclass(frozen=True, slots=True)
-class Forward:
-    """One transformer call of a step: its rows, and the seconds it took."""
+class StepResult:
+    """What a step did: the rows of each forward it ran, the runs it advanced, and the runs
+    whose own part of it (guidance, scheduler) raised, which must leave."""
 
-    rows: int
-    seconds: float
+    forwards: list[int] = field(default_factory=list)
+    advanced: list[DenoiseRun] = field(default_factory=list)
+    failed: list[tuple[DenoiseRun, Exception]] = field(default_factory=list)
 
 
 def _group_key(row: Row, pads_text: bool) -> tuple[object, ...]:
@@ -78,39 +81,48 @@ class DenoiseEngine:
         self.runs.remove(run)
 
     def leaving(self) -> list[DenoiseRun]:
-        """The runs that finished or must stop, taken out of the engine."""
-        out = [r for r in self.runs if r.finished or r.wants_stop]
+        """The runs that finished (and hold the decode credit their handoff needs) or must
+        stop, taken out of the engine."""
+        out = [r for r in self.runs if (r.finished and r.has_credit) or r.wants_stop]
         self.runs = [r for r in self.runs if r not in out]
         return out
 
     # --- a step --------------------------------------------------------------------------
 
-    def step(self) -> list[Forward]:
-        """Advance every run that holds its decode credit by one step; the forwards run.
-        A step that every one of its runs abandons (all asked to stop) changes none."""
-        active = [r for r in self.runs if r.has_credit and not r.finished]
+    def step(self, only: Sequence[DenoiseRun] | None = None) -> StepResult:
+        """Advance every run (of ``only``, if given) that holds its decode credit by one step.
+        If planning or a forward raises, nothing of the step was applied to any run; a step
+        that every one of its runs abandons (all asked to stop) changes none either."""
+        active = [r for r in (self.runs if only is None else only)
+                  if r.has_credit and not r.finished]
+        result = StepResult()
         if not active:
-            return []
+            return result
         plans = [run.plan() for run in active]
         rows = {(i, j): row for i, plan in enumerate(plans) for j, row in enumerate(plan.rows)}
         outputs: dict[Slot, torch.Tensor] = {}
         seconds: dict[Slot, float] = {}
-        forwards: list[Forward] = []
         try:
             with self._interrupts.watching(lambda: all(r.wants_stop for r in active)):
                 for slots, out, took in self._run_forwards(rows):
-                    forwards.append(Forward(len(slots), took))
+                    result.forwards.append(len(slots))
                     for n, slot in enumerate(slots):
                         outputs[slot] = out[n:n + 1]
                         seconds[slot] = took / len(slots)
         except StepInterrupted:
             for run in active:
                 run.stopped_mid_step()
-            return forwards
+            return result
         for i, (run, plan) in enumerate(zip(active, plans, strict=True)):
-            run.advance(plan, [outputs[i, j] for j in range(len(plan.rows))],
-                        [seconds[i, j] for j in range(len(plan.rows))])
-        return forwards
+            n = len(plan.rows)
+            try:
+                run.advance(plan, [outputs[i, j] for j in range(n)],
+                            [seconds[i, j] for j in range(n)])
+            except Exception as exc:  # its scheduler may be half-stepped: it must leave
+                result.failed.append((run, exc))
+                continue
+            result.advanced.append(run)
+        return result
 
     def _run_forwards(self, rows: dict[Slot, Row]
                       ) -> Iterator[tuple[list[Slot], torch.Tensor, float]]:
@@ -119,7 +131,9 @@ class DenoiseEngine:
         if self._pool is None or len(calls) == 1:
             results = [call() for call in calls]
         else:
-            results = [f.result() for f in [self._pool.submit(call) for call in calls]]
+            futures = [self._pool.submit(call) for call in calls]
+            wait_for_all(futures)  # none outlives the step, even when one raises
+            results = [f.result() for f in futures]
         for chunk, (out, took) in zip(chunks, results, strict=True):
             yield chunk, out, took
 

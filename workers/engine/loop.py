@@ -1,26 +1,37 @@
 """The denoise worker's loop around its engine: between two steps, runs that finished or must
-stop leave (published or re-queued in one round trip), new jobs join while there is room, and
-waiting runs take their decode credits; then the engine takes one step for all.
+stop leave (the finished ones published in one round trip), new jobs join while there is room,
+and waiting runs take their decode credits; then the engine takes one step for all.
 
 A job of another adapter set waits, claimed and leased, until the engine has emptied of the
-current set (which then takes no newcomers), so a forward only ever mixes rows of one set.
+current set (which then takes no newcomers), so a forward only ever holds rows of one set.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
 
 import redis
 
+from cachesvc.errors import StoreFullError, StoreUnavailableError
 from cachesvc.settings import WorkerSettings
-from workers.engine.run import DenoiseRun
+from workers.engine.core import StepResult
+from workers.engine.run import AdapterSet, DenoiseRun
 from workers.queue.engine_metrics import EngineMetrics
 from workers.queue.messages import Job
-from workers.queue.runtime import JobContext, PreemptCheck, StageWorker
-from workers.queue.schema import PreemptMode
+from workers.queue.runtime import (
+    OUTAGE_FIRST_RETRY_S,
+    OUTAGE_MAX_RETRY_S,
+    JobContext,
+    Outcome,
+    PreemptCheck,
+    StageWorker,
+)
+from workers.queue.schema import Field, PreemptMode
+from workers.queue.scripts import RecordWrite
 from workers.queue.streams import Delivery
 from workers.stages.denoise import DenoiseHandler
 
@@ -41,7 +52,9 @@ class EngineWorker(StageWorker):
         self.engine = handler.engine
         self.metrics = EngineMetrics(client, self.queue.consumer, self.engine.max_batch)
         self.waiting: list[DenoiseRun] = []  # claimed, of another adapter set than the engine's
-        self._adapters: tuple[object, ...] | None = None  # the set the engine's runs use
+        self._adapters: AdapterSet | None = None  # the set the engine's runs use
+        self._outage_since: float | None = None  # when the store went away mid-step
+        self._outage_delay = OUTAGE_FIRST_RETRY_S
 
     def _loop(self, idle_ms: int) -> None:
         try:
@@ -64,15 +77,21 @@ class EngineWorker(StageWorker):
                 log.warning("Redis error in the denoise loop (%s); retrying", exc)
                 recovering = True
                 self.stop.wait(1.0)
+                with contextlib.suppress(redis.RedisError):  # logged above; retried next turn
+                    self.queue.ensure_group()
 
     def _held(self) -> list[DenoiseRun]:
         return [*self.engine.runs, *self.waiting]
+
+    def _room(self) -> int:
+        """Jobs this worker may still take: the engine's room less the runs waiting to join."""
+        return self.engine.room - len(self.waiting)
 
     # --- between steps ---------------------------------------------------------------------
 
     def _join(self, idle_ms: int, recovering: bool) -> bool:
         """Read new jobs while there is room; block only when the engine holds nothing."""
-        room = self.engine.room - len(self.waiting)
+        room = self._room()
         if room <= 0:
             return recovering
         if recovering:
@@ -83,19 +102,23 @@ class EngineWorker(StageWorker):
         else:
             block = None if self._held() else self.settings.block_ms
             deliveries = self.queue.next(block, idle_ms, room)
-        for job, delivery in self.claim(deliveries):
+        owned = self.claim(deliveries)
+        # Leased at once: the later ones of a read wait while the first start.
+        self.leases.acquire(*(d for _, d in owned))
+        for job, delivery in owned:
             self._start(job, delivery)
         return recovering
 
     def _start(self, job: Job, delivery: Delivery) -> None:
         ctx = self.context(job, delivery)
-        self.leases.acquire(delivery)
+        begun = time.monotonic()
         try:
             run = self.through_outages(ctx, lambda: self.handler.start(ctx, delivery))
         except Exception as exc:
             self.leases.release(delivery)
             self.failed(ctx, delivery, exc)
             return
+        run.joined_at = begun  # the stage's seconds count the start too
         self.waiting.append(run)
 
     def context(self, job: Job, delivery: Delivery) -> JobContext:
@@ -105,21 +128,23 @@ class EngineWorker(StageWorker):
         full_check: PreemptCheck | None = None
         if check is not None:
             def full_check(check: PreemptCheck = check) -> PreemptMode | None:
-                return check() if self.engine.room <= 0 else None
+                return check() if self._room() <= 0 else None
         return JobContext(self.records, job, delivery.attempt, full_check, self.stop)
 
     def _take_in(self) -> None:
-        """Waiting runs of the engine's adapter set join it; once the engine is empty, the
-        oldest waiting run's set becomes the engine's."""
+        """Waiting runs of the engine's adapter set join it, unless a run of another set
+        waits: then the engine drains, and once it is empty the oldest waiting run's set
+        becomes the engine's, so no set waits for ever behind a steady stream of another."""
         if not self.waiting:
+            return
+        if self.engine.runs and any(r.adapters != self._adapters for r in self.waiting):
             return
         if not self.engine.runs:
             self._adapters = self.waiting[0].adapters
         joining = [r for r in self.waiting if r.adapters == self._adapters]
-        if not joining:
-            return
+        first = joining[0]
         try:
-            self.handler.use_adapters(joining[0])
+            self.through_outages(first.ctx, lambda: self.handler.use_adapters(first))
         except Exception as exc:
             for run in joining:  # the set cannot be loaded: none of its runs can move
                 self.waiting.remove(run)
@@ -141,21 +166,58 @@ class EngineWorker(StageWorker):
             return
         fresh = [r for r in self.engine.runs if r.first_step_at is None]
         try:
-            forwards = self.engine.step()
-        except Exception as exc:
-            # Nothing of the step was applied; the runs stay unacknowledged and are
-            # redelivered after the idle timeout, from their latest checkpoints.
+            result = self.engine.step()
+        except (StoreUnavailableError, StoreFullError) as away:
+            self._outage(away)  # nothing of the step was applied: it is taken again
+            return
+        except Exception:
+            log.warning("a batched step failed; each run steps alone to find which",
+                        exc_info=True)
+            result = self._step_alone()
+        self._outage_since = None
+        for run, error in result.failed:
+            self.engine.abort(run)
+            self._drop(run, error)
+        for run in result.advanced:
+            self.handler.after_step(run)
+        now = time.time()
+        self.metrics.step(result.forwards,
+                          [now - r.queued_at for r in fresh if r.first_step_at is not None],
+                          len(self.engine.runs))
+
+    def _step_alone(self) -> StepResult:
+        """Each run's step on its own, after a batched one raised: only a run whose own step
+        raises leaves (unacknowledged, redelivered from its checkpoint)."""
+        merged = StepResult()
+        for run in list(self.engine.runs):
+            try:
+                alone = self.engine.step([run])
+            except Exception as exc:
+                merged.failed.append((run, exc))
+                continue
+            merged.forwards.extend(alone.forwards)
+            merged.advanced.extend(alone.advanced)
+            merged.failed.extend(alone.failed)
+        return merged
+
+    def _outage(self, exc: Exception) -> None:
+        """The store is away mid-step: wait with back-off and take the step again, until
+        ``outage_budget_s`` has passed; then the runs leave unacknowledged."""
+        now = time.monotonic()
+        if self._outage_since is None:
+            self._outage_since, self._outage_delay = now, OUTAGE_FIRST_RETRY_S
+        if now - self._outage_since + self._outage_delay > self.settings.outage_budget_s:
+            self._outage_since = None
             for run in list(self.engine.runs):
                 self.engine.abort(run)
                 self._drop(run, exc)
             return
+        log.warning("store unavailable mid-step (%s); retrying in %.1f s", exc,
+                    self._outage_delay)
         for run in self.engine.runs:
-            if run.has_credit:
-                self.handler.after_step(run)
-        now = time.time()
-        self.metrics.step([f.rows for f in forwards],
-                          [now - r.queued_at for r in fresh if r.first_step_at is not None],
-                          len(self.engine.runs))
+            run.ctx.progress(RecordWrite({Field.WAITING: f"store: {exc}"}))
+        self.stop.wait(self._outage_delay)
+        self._outage_delay = min(self._outage_delay * 2, OUTAGE_MAX_RETRY_S)
 
     def _leave(self) -> None:
         """Runs that finished or must stop leave: published or re-queued together."""
@@ -165,8 +227,7 @@ class EngineWorker(StageWorker):
         results, left = [], []
         for run in [*leaving, *stopped]:
             try:
-                outcome = (self.handler.finish(run) if run.finished
-                           else self.handler.stopped(run))
+                outcome = self.through_outages(run.ctx, functools.partial(self._outcome, run))
             except Exception as exc:
                 self._drop(run, exc)
                 continue
@@ -177,6 +238,9 @@ class EngineWorker(StageWorker):
             self.settle(results)
         finally:
             self.leases.release(*left)
+
+    def _outcome(self, run: DenoiseRun) -> Outcome:
+        return self.handler.finish(run) if run.finished else self.handler.stopped(run)
 
     def _drop(self, run: DenoiseRun, exc: Exception) -> None:
         self.leases.release(run.delivery)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from keys import ChainLink, GenerationSpec, StoreKey
+from keys import ChainLink, GenerationSpec, LoraUse, StoreKey
 from workers.queue.messages import RefName, Role
 from workers.queue.runtime import JobContext
 from workers.queue.schema import Field
@@ -20,6 +20,8 @@ from workers.stages.guidance import Guidance, StepPlan
 
 # Each condition the job names: its store key (which keys the chain) and its tensor.
 Embeddings = dict[RefName, tuple[StoreKey, torch.Tensor]]
+# The adapters a run's forwards need, with the tenant they are loaded for; () for none.
+AdapterSet = tuple[str, tuple[LoraUse, ...]] | tuple[()]
 
 
 @dataclass
@@ -39,7 +41,7 @@ class DenoiseRun:
     guidance: Guidance
     saves: frozenset[int]
     segments: list[int]
-    adapters: tuple[object, ...]  # the adapter set (LoraUse values) its forwards need
+    adapters: AdapterSet
     has_credit: bool = False
     waited_for_credit: bool = False
     joined_at: float = field(default_factory=time.monotonic)

@@ -25,7 +25,7 @@ from cachesvc.settings import WorkerSettings
 from cachesvc.tensor_cache import TensorCache
 from keys import ChainLink, GenerationSpec, KeyKind, StoreKey, adapted, latents_key
 from workers.engine.core import DenoiseEngine
-from workers.engine.run import DenoiseRun, Embeddings
+from workers.engine.run import AdapterSet, DenoiseRun, Embeddings
 from workers.families.base import Denoiser
 from workers.queue.credits import Credits
 from workers.queue.messages import LATENTS, Job, Stage, TensorRef
@@ -76,7 +76,7 @@ class DenoiseHandler:
         found, lookups = self._latest_checkpoint(ctx, links)
         ctx.progress(lookups)
         saves = frozenset(checkpoint_steps(spec, self.settings.checkpoint_every))
-        adapters = (spec.tenant, *spec.loras) if spec.loras else ()
+        adapters: AdapterSet = (spec.tenant, tuple(spec.loras)) if spec.loras else ()
         if found is None:
             latents, rng = self.model.initial_latents(spec)
             run = DenoiseRun(ctx, delivery, spec, embeds, links, scheduler, rng, latents, 0,
@@ -101,8 +101,8 @@ class DenoiseHandler:
         adapter set in the engine."""
         self.adapters.apply(run.spec.tenant, run.spec.loras)
 
-    def take_credit(self, run: DenoiseRun) -> bool:
-        """A decode credit for ``run``, without waiting: the engine asks again next step."""
+    def take_credit(self, run: DenoiseRun) -> None:
+        """A decode credit for ``run``, without waiting: the engine asks again next turn."""
         job = run.ctx.job
         if self.credits.acquire(job.tenant, job.request_id, int(time.time() * 1000)):
             if run.waited_for_credit:
@@ -111,7 +111,6 @@ class DenoiseHandler:
         elif not run.waited_for_credit:
             run.ctx.progress(RecordWrite({Field.WAITING: "decode credit"}))
             run.waited_for_credit = True
-        return run.has_credit
 
     def after_step(self, run: DenoiseRun) -> None:
         """Checkpoint ``run`` if the step it just took is one of its saves."""

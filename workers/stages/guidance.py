@@ -59,7 +59,6 @@ class Row:
 class StepPlan:
     """What one guided step needs, and what it already has."""
 
-    step: int
     scale: float
     rows: list[Row]  # the conditional row first, then the unconditional one if it must run
     guided: bool
@@ -91,10 +90,10 @@ class Guidance:
         """The rows step ``step`` must compute; ``negative`` is None for steps without CFG."""
         rows = [Row(latents, t, cond, self.spec)]
         if negative is None:
-            return StepPlan(step, scale, rows, guided=False)
+            return StepPlan(scale, rows, guided=False)
         if self.residual is not None and not self.spec.cfg_cache.fresh_at(step):
-            return StepPlan(step, scale, rows, guided=True, uncond_skipped=True)
-        plan = StepPlan(step, scale, rows, guided=True)
+            return StepPlan(scale, rows, guided=True, uncond_skipped=True)
+        plan = StepPlan(scale, rows, guided=True)
         if self.lookup:
             # The exact bytes, whatever the device and dtype (bfloat16 has no numpy type).
             raw = latents.detach().to("cpu").contiguous().view(torch.uint8).numpy()
