@@ -189,16 +189,20 @@ def test_kill_9_of_a_worker_holding_a_batch_finishes_every_request_once(
     specs = [make_spec(seed=1900 + i, prompt=PROMPTS[i % len(PROMPTS)],
                        negative_prompt="blurry", num_inference_steps=40, width=64, height=64)
              for i in range(worker_settings.workers.max_batch)]  # a full batch
-    with only(victim, pool, client, worker_settings):
-        offered_together(client, victim, specs)
-        # Stopped once every run of the batch is two steps in, killed there.
-        stop_owner_when(client, specs[-1], Stage.DENOISE, [victim], lambda _: all(
-            int(record_fields(client, s).get("step", 0)) >= 2 for s in specs))
-        for spec in specs:
-            fields = record_fields(client, spec)
-            assert fields["state"] == State.DENOISING.value, fields
-            assert fields["worker:denoise"] == record_fields(client, specs[0])["worker:denoise"]
-        victim.kill()
+    try:
+        with only(victim, pool, client, worker_settings):
+            offered_together(client, victim, specs)
+            # Stopped once every run of the batch is two steps in, killed there.
+            stop_owner_when(client, specs[-1], Stage.DENOISE, [victim], lambda _: all(
+                int(record_fields(client, s).get("step", 0)) >= 2 for s in specs))
+            for spec in specs:
+                fields = record_fields(client, spec)
+                assert fields["state"] == State.DENOISING.value, fields
+                assert (fields["worker:denoise"]
+                        == record_fields(client, specs[0])["worker:denoise"])
+            victim.kill()
+    finally:
+        victim.kill()  # also when an assertion failed while it was stopped
     records = [wait_done(client, s) for s in specs]  # taken over by the pool's workers
     for spec, record in zip(specs, records, strict=True):
         assert record.state is State.DONE
