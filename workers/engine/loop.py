@@ -30,7 +30,7 @@ from workers.queue.runtime import (
     PreemptCheck,
     StageWorker,
 )
-from workers.queue.schema import Field, PreemptMode
+from workers.queue.schema import Field
 from workers.queue.scripts import RecordWrite
 from workers.queue.streams import Delivery
 from workers.stages.denoise import DenoiseHandler
@@ -38,6 +38,7 @@ from workers.stages.denoise import DenoiseHandler
 log = logging.getLogger(__name__)
 
 CREDIT_POLL_S = 0.05  # how long a worker whose every run waits for a decode credit sleeps
+POLL_S = 0.2  # how often a run that reports nothing asks whether it was cancelled or preempted
 
 
 class EngineWorker(StageWorker):
@@ -55,6 +56,7 @@ class EngineWorker(StageWorker):
         self._adapters: AdapterSet | None = None  # the set the engine's runs use
         self._outage_since: float | None = None  # when the store went away mid-step
         self._outage_delay = OUTAGE_FIRST_RETRY_S
+        self._next_preempt_check = 0.0
 
     def _loop(self, idle_ms: int) -> None:
         try:
@@ -73,6 +75,7 @@ class EngineWorker(StageWorker):
                 self._take_in()
                 self._take_credits()
                 self._step()
+                self._report()
             except redis.RedisError as exc:
                 log.warning("Redis error in the denoise loop (%s); retrying", exc)
                 recovering = True
@@ -122,14 +125,35 @@ class EngineWorker(StageWorker):
         self.waiting.append(run)
 
     def context(self, job: Job, delivery: Delivery) -> JobContext:
-        """A batch job makes way for interactive work only when the engine is full: with room,
-        the interactive job joins at the next step instead."""
+        """A deferred context: the loop writes every run's progress in one round trip."""
         check = self._preemption(job) if self._preemption is not None else None
-        full_check: PreemptCheck | None = None
-        if check is not None:
-            def full_check(check: PreemptCheck = check) -> PreemptMode | None:
-                return check() if self._room() <= 0 else None
-        return JobContext(self.records, job, delivery.attempt, full_check, self.stop)
+        return JobContext(self.records, job, delivery.attempt, check, self.stop, deferred=True)
+
+    def _report(self) -> None:
+        """Every run's progress since the last turn, in one round trip; a run that reported
+        nothing is asked about every ``POLL_S`` all the same, so it learns of a cancel or a
+        preemption while it waits. Then, when the engine is full, one batch run is asked
+        whether it should make way for waiting interactive work (with room, that work joins
+        at the next step instead)."""
+        now = time.monotonic()
+        writes = [(run, fields) for run in self._held()
+                  if (fields := run.ctx.take()).set or fields.add
+                  or now - run.ctx.heard_at >= POLL_S]
+        if writes:
+            try:
+                answers = self.records.update_many(
+                    [(run.ctx.job, run.ctx.attempt, fields) for run, fields in writes])
+            except redis.RedisError:
+                for run, fields in writes:
+                    run.ctx.give_back(fields)
+                raise
+            for (run, _), progress in zip(writes, answers, strict=True):
+                run.ctx.learn(progress)
+        if self._room() <= 0 and now >= self._next_preempt_check:
+            self._next_preempt_check = now + POLL_S
+            candidates = [r for r in self.engine.runs if r.ctx.preemptible]
+            if candidates:  # the one that joined last has the least to lose
+                candidates[-1].ctx.ask_preempt()
 
     def _take_in(self) -> None:
         """Waiting runs of the engine's adapter set join it, unless a run of another set

@@ -93,12 +93,12 @@ class Records:
 
     def update(self, job: Job, attempt: int, fields: RecordWrite) -> Progress:
         """Write progress if ``attempt`` still owns the request."""
-        code, state, preempt = (v.decode() if isinstance(v, bytes) else v for v in self.scripts.run(
-            UpdateArgs(request_record(job.tenant, job.request_id), job.stage.value,
-                       job.fence_token(attempt), timestamp(), fields)))
-        if Result(int(code)) is Result.STALE:
-            return Progress(None, None)
-        return Progress(State(state), PreemptMode(preempt) if preempt else None)
+        return _progress(self.scripts.run(_update_args(job, attempt, fields)))
+
+    def update_many(self, writes: Sequence[tuple[Job, int, RecordWrite]]) -> list[Progress]:
+        """``update`` for several jobs in one round trip, each fenced on its own."""
+        return [_progress(answer) for answer in
+                self.scripts.answers([_update_args(*write) for write in writes])]
 
     def publish_many(self, results: Sequence[StageResult]) -> list[Result]:
         """Atomically per job: hand on the next job, record the state and latency, ack.
@@ -133,3 +133,15 @@ class Records:
         after DONE."""
         return self.scripts.result(CancelArgs(request_record(tenant, request_id),
                                               timestamp())) is Result.OK
+
+
+def _update_args(job: Job, attempt: int, fields: RecordWrite) -> UpdateArgs:
+    return UpdateArgs(request_record(job.tenant, job.request_id), job.stage.value,
+                      job.fence_token(attempt), timestamp(), fields)
+
+
+def _progress(answer: Sequence[bytes | str | int]) -> Progress:
+    code, state, preempt = (v.decode() if isinstance(v, bytes) else v for v in answer)
+    if Result(int(code)) is Result.STALE:
+        return Progress(None, None)
+    return Progress(State(str(state)), PreemptMode(str(preempt)) if preempt else None)

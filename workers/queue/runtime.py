@@ -26,7 +26,7 @@ from workers.queue.affinity import AdapterRouter
 from workers.queue.heartbeats import Heartbeat
 from workers.queue.lifecycle import Lifecycle
 from workers.queue.messages import Job, Stage
-from workers.queue.records import Records, StageResult
+from workers.queue.records import Progress, Records, StageResult
 from workers.queue.schema import Field, PreemptMode, StageField, State
 from workers.queue.scripts import RecordWrite, Result
 from workers.queue.streams import Delivery, LeaseKeeper, StageQueue
@@ -80,12 +80,14 @@ class JobContext:
     request to preempt.
 
     Progress is written by a background thread, so a compute loop that reports every step
-    never waits on Redis; the same thread polls for cancellation and preemption.
+    never waits on Redis; the same thread polls for cancellation and preemption. A context
+    made ``deferred`` has no thread: its owner takes what it gathered (``take``) and writes
+    it with others in one round trip, then hands back what the write learnt (``learn``).
     """
 
     def __init__(self, records: Records, job: Job, attempt: int,
                  preempt_check: PreemptCheck | None = None,
-                 stopping: threading.Event | None = None) -> None:
+                 stopping: threading.Event | None = None, deferred: bool = False) -> None:
         self.job = job
         self.attempt = attempt
         self._records = records
@@ -98,7 +100,9 @@ class JobContext:
         # whole), not Events, since every delivery makes a context and most report nothing.
         self.cancelled = False
         self.stale = False  # a newer attempt owns the request
+        self.heard_at = time.monotonic()  # when a write last told us the request's state
         # Made by the first progress report: a stage that reports nothing costs nothing.
+        self._deferred = deferred
         self._wake: threading.Event | None = None
         self._done = False
         self._thread: threading.Thread | None = None
@@ -111,6 +115,11 @@ class JobContext:
             return PreemptMode.REQUEUE
         return self._asked
 
+    @property
+    def preemptible(self) -> bool:
+        """Whether this job may yet be asked to make way for waiting interactive work."""
+        return self._asked is None and self._preempt_check is not None
+
     def spec(self) -> GenerationSpec:
         """The request this job belongs to, from its record."""
         record = self._records.get(self.job.tenant, self.job.request_id)
@@ -121,6 +130,8 @@ class JobContext:
     def progress(self, fields: RecordWrite) -> None:
         with self._lock:
             self._pending |= fields
+            if self._deferred:
+                return
             if self._wake is None:
                 self._wake = threading.Event()
                 self._thread = threading.Thread(target=self._run, args=(self._wake,),
@@ -129,24 +140,44 @@ class JobContext:
             wake = self._wake
         wake.set()
 
-    def _flush(self) -> None:
+    def take(self) -> RecordWrite:
+        """What was reported since the last write (deferred contexts)."""
         with self._lock:
             fields, self._pending = self._pending, RecordWrite()
-        try:
-            progress = self._records.update(self.job, self.attempt, fields)
-            if self._asked is None and progress.preempt is None and self._preempt_check:
-                self._asked = self._preempt_check()
-        except redis.RedisError:
-            log.warning("progress of %s not written", self.job.request_id, exc_info=True)
-            with self._lock:
-                self._pending = fields | self._pending
-            return
+        return fields
+
+    def give_back(self, fields: RecordWrite) -> None:
+        """``fields`` were not written after all: they go out with the next write."""
+        with self._lock:
+            self._pending = fields | self._pending
+
+    def ask_preempt(self) -> None:
+        """Run the preemption check now (the owner of a deferred context decides when)."""
+        if self.preemptible:
+            assert self._preempt_check is not None
+            self._asked = self._preempt_check()
+
+    def learn(self, progress: Progress) -> None:
+        """What a write of this job's progress answered."""
+        self.heard_at = time.monotonic()
         if progress.state is None:
             self.stale = True
         elif progress.state is State.CANCELLED:
             self.cancelled = True
         if progress.preempt is not None:
             self._asked = progress.preempt
+
+    def _flush(self) -> None:
+        fields = self.take()
+        try:
+            progress = self._records.update(self.job, self.attempt, fields)
+            if progress.preempt is None and not self._deferred:
+                self.ask_preempt()
+        except redis.RedisError:
+            log.warning("progress of %s not written", self.job.request_id, exc_info=True)
+            self.give_back(fields)
+            return
+        self.learn(progress)
 
     def _run(self, wake: threading.Event) -> None:
         while not self._done:

@@ -335,6 +335,10 @@ class Scripts:
     def results(self, many: Sequence[ScriptArgs]) -> list[Result]:
         """Run several scripts in one round trip, those of one script in one command (the
         ``batch`` function), in order; each call is atomic on its own."""
+        return [Result(int(code)) for code in self.answers(many)]
+
+    def answers(self, many: Sequence[ScriptArgs]) -> list[Any]:
+        """``results``, with each call's answer as the script returned it."""
         if not many:
             return []
         kinds = list(dict.fromkeys(type(a) for a in many))
@@ -342,16 +346,16 @@ class Scripts:
             for cls in kinds:
                 self._batch([a for a in many if type(a) is cls], pipe)
 
-        answers = execute(self.redis, queue)
-        for answer in answers:
+        replies = execute(self.redis, queue)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        by_kind = {cls: iter(answers) for cls, answers in zip(kinds, replies, strict=True)}
+        answers = [next(by_kind[type(a)]) for a in many]
+        for answer in answers:  # every call ran; the first that failed is reported
             if isinstance(answer, Exception):
                 raise answer
-        by_kind = {cls: iter(codes) for cls, codes in zip(kinds, answers, strict=True)}
-        codes = [next(by_kind[type(a)]) for a in many]
-        for code in codes:  # every call ran; the first that failed is reported
-            if isinstance(code, Exception):
-                raise code
-        return [Result(int(code)) for code in codes]
+        return answers
 
     def _batch(self, calls: Sequence[ScriptArgs], pipe: Pipeline) -> None:
         keys = [a.keys() for a in calls]
