@@ -48,7 +48,7 @@ class TrainPlan:
     vae_batch: int = 16
     vae_lr: float = 2e-3
     kl_weight: float = 1e-6
-    dit_steps: int = 3300
+    dit_steps: int = 6600
     dit_batch: int = 64
     dit_lr: float = 1e-3
     uncond_share: float = 0.1  # captions replaced by "" (the default negative prompt)
