@@ -153,6 +153,13 @@ def request_record(tenant: str, request_id: str) -> str:
     return f"{KEY_VERSION}:{check_tenant(tenant)}:req:{request_id}"
 
 
+def request_record_lua() -> str:
+    """``request_record`` as a Lua function of (tenant, request_id), for the queue script that
+    reads a job and claims its record in one call (``workers/queue/lua/take.lua``); the job was
+    written by a script from a checked tenant. ``tests/test_scripts.py`` checks the two agree."""
+    return f'function(tenant, id) return "{KEY_VERSION}:" .. tenant .. ":req:" .. id end'
+
+
 def request_index(tenant: str) -> str:
     """Sorted set: request ids of ``tenant`` scored by submission time in unix ms."""
     return f"{KEY_VERSION}:{check_tenant(tenant)}:requests"

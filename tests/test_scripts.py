@@ -14,8 +14,8 @@ import redis
 from keys import GenerationSpec, OutputFormat
 from keys.names import request_record
 from workers.queue import script_args
-from workers.queue.records import Records, initial_fields, timestamp
-from workers.queue.schema import TERMINAL, TRANSITIONS, Field, State
+from workers.queue.records import Records, initial_fields
+from workers.queue.schema import TERMINAL, TRANSITIONS, Field, State, timestamp
 from workers.queue.script_args import CancelArgs, ClaimArgs
 from workers.queue.scripts import RecordWrite, Result, ScriptArgs, Scripts, slot_comment
 

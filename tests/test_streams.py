@@ -6,12 +6,16 @@ import pytest
 import redis
 
 from cachesvc.settings import Settings
-from keys import Priority
+from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import request_record, stage_stream
 from tests.redis_databases import STREAMS, emptied, on_database
 from workers.queue.credits import Credits
 from workers.queue.messages import Job, Stage
+from workers.queue.records import Records
+from workers.queue.schema import StageField, State
+from workers.queue.scripts import RecordWrite, Result
 from workers.queue.streams import StageQueue
+from workers.queue.submit import submit
 
 
 @pytest.fixture
@@ -44,3 +48,42 @@ def test_credits_bound_trajectories_and_abandoned_ones_give_theirs_back(
     assert credits.acquire("acme", "b", 4)
     credits.release("acme", "b")
     assert credits.holders() == 0
+
+
+def test_a_read_with_a_claim_fences_each_job_as_it_takes_it(quiet: redis.Redis) -> None:
+    """The fused read (lua/take.lua) claims exactly what a read then a claim would: the
+    record built in Lua is request_record's, first in class order, a job it cannot read left
+    unclaimed, a record that is gone answered MISSING, and a stale token refused."""
+    records = Records(quiet)
+    queue = StageQueue(quiet, Stage.ENCODE, "tester")
+    queue.ensure_group()
+    claim = RecordWrite({StageField.WORKER.of(Stage.ENCODE): "tester"})
+    for n, priority in enumerate([Priority.BATCH, Priority.INTERACTIVE, Priority.INTERACTIVE]):
+        spec = GenerationSpec.create(
+            request_id=f"take-{n}", tenant="acme", prompt="p", width=16, height=16,
+            num_frames=1, num_inference_steps=1, guidance_scale=1.0, seed=0,
+            output_format=OutputFormat.NPY, priority=priority)
+        submit(quiet, spec)
+    quiet.delete(request_record("acme", "take-2"))  # its record expired meanwhile
+    stream = stage_stream(Stage.ENCODE.value, Priority.INTERACTIVE.value)
+    quiet.xadd(stream, {"job": "not json"})
+    taken = queue.next(block_ms=None, idle_timeout_ms=60_000, count=8, claim=claim)
+    assert [(d.job.request_id if d.job else None, d.claim) for d in taken] == [
+        ("take-1", Result.OK), ("take-2", Result.MISSING), (None, None)]
+    record = records.get("acme", "take-1")
+    assert record is not None and record.state is State.ENCODING
+    assert quiet.hget(request_record("acme", "take-1"),
+                      StageField.WORKER.of(Stage.ENCODE)) == b"tester"
+    assert quiet.hget(request_record("acme", "take-1"),
+                      StageField.FENCE.of(Stage.ENCODE)) == b"1"
+    # The batch job comes next, alone; then nothing is there, and nothing blocks.
+    batch = queue.next(block_ms=None, idle_timeout_ms=60_000, count=8, claim=claim)
+    assert [(d.job.request_id, d.claim) for d in batch if d.job] == [("take-0", Result.OK)]
+    assert queue.next(block_ms=None, idle_timeout_ms=60_000, count=8, claim=claim) == []
+    # A newer attempt holds take-0 now: a claim with the first attempt's token is stale.
+    quiet.hset(request_record("acme", "take-0"), StageField.FENCE.of(Stage.ENCODE), 5)
+    job = batch[0].job
+    assert job is not None
+    quiet.xadd(stage_stream(Stage.ENCODE.value, Priority.BATCH.value), {"job": job.to_json()})
+    again = queue.next(block_ms=None, idle_timeout_ms=60_000, count=8, claim=claim)
+    assert [d.claim for d in again] == [Result.STALE]

@@ -104,7 +104,7 @@ class EngineWorker(StageWorker):
             recovering = bool(deliveries)
         else:
             block = None if self._held() else self.settings.block_ms
-            deliveries = self.queue.next(block, idle_ms, room)
+            deliveries = self.read(block, idle_ms, room)
         owned = self.claim(deliveries)
         # Leased at once: the later ones of a read wait while the first start.
         self.leases.acquire(*(d for _, d in owned))

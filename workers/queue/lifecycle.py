@@ -14,7 +14,6 @@ import redis
 from keys import KeyKind
 from keys.names import consumer_group, decode_credits, request_record, stage_stream
 from workers.queue.messages import Job, Stage
-from workers.queue.records import timestamp
 from workers.queue.schema import (
     RESUMABLE,
     Field,
@@ -23,6 +22,7 @@ from workers.queue.schema import (
     RequestRecord,
     StageField,
     State,
+    timestamp,
 )
 from workers.queue.script_args import AskPreemptArgs, BackToEncodeArgs, RecomputeArgs, RequeueArgs
 from workers.queue.scripts import NOTHING, RecordWrite, Result, Scripts

@@ -27,15 +27,17 @@ class Stage(StrEnum):
 
     @property
     def next(self) -> Stage | None:
-        order = list(Stage)
-        i = order.index(self)
-        return order[i + 1] if i + 1 < len(order) else None
+        return _NEXT[self]
 
     @property
     def previous(self) -> Stage | None:
-        order = list(Stage)
-        i = order.index(self)
-        return order[i - 1] if i > 0 else None
+        return _PREVIOUS[self]
+
+
+# Looked up on every dispatch, so worked out once.
+_ORDER = list(Stage)
+_NEXT: dict[Stage, Stage | None] = dict(zip(_ORDER, [*_ORDER[1:], None], strict=True))
+_PREVIOUS: dict[Stage, Stage | None] = dict(zip(_ORDER, [None, *_ORDER[:-1]], strict=True))
 
 
 class Role(StrEnum):

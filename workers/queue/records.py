@@ -7,13 +7,13 @@ overwrite a newer attempt's progress nor publish a result twice.
 
 from __future__ import annotations
 
-import time
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis
 
-from keys import GenerationSpec
+from keys import GenerationSpec, Priority
 from keys.names import (
     consumer_group,
     dead_letter_stream,
@@ -22,8 +22,8 @@ from keys.names import (
     stage_stream,
 )
 from workers.queue import stage_metrics
-from workers.queue.messages import Job
-from workers.queue.schema import Field, PreemptMode, RequestRecord, State
+from workers.queue.messages import Job, Stage
+from workers.queue.schema import Field, PreemptMode, RequestRecord, State, timestamp
 from workers.queue.script_args import (
     CancelArgs,
     ClaimArgs,
@@ -56,10 +56,6 @@ class Progress:
 
     state: State | None
     preempt: PreemptMode | None
-
-
-def timestamp() -> str:
-    return f"{time.time():.3f}"
 
 
 def initial_fields(spec: GenerationSpec) -> RecordWrite:
@@ -103,22 +99,20 @@ class Records:
     def publish_many(self, results: Sequence[StageResult]) -> list[Result]:
         """Atomically per job: hand on the next job, record the state and latency, ack.
         All of them travel in one round trip."""
-        return self.scripts.results([self._publish_args(r) for r in results])
+        now = timestamp()
+        return self.scripts.results([self._publish_args(r, now) for r in results])
 
     @staticmethod
-    def _publish_args(r: StageResult) -> PublishArgs:
+    def _publish_args(r: StageResult, now: str) -> PublishArgs:
         job = r.job
         record = request_record(job.tenant, job.request_id)
-        following = job.stage.next
+        route = _route(job.stage, job.priority)
         return PublishArgs(
-            record, r.delivery.stream,
-            r.next_stream or (stage_stream(following.value, job.priority.value) if following
-                              else record),
-            stage_latency(job.stage.value, job.priority.value), job.stage.value,
-            job.fence_token(r.delivery.attempt), consumer_group(job.stage.value),
+            record, r.delivery.stream, r.next_stream or route.next_stream or record,
+            route.latency, job.stage.value, job.fence_token(r.delivery.attempt), route.group,
             r.delivery.entry_id, r.next_job.to_json() if r.next_job else "",
-            r.state or State.finished(job.stage), timestamp(),
-            stage_metrics.bucket_field(r.seconds), f"{r.seconds:.6f}", r.fields)
+            r.state or route.finished, now, stage_metrics.bucket_field(r.seconds),
+            f"{r.seconds:.6f}", r.fields)
 
     def dead_letter(self, job: Job, delivery: Delivery, reason: str) -> None:
         self.scripts.run(DeadLetterArgs(
@@ -133,6 +127,24 @@ class Records:
         after DONE."""
         return self.scripts.result(CancelArgs(request_record(tenant, request_id),
                                               timestamp())) is Result.OK
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """Where a stage's result goes, for one stage and class."""
+
+    next_stream: str | None  # None: the last stage
+    latency: str
+    group: str
+    finished: State
+
+
+@functools.cache  # six of them, looked up on every publish
+def _route(stage: Stage, priority: Priority) -> _Route:
+    following = stage.next
+    return _Route(stage_stream(following.value, priority.value) if following else None,
+                  stage_latency(stage.value, priority.value), consumer_group(stage.value),
+                  State.finished(stage))
 
 
 def _update_args(job: Job, attempt: int, fields: RecordWrite) -> UpdateArgs:

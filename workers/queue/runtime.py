@@ -236,6 +236,7 @@ class StageWorker:
         self.leases = LeaseKeeper(self.queue, settings.idle_timeout_s / 3)
         self._after_publish = after_publish
         self.stop = threading.Event()
+        self._first_claim = self.claim_write(1)  # what claiming a new entry writes
 
     def run(self) -> None:
         self.queue.ensure_group()
@@ -249,15 +250,26 @@ class StageWorker:
             heartbeat.close()
             self.leases.close()
 
-    def claim(self, deliveries: list[Delivery]) -> list[tuple[Job, Delivery]]:
-        """The deliveries this attempt now owns, fenced in one round trip; the others are
-        dropped, dead-lettered, or acknowledged as needing no work."""
-        runnable = [(job, d) for d in deliveries if (job := self._admissible(d)) is not None]
+    def claim_write(self, attempt: int) -> RecordWrite:
+        """What this worker's claim of a delivery ``attempt`` writes to the record."""
         stage = self.handler.stage
-        claims = self.records.claim_many([
-            (d, job, RecordWrite({StageField.ATTEMPT.of(stage): d.attempt,
-                                  StageField.WORKER.of(stage): self.queue.consumer}))
-            for job, d in runnable])
+        return RecordWrite({StageField.ATTEMPT.of(stage): attempt,
+                            StageField.WORKER.of(stage): self.queue.consumer})
+
+    def read(self, block_ms: int | None, idle_ms: int, count: int) -> list[Delivery]:
+        """Up to ``count`` deliveries (``StageQueue.next``); new ones found at once come
+        claimed as they are read."""
+        return self.queue.next(block_ms, idle_ms, count, self._first_claim)
+
+    def claim(self, deliveries: list[Delivery]) -> list[tuple[Job, Delivery]]:
+        """The deliveries this attempt now owns, fenced in one round trip (none, when the
+        read claimed them all); the others are dropped, dead-lettered, or acknowledged as
+        needing no work."""
+        runnable = [(job, d) for d in deliveries if (job := self._admissible(d)) is not None]
+        fresh = iter(self.records.claim_many([(d, job, self.claim_write(d.attempt))
+                                              for job, d in runnable if d.claim is None]))
+        claims = [d.claim if d.claim is not None else next(fresh) for _, d in runnable]
+        stage = self.handler.stage
         owned: list[tuple[Job, Delivery]] = []
         for (job, d), claim in zip(runnable, claims, strict=True):
             if claim is Result.OK:
@@ -384,8 +396,8 @@ class Worker(StageWorker):
                     deliveries = self.queue.own_pending(self.settings.batch_size)
                     recovering = bool(deliveries)
                 else:
-                    deliveries = self.queue.next(self.settings.block_ms, idle_ms,
-                                                 self.settings.batch_size)
+                    deliveries = self.read(self.settings.block_ms, idle_ms,
+                                           self.settings.batch_size)
                 # One class at a time, interactive first: its results are published before
                 # any batch job of the same read starts. The whole read stays leased.
                 with self.leases.hold(*deliveries):

@@ -5,6 +5,7 @@ names, state sets and field names generated from here (``scripts.py``), never ty
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -12,6 +13,11 @@ from enum import StrEnum
 from keys import GenerationSpec, KeyKind
 from workers.queue.messages import Stage
 from workers.queue.spec_json import spec_from_json
+
+
+def timestamp() -> str:
+    """A record's time fields: unix seconds to the millisecond."""
+    return f"{time.time():.3f}"
 
 
 class State(StrEnum):

@@ -23,6 +23,19 @@ class ClaimArgs(ScriptArgs):
 
 
 @dataclass(frozen=True, slots=True)
+class TakeArgs(ScriptArgs):
+    NAME = "take"
+    streams: tuple[str, ...] = key(rest=True)
+    group: str = arg()
+    consumer: str = arg()
+    count: int = arg()
+    stage: str = arg()
+    running: State = arg()
+    now: str = arg()
+    fields: RecordWrite = arg()
+
+
+@dataclass(frozen=True, slots=True)
 class UpdateArgs(ScriptArgs):
     NAME = "update"
     record: str = key()

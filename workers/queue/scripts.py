@@ -24,7 +24,8 @@ import xxhash
 from pydantic_core import to_json
 from redis.client import Pipeline
 
-from workers.queue.messages import ATTEMPTS_PER_GENERATION
+from keys.names import request_record_lua
+from workers.queue.messages import ATTEMPTS_PER_GENERATION, MESSAGE_VERSION
 from workers.queue.schema import (
     CHECKPOINT_PREFIX,
     IDLE,
@@ -209,6 +210,8 @@ def prelude() -> str:
         f"local CHECKPOINT_PREFIX = {json.dumps(CHECKPOINT_PREFIX)}",
         f"local LATE_PREFIX = {json.dumps(LATE_PREFIX)}",
         f"local ATTEMPTS_PER_GENERATION = {ATTEMPTS_PER_GENERATION}",
+        f"local MESSAGE_VERSION = {MESSAGE_VERSION}",
+        f"local RECORD_KEY = {request_record_lua()}",
     ]
     return "\n".join(lines) + "\n" + _source("common") + "\n"
 

@@ -23,6 +23,9 @@ import redis
 from keys import Priority
 from keys.names import consumer_group, stage_stream, worker_inbox, worker_inboxes
 from workers.queue.messages import Job, Stage
+from workers.queue.schema import State, timestamp
+from workers.queue.script_args import TakeArgs
+from workers.queue.scripts import RecordWrite, Result, Scripts
 
 # The order workers take work in.
 PRIORITY_ORDER = (Priority.INTERACTIVE, Priority.BATCH)
@@ -37,6 +40,9 @@ class Delivery:
     job: Job | None  # None: the entry could not be parsed, and goes to the dead letters
     raw: bytes
     attempt: int
+    # The claim the read made of the job's request (``StageQueue.next`` with a claim to
+    # make); None: not claimed yet.
+    claim: Result | None = None
 
 
 class StageQueue:
@@ -53,6 +59,7 @@ class StageQueue:
         self.inbox = worker_inbox(stage.value, consumer) if inbox_wait_ms is not None else None
         self.inbox_wait_ms = inbox_wait_ms or 0
         self._next_reclaim = 0.0
+        self._scripts = Scripts(client)
 
     def ensure_group(self) -> None:
         for stream in (*self.streams, *([self.inbox] if self.inbox else [])):
@@ -64,10 +71,12 @@ class StageQueue:
         if self.inbox:
             self.redis.sadd(worker_inboxes(self.stage.value), self.inbox)
 
-    def next(self, block_ms: int | None, idle_timeout_ms: int,
-             count: int = 1) -> list[Delivery]:
+    def next(self, block_ms: int | None, idle_timeout_ms: int, count: int = 1,
+             claim: RecordWrite | None = None) -> list[Delivery]:
         """Stale entries of dead consumers if there are any, else up to ``count`` new ones,
-        interactive ones first; with ``block_ms`` None, only what is there now.
+        interactive ones first; with ``block_ms`` None, only what is there now. With
+        ``claim`` (what a claim by this worker writes), new entries found at once come
+        claimed (``Delivery.claim``), read and fenced in one round trip.
 
         Stale entries are looked for at most every quarter of the idle timeout, which keeps
         the takeover delay within 1.25 idle timeouts and the hot path at one round trip.
@@ -79,16 +88,21 @@ class StageQueue:
             if self.inbox and (stale := self._stale_inbox_entries(count)):
                 return stale
             self._next_reclaim = now + idle_timeout_ms / 4000
-        # Interactive work without waiting; only when there is none, one blocking read over
-        # every class (which wakes on whichever class gets work first). Taking batch entries
-        # in the same read as interactive ones would commit this worker to them.
-        # Jobs routed here come after shared interactive work and before shared batch work.
+        # Interactive work first, then jobs routed here, then shared batch work: the first
+        # class with entries is read, never two (taking batch entries in the same read as
+        # interactive ones would commit this worker to them). Only when every class is
+        # empty, one blocking read over all of them, which wakes on whichever gets work.
         ordered = (*self.streams[:-1], *([self.inbox] if self.inbox else []), self.streams[-1])
-        for stream in ordered[:-1]:
-            got: Any = self.redis.xreadgroup(self.group, self.consumer, {stream: ">"},
-                                             count=count)
-            if got:
-                return [self._delivery(stream, e, f, reclaimed=False) for e, f in got[0][1]]
+        if claim is not None:
+            if (taken := self._take(ordered, count, claim)) or block_ms is None:
+                return taken
+        else:
+            for stream in ordered[:-1]:
+                got: Any = self.redis.xreadgroup(self.group, self.consumer, {stream: ">"},
+                                                 count=count)
+                if got:
+                    return [self._delivery(stream, e, f, reclaimed=False)
+                            for e, f in got[0][1]]
         got = self.redis.xreadgroup(self.group, self.consumer, {s: ">" for s in ordered},
                                     count=count, block=block_ms)
         order = {s: i for i, s in enumerate(ordered)}
@@ -96,6 +110,20 @@ class StageQueue:
                          key=lambda item: order[item[0]])
         return [self._delivery(stream, e, f, reclaimed=False)
                 for stream, entries in batches for e, f in entries]
+
+    def _take(self, ordered: tuple[str, ...], count: int,
+              claim: RecordWrite) -> list[Delivery]:
+        """New entries of the first of ``ordered`` that has any, each claimed as it is read
+        (``lua/take.lua``): one round trip for a busy worker's read and its fences."""
+        answer: Any = self._scripts.run(TakeArgs(
+            ordered, self.group, self.consumer, count, self.stage.value,
+            State.running(self.stage), timestamp(), claim))
+        if not answer:
+            return []
+        stream = _text(answer[0])
+        return [self._delivery(stream, e, {b"job": raw}, reclaimed=False,
+                               claim=Result(code) if code else None)
+                for e, raw, code in answer[1:]]
 
     def _take_over(self, idle_timeout_ms: int, count: int) -> list[Delivery]:
         """Entries that idled past the timeout under any consumer, in every stream a job of
@@ -158,7 +186,7 @@ class StageQueue:
         return []
 
     def _delivery(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes],
-                  reclaimed: bool) -> Delivery:
+                  reclaimed: bool, claim: Result | None = None) -> Delivery:
         eid = entry_id.decode()
         attempt = 1  # an entry read with ">" has never been delivered before
         if reclaimed:
@@ -170,7 +198,7 @@ class StageQueue:
         except ValueError:
             log.error("entry %s of %s is not a valid job", eid, stream)
             job = None
-        return Delivery(stream, eid, job, raw, attempt)
+        return Delivery(stream, eid, job, raw, attempt, claim)
 
     def ack(self, delivery: Delivery) -> None:
         self.redis.xack(delivery.stream, self.group, delivery.entry_id)

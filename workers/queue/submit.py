@@ -27,7 +27,8 @@ from keys.names import (
     tenant_active_requests,
 )
 from workers.queue.messages import Job, Stage
-from workers.queue.records import initial_fields, timestamp
+from workers.queue.records import initial_fields
+from workers.queue.schema import timestamp
 from workers.queue.script_args import ReadmitArgs, SubmitArgs
 from workers.queue.scripts import NOTHING, RecordWrite, Result, Scripts, execute
 

@@ -30,8 +30,7 @@ from keys.names import (
 from workers.queue.heartbeats import live_workers
 from workers.queue.lifecycle import redone_fields
 from workers.queue.messages import Job, Stage
-from workers.queue.records import timestamp
-from workers.queue.schema import IDLE, Field, RequestRecord, StageField, State
+from workers.queue.schema import IDLE, Field, RequestRecord, StageField, State, timestamp
 from workers.queue.script_args import RescueArgs
 from workers.queue.scripts import Result, Scripts
 from workers.queue.streams import stage_streams

@@ -182,3 +182,18 @@ local function admit(active, tenant_active, record, score, bound, tenant_bound)
   redis.call('ZADD', tenant_active, score, record)
   return R.OK
 end
+
+-- Claim ``stage`` of ``record`` for the delivery holding ``token``, fenced: the one claim that
+-- claim.lua and take.lua make. Returns OK, MISSING, SUPERSEDED, FINISHED, ALREADY_DONE or STALE.
+local function claim_stage(record, stage, token, generation, running, now, fields)
+  local read = read_stage(record, stage)
+  if not read.state then return R.MISSING end
+  if tonumber(generation) < read.generation then return R.SUPERSEDED end
+  if TERMINAL[read.state] then return R.FINISHED end
+  if read.done then return R.ALREADY_DONE end
+  if tonumber(token) < read.fence then return R.STALE end
+  transition(record, read.state, running, now, {stage_field(STAGE_FIELD.FENCE, stage), token},
+             fields)
+  announce(record, running, read)
+  return R.OK
+end
