@@ -146,9 +146,9 @@ class WorkerSettings(_Section):
     cfg_parallel: bool = Field(True, description="run a step's independent forwards (rows "
                                "the batch bounds split, or texts of different lengths where "
                                "a family cannot pad them) on two threads")
-    # The denoise engine (README "The denoise engine"): the most rows one transformer forward
-    # takes, which is also the most runs a worker holds; on this CPU a batch of 8 costs about a
-    # quarter per row of a lone forward, and 16 gains little more.
+    # The denoise engine (README "The denoise engine"): the most runs a worker holds and steps
+    # together; their conditional and unconditional rows share forwards. On this CPU the 16
+    # rows of 8 runs cost about a third per row of a lone forward.
     max_batch: int = Field(8, ge=1, le=256)
     # And the most token-rows (image plus text tokens, summed over its rows) one forward takes,
     # so activation memory stays bounded when the requests are large: 64k is two rows of a

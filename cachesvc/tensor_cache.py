@@ -181,10 +181,13 @@ class TensorCache:
             self.put_from(key, slot, cost_s=cost_s)
 
     def batch_put(self, items: Sequence[tuple[StoreKey, torch.Tensor]], *,
-                  cost_s: float = 0.0) -> None:
-        """Store several tensors in one round trip; they must share one kind's policy."""
+                  cost_s: float | Sequence[float] = 0.0) -> None:
+        """Store several tensors in one round trip; they must share one kind's policy (they
+        may be of several tenants). ``cost_s`` is what computing each took: one figure for
+        all, or one per item."""
         if not items:
             return
+        costs = [cost_s] * len(items) if isinstance(cost_s, float | int) else list(cost_s)
         specs = [TensorSpec.of(t) for _, t in items]
         offsets = _offsets(specs)
         keys = [k for k, _ in items]
@@ -192,13 +195,18 @@ class TensorCache:
         expires_at_ms = self._expiry(keys[0])
         indexed = self._index_ttl(keys, expires_at_ms)
         with self._pool.lease(offsets[-1]) as buf:
-            for (_, tensor), spec, off in zip(items, specs, offsets, strict=False):
+            for (_, tensor), spec, off, cost in zip(items, specs, offsets, costs,
+                                                    strict=False):
                 codec.typed_view(buf.raw, off + spec.header_bytes, spec).copy_(tensor)
-                self._seal(buf, off, spec, int(cost_s * 1e6), expires_at_ms)
+                self._seal(buf, off, spec, int(cost * 1e6), expires_at_ms)
             self._write(keys[0], lambda: self.store.batch_put_from(
                 [str(k) for k in keys], [buf.ptr + o for o in offsets[:-1]],
                 [s.entry_bytes for s in specs], config))
-        self._after_write(keys[0], sum(s.payload_bytes for s in specs), indexed)
+        if indexed is not None:
+            indexed.result()
+        for key, spec in zip(keys, specs, strict=True):  # each tenant counts its own bytes
+            self.counters.queue(key.tenant, key.kind,
+                                {Event.BYTES_WRITTEN: float(spec.payload_bytes)})
 
     # Reading ----------------------------------------------------------------------------------
 
@@ -252,6 +260,17 @@ class TensorCache:
             out.append(None if entry is None else
                        entry.tensor.clone() if key in handed else entry.tensor)
             handed.add(key)
+        return out
+
+    def lookup_many(self, keys: Sequence[StoreKey]) -> list[torch.Tensor | None]:
+        """``get`` of several keys that will mostly miss (a cache asked for entries it may
+        never have seen): one existence round trip for all, then a read of each present one.
+        Every key counts as a lookup, a hit or a miss, as ``get`` counts it."""
+        out: list[torch.Tensor | None] = []
+        for key, present in zip(keys, self.batch_exists(keys), strict=True):
+            entry = self._fetch(key) if present else None  # it may go in between: a miss
+            self._count_lookup(key, entry, None)
+            out.append(None if entry is None else entry.tensor)
         return out
 
     def consume(self, key: StoreKey) -> torch.Tensor | None:

@@ -36,6 +36,7 @@ from tests.workers_harness import (
     wait_for,
 )
 from workers.engine.exact_rows import rows_apart
+from workers.engine.row_proof import RowProof
 from workers.families import qwen_image, wan
 from workers.families.base import CPU
 from workers.queue.engine_metrics import read_occupancy, read_rows
@@ -231,3 +232,21 @@ def test_runs_of_different_adapter_sets_never_share_a_forward(
     for record in records:
         expected = reference(lora_pipe if record.spec.loras else pipe, record.spec)
         assert np.array_equal(read_frames(worker_settings, record), expected)
+
+
+def test_a_batch_whose_rows_differ_from_alone_is_refused_and_its_rows_run_alone() -> None:
+    """The engine's proof on its own device: a geometry whose batched rows differ from the
+    rows alone is never batched again, and the rows alone are what the step takes."""
+    proof = RowProof()
+    alone = torch.arange(6.0).reshape(3, 2)
+    assert proof.settle("g", alone.clone(), lambda: alone).equal(alone)
+    assert ("g", 3) in proof.proven and proof.trusted("g")
+
+    def not_again() -> torch.Tensor:
+        raise AssertionError("a proven batch size is run alone again")
+
+    assert proof.settle("g", alone.clone(), not_again).equal(alone)
+    drifted = alone.clone()
+    drifted[1, 0] += 1e-6
+    assert proof.settle("h", drifted, lambda: alone).equal(alone)
+    assert not proof.trusted("h") and proof.trusted("g")

@@ -258,6 +258,25 @@ def test_content_keyed_writes_are_idempotent(cache: TensorCache) -> None:
     assert torch.equal(cache.get(k), torch.ones(3))  # type: ignore[arg-type]
 
 
+def test_many_lookups_count_as_gets_and_a_batch_keeps_each_cost_and_tenant(
+        cache: TensorCache, redis_client: redis.Redis) -> None:
+    """``lookup_many`` (the CFG tier's lookups of a step) counts each key as ``get`` would;
+    ``batch_put`` of entries of two tenants records each one's cost and bytes under its own
+    tenant (a step's checkpoints are of several requests)."""
+    mine, theirs = key(KeyKind.CFG, "acme"), key(KeyKind.CFG, "other")
+    cache.batch_put([(mine, torch.ones(4)), (theirs, torch.ones(8))], cost_s=[0.5, 2.0])
+    found = cache.lookup_many([key(KeyKind.CFG, "acme"), mine, theirs])
+    assert found[0] is None
+    assert found[1] is not None and torch.equal(found[1], torch.ones(4))
+    assert found[2] is not None and torch.equal(found[2], torch.ones(8))
+    acme, other = (counted(cache, redis_client, t) for t in ("acme", "other"))
+    assert {f: acme.get(f, 0) for f in ("cfg.lookups", "cfg.hits", "cfg.misses")} == {
+        "cfg.lookups": 2, "cfg.hits": 1, "cfg.misses": 1}
+    assert acme["cfg.compute_seconds_saved"] == pytest.approx(0.5)
+    assert acme["cfg.bytes_written"] == 16 and other["cfg.bytes_written"] == 32
+    assert other["cfg.compute_seconds_saved"] == pytest.approx(2.0)
+
+
 def test_batch_operations(cache: TensorCache) -> None:
     ks = [key(KeyKind.EMBEDDING) for _ in range(3)]
     ts = [torch.randn(5), torch.randn(2, 3).to(torch.bfloat16), torch.arange(7)]

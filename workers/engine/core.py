@@ -2,9 +2,10 @@
 advances every run that may move by one denoising step, and runs leave between steps.
 
 Each step is planned centrally: every run says which rows it needs (after its CFG cache
-lookups), rows of one geometry share a forward (at most ``max_batch`` rows and ``max_tokens``
-token-rows each; texts of different lengths are padded where the family allows it, else they
-group by length), and each run finishes its own step with its own scheduler.
+lookups, all asked in one round trip), rows of one geometry share a forward (the conditional
+and unconditional rows of every run alike, at most ``max_tokens`` token-rows each; texts of
+different lengths are padded where the family allows it, else they group by length), and
+each run finishes its own step with its own scheduler.
 Runs at different steps share a forward: the timestep is per row. Family code stays behind
 ``Denoiser.predict``; the engine knows tensors, not models.
 """
@@ -19,14 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.engine.exact_rows import rows_apart
+from workers.engine.exact_rows import pad_texts, rows_apart
+from workers.engine.row_proof import RowProof
 from workers.engine.run import DenoiseRun
 from workers.families.base import Denoiser
-from workers.stages.guidance import Row
+from workers.stages.guidance import ExactTier, Row, StepPlan
 from workers.stages.interrupt import BlockInterrupts, StepInterrupted
 
-# Where rows_apart's batched rows were measured bit-identical to the same rows alone.
-PROVEN_DEVICES = frozenset({"cpu"})
 # The rows of one forward: which run, which of its rows.
 Slot = tuple[int, int]
 
@@ -50,15 +50,15 @@ def _group_key(row: Row, pads_text: bool) -> tuple[object, ...]:
 
 class DenoiseEngine:
     def __init__(self, model: Denoiser, max_batch: int, max_tokens: int,
-                 parallel: bool) -> None:
+                 parallel: bool, exact_tier: ExactTier | None = None) -> None:
         self.model = model
+        # Asked for every run's unconditional row of a step at once, before the forwards.
+        self.exact_tier = exact_tier
         self.max_batch = max_batch
-        # Batched rows are proven bit-identical on CPU only (README "The denoise engine"); on
-        # another device the runs still step together, each row in a forward of its own, until
-        # a measurement there says otherwise, so no result is cached under a key it would not
-        # have computed alone.
-        self.max_rows = max_batch if model.device.type in PROVEN_DEVICES else 1
         self.max_tokens = max_tokens
+        # Whether batched rows are exact is proven here, on this device, per geometry and
+        # batch size, before a batched result is used (README "The denoise engine").
+        self.proof = RowProof()
         self.runs: list[DenoiseRun] = []
         # Independent forwards of one step (a step's conditional and unconditional rows when
         # their texts differ in length) run on two threads, each with this thread's intra-op
@@ -99,6 +99,9 @@ class DenoiseEngine:
         if not active:
             return result
         plans = [run.plan() for run in active]
+        if self.exact_tier is not None:
+            self.exact_tier.look_up([(run.guidance, plan)
+                                     for run, plan in zip(active, plans, strict=True)])
         rows = {(i, j): row for i, plan in enumerate(plans) for j, row in enumerate(plan.rows)}
         outputs: dict[Slot, torch.Tensor] = {}
         seconds: dict[Slot, float] = {}
@@ -113,6 +116,7 @@ class DenoiseEngine:
             for run in active:
                 run.stopped_mid_step()
             return result
+        done: list[StepPlan] = []
         for i, (run, plan) in enumerate(zip(active, plans, strict=True)):
             n = len(plan.rows)
             try:
@@ -122,6 +126,9 @@ class DenoiseEngine:
                 result.failed.append((run, exc))
                 continue
             result.advanced.append(run)
+            done.append(plan)
+        if self.exact_tier is not None:
+            self.exact_tier.store(done)
         return result
 
     def _run_forwards(self, rows: dict[Slot, Row]
@@ -146,32 +153,32 @@ class DenoiseEngine:
             first = rows[slots[0]]
             text = max(rows[s].embeds.shape[1] for s in slots)
             tokens = self.model.tokens(first.spec) + text
-            per_forward = max(1, min(self.max_rows, self.max_tokens // max(tokens, 1)))
+            # One forward for as many rows as memory allows: a forward's cost here is mostly
+            # per call, and two forwards on two threads contend for the interpreter.
+            per_forward = max(1, self.max_tokens // max(tokens, 1))
             for start in range(0, len(slots), per_forward):
                 yield slots[start:start + per_forward]
 
     def _forward(self, rows: Sequence[Row]) -> tuple[torch.Tensor, float]:
         start = time.perf_counter()
+        geometry = _geometry(rows[0])
+        if len(rows) == 1 or not self.proof.trusted(geometry):
+            return self._apart(rows), time.perf_counter() - start
         latents = torch.cat([r.latents for r in rows])
         timesteps = torch.stack([r.timestep for r in rows])
-        embeds, mask = _padded([r.embeds for r in rows])
-        if len(rows) == 1:
-            out = self.model.predict(latents, timesteps, embeds, rows[0].spec)
-        else:
-            with rows_apart():
-                out = self.model.predict(latents, timesteps, embeds, rows[0].spec, mask)
+        embeds, mask = pad_texts([r.embeds for r in rows], self.model.tokens(rows[0].spec))
+        with rows_apart(mask):
+            out = self.model.predict(latents, timesteps, embeds, rows[0].spec, mask)
+        out = self.proof.settle(geometry, out, lambda: self._apart(rows))
         return out, time.perf_counter() - start
 
+    def _apart(self, rows: Sequence[Row]) -> torch.Tensor:
+        """Each row in a forward of its own, as the request alone computes it."""
+        return torch.cat([self.model.predict(r.latents, r.timestep.reshape(1), r.embeds, r.spec)
+                          for r in rows])
 
-def _padded(texts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Texts (1, length, dim) as one batch, padded with zeros to the longest, and the mask of
-    their real positions; no mask when they are all one length."""
-    longest = max(t.shape[1] for t in texts)
-    if all(t.shape[1] == longest for t in texts):
-        return torch.cat(list(texts)), None
-    batch = texts[0].new_zeros((len(texts), longest, *texts[0].shape[2:]))
-    mask = torch.zeros((len(texts), longest), dtype=torch.bool, device=batch.device)
-    for i, t in enumerate(texts):
-        batch[i, :t.shape[1]] = t[0]
-        mask[i, :t.shape[1]] = True
-    return batch, mask
+
+def _geometry(row: Row) -> tuple[object, ...]:
+    spec = row.spec
+    return (tuple(row.latents.shape[1:]), row.latents.dtype, spec.width, spec.height,
+            spec.num_frames)

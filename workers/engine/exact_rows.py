@@ -1,13 +1,17 @@
 """Batched forwards whose every row is what that row computes alone.
 
-Measured on CPU (float32, one thread per op; README "Batched rows"): a matrix multiply rounds
-a row differently depending on how many rows it is given (one, two or three, four or more), and
-a convolution depends on the batch it sees. The sequence-sized multiplies and attention of a
-DiT already see many rows at batch 1, so they are batch-invariant; what is not are the
-per-sample layers (the timestep embedding, the modulation, the patch convolution), and
-attention over texts padded to a common length under a key mask (not inert: the kernel sums a
-longer row in another order). Inside ``rows_apart`` those run one sample at a time, attention
-over only the positions its mask keeps: a few small kernels more per forward.
+Measured on CPU (float32, one thread per op; README "The denoise engine"): a matrix multiply
+rounds a row differently depending on how many rows it is given, and which sizes round alike
+depends on the CPU (on an AVX2 machine, only the per-sample layers differed; on an AVX-512 one
+with AMX, every linear layer did, the sequence-sized ones included). A convolution depends on
+the batch it sees, and attention over texts padded to a common length under a key mask is not
+inert (the kernel sums a longer row in another order). Inside ``rows_apart`` each of those
+computes every sample on its own: a linear layer as one batched multiply of per-sample
+matrices (``baddbmm``: each sample's product is the very product it makes alone, with its own
+row count), a convolution and masked attention one sample at a time, attention over only the
+positions its mask keeps.
+
+That this holds where the engine runs is checked there, by the engine (``ProofOfRows``).
 """
 
 from __future__ import annotations
@@ -19,26 +23,57 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch.overrides import TorchFunctionMode
 
-# Each function's input rank when it carries a batch dimension.
-_BATCHED_RANK = {F.linear: 2, F.conv1d: 3, F.conv2d: 4, F.conv3d: 5}
+# Each function's input rank when it carries a batch of samples (linear layers: any rank from
+# 2 up, the first dimension being the sample).
+_CONV_RANK = {F.conv1d: 3, F.conv2d: 4, F.conv3d: 5}
 _SDPA_ARGS = ("query", "key", "value", "attn_mask")
+# Below this many multiply-adds per sample ATen's batched multiply takes a naive loop that
+# rounds unlike a lone multiply: such tiny layers run one sample at a time instead.
+_NAIVE_BMM_BELOW = 400
 
 
 class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, like no_grad
-    """Within the block, a linear layer given (batch, features), a convolution given a batch
-    of samples and attention under a boolean key mask compute each sample on its own, so their
-    rows match batch 1 bit for bit."""
+    """Within the block, a linear layer, a convolution given a batch of samples, and attention
+    under a boolean key mask compute each sample on its own, so their rows match batch 1 bit
+    for bit.
+
+    Texts padded to a common length (``text_mask``, (samples, length)) are cut back to each
+    sample's own positions wherever a linear layer meets them: a product rounds by its row
+    count, so a text's tokens must be multiplied as the text alone has them. The text stream
+    is told apart by its length, which the caller keeps unlike every other sequence length
+    in the forward (``pad_texts``' ``avoid``)."""
+
+    def __init__(self, text_mask: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self._padded = 0 if text_mask is None else text_mask.shape[1]
+        # The samples of each text length (``pad_texts`` pads at the end, so a text's
+        # positions are a prefix), worked out once for the forward's every layer.
+        self._texts: list[_Group] = []
+        if text_mask is not None:
+            lengths = text_mask.sum(dim=1).tolist()
+            self._texts = [_Group(samples, length, text_mask.device)
+                           for length, samples in _same(lengths).items()]
+        self._attention: dict[tuple[int, tuple[int, ...]], list[_Group]] = {}
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0]
+            if x.dim() >= 2 and x.shape[0] > 1:
+                weight = args[1] if len(args) > 1 else kwargs["weight"]
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                if self._texts and x.dim() == 3 and x.shape[1] == self._padded:
+                    return _linear_of_texts(x, weight, bias, self._texts)
+                return _linear_per_sample(x, weight, bias)
+            return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             named = dict(zip(_SDPA_ARGS, args, strict=False)) | kwargs
             mask = named.pop("attn_mask", None)
             if mask is not None and mask.dtype == torch.bool and mask.shape[1:3] == (1, 1):
-                return _attention_per_row(func, named.pop("query"), named.pop("key"),
-                                          named.pop("value"), mask, named)
-        rank = _BATCHED_RANK.get(func)
+                return _attention_of_groups(func, named.pop("query"), named.pop("key"),
+                                            named.pop("value"), self._groups(mask), named)
+        rank = _CONV_RANK.get(func)
         if rank is not None:
             x = args[0]
             if x.dim() == rank and x.shape[0] > 1:
@@ -46,16 +81,105 @@ class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, 
                                   for i in range(x.shape[0])])
         return func(*args, **kwargs)
 
+    def _groups(self, mask: torch.Tensor) -> list[_Group]:
+        """The rows of a key mask (samples, 1, 1, keys) that keep the same positions; a
+        forward passes one mask to all its blocks, so each is worked out once."""
+        seen = (mask.data_ptr(), tuple(mask.shape))
+        if seen not in self._attention:
+            keeps = mask[:, 0, 0]
+            same = _same([bytes(keep.cpu().numpy()) for keep in keeps])
+            self._attention[seen] = [_Group(samples, keeps[samples[0]], mask.device)
+                                     for samples in same.values()]
+        return self._attention[seen]
 
-def _attention_per_row(sdpa: Callable[..., Any], q: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor, mask: torch.Tensor, kwargs: dict[str, Any]
-                       ) -> torch.Tensor:
-    """Attention under a key mask (text padded to a common length), computed row by row over
-    only the positions the mask keeps: the very call that row makes alone, unpadded. The
-    outputs of padded positions are zero; nothing reads them but the padding itself."""
-    out = torch.zeros_like(q)
-    for i in range(q.shape[0]):
-        keep = mask[i, 0, 0]
-        rows = sdpa(q[i:i + 1, :, keep], k[i:i + 1, :, keep], v[i:i + 1, :, keep], **kwargs)
-        out[i:i + 1, :, keep] = rows
+
+class _Group:
+    """Samples that share what they keep: a text length, or an attention mask's positions."""
+
+    def __init__(self, samples: list[int], keep: Any, device: torch.device) -> None:
+        self.samples = samples
+        self.keep = keep  # a length (a prefix), or a boolean mask of positions
+        self.first = samples[0]
+        self.index = torch.tensor(samples, device=device)
+        if isinstance(keep, torch.Tensor):
+            self.positions = keep.nonzero().view(1, -1)
+
+
+def _linear_per_sample(x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of each sample of ``x`` as it is computed alone: a (rows, in) by (in, out)
+    product per sample, all in one batched multiply."""
+    samples = x.shape[0]
+    x3 = x.reshape(samples, -1, x.shape[-1])
+    rows, inner, outer = x3.shape[1], weight.shape[1], weight.shape[0]
+    if rows * inner * outer < _NAIVE_BMM_BELOW:
+        return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(samples)])
+    w = weight.t().expand(samples, inner, outer)
+    out = (torch.bmm(x3, w) if bias is None
+           else torch.baddbmm(bias.expand(samples, rows, outer), x3, w))
+    return out.reshape(*x.shape[:-1], outer)
+
+
+def _linear_of_texts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     texts: list[_Group]) -> torch.Tensor:
+    """``F.linear`` of padded texts, each over only its own positions (texts of one length
+    in one batched multiply); padded positions get zeros (nothing reads them but the padding
+    itself: attention runs over kept positions only)."""
+    out = x.new_zeros((*x.shape[:-1], weight.shape[0]))
+    for group in texts:
+        length = group.keep
+        if len(group.samples) == 1:
+            i = group.first
+            out[i, :length] = F.linear(x[i:i + 1, :length], weight, bias)[0]
+        else:
+            out[group.index, :length] = _linear_per_sample(x[group.index, :length], weight,
+                                                           bias)
     return out
+
+
+def _same(keys: list[Any]) -> dict[Any, list[int]]:
+    """The positions of each distinct key, in order."""
+    groups: dict[Any, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+def _attention_of_groups(sdpa: Callable[..., Any], q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, groups: list[_Group], kwargs: dict[str, Any]
+                         ) -> torch.Tensor:
+    """Attention under a key mask (text padded to a common length), computed over only the
+    positions the mask keeps, rows that keep the same positions together: the very call each
+    row makes alone, unpadded (attention without a mask is the same per row at any batch
+    size). The outputs of padded positions are zero; nothing reads them but the padding."""
+    out = torch.zeros_like(q)
+    for group in groups:
+        keep = group.keep
+        if len(group.samples) == 1:
+            i = group.first
+            out[i:i + 1, :, keep] = sdpa(q[i:i + 1, :, keep], k[i:i + 1, :, keep],
+                                         v[i:i + 1, :, keep], **kwargs)
+            continue
+        index = group.index
+        rows = sdpa(q[index][:, :, keep], k[index][:, :, keep], v[index][:, :, keep], **kwargs)
+        out[index.view(-1, 1), :, group.positions] = rows.transpose(1, 2)
+    return out
+
+
+def pad_texts(texts: list[torch.Tensor],
+              avoid: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Texts (1, length, dim) as one batch, padded with zeros to the longest (one more, where
+    the longest is ``avoid``, the forward's other sequence length: ``rows_apart`` tells the
+    text stream by its length), and the mask of their real positions; no mask when they are
+    all one length."""
+    longest = max(t.shape[1] for t in texts)
+    if all(t.shape[1] == longest for t in texts):
+        return torch.cat(list(texts)), None
+    if longest == avoid:
+        longest += 1
+    batch = texts[0].new_zeros((len(texts), longest, *texts[0].shape[2:]))
+    mask = torch.zeros((len(texts), longest), dtype=torch.bool, device=batch.device)
+    for i, t in enumerate(texts):
+        batch[i, :t.shape[1]] = t[0]
+        mask[i, :t.shape[1]] = True
+    return batch, mask

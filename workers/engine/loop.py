@@ -202,8 +202,7 @@ class EngineWorker(StageWorker):
         for run, error in result.failed:
             self.engine.abort(run)
             self._drop(run, error)
-        for run in result.advanced:
-            self.handler.after_step(run)
+        self.handler.after_step(result.advanced)
         now = time.time()
         self.metrics.step(result.forwards,
                           [now - r.queued_at for r in fresh if r.first_step_at is not None],

@@ -35,7 +35,7 @@ from workers.queue.scripts import NOTHING, RecordWrite
 from workers.queue.streams import Delivery
 from workers.stages.adapters import AdapterStats, LoadedAdapters
 from workers.stages.checkpoint import Checkpoint, CheckpointError
-from workers.stages.guidance import Guidance
+from workers.stages.guidance import ExactTier, Guidance
 from workers.stages.trajectory import chain_links, checkpoint_steps
 from workers.stages.write_behind import WriteBehind
 
@@ -57,9 +57,9 @@ class DenoiseHandler:
         self.model = model
         self.settings = settings
         self.credits = credits
-        self.engine = DenoiseEngine(model, settings.max_batch, settings.max_batch_tokens,
-                                    settings.cfg_parallel)
         self._writes = WriteBehind()
+        self.engine = DenoiseEngine(model, settings.max_batch, settings.max_batch_tokens,
+                                    settings.cfg_parallel, ExactTier(cache, self._writes))
         self.adapters = LoadedAdapters(cache, model.transformer, settings.lora_slots,
                                        report_adapters)
 
@@ -112,10 +112,10 @@ class DenoiseHandler:
             run.ctx.progress(RecordWrite({Field.WAITING: "decode credit"}))
             run.waited_for_credit = True
 
-    def after_step(self, run: DenoiseRun) -> None:
-        """Checkpoint ``run`` if the step it just took is one of its saves."""
-        if run.step in run.saves:
-            self._save(run)
+    def after_step(self, runs: list[DenoiseRun]) -> None:
+        """Checkpoint each of ``runs`` whose step just taken is one of its saves: the
+        step's checkpoints written together, behind the loop."""
+        self._save([run for run in runs if run.step in run.saves])
 
     def finish(self, run: DenoiseRun) -> Outcome:
         """A run that took its last step: its latents stored, the decode job made."""
@@ -157,8 +157,7 @@ class DenoiseHandler:
     def _guidance(self, spec: GenerationSpec, residual: torch.Tensor | None) -> Guidance:
         return Guidance(self.cache, self.model.guide,
                         adapted(self.model.fingerprint, spec.loras), spec,
-                        lookup=self.settings.cfg_cache, write_behind=self._writes,
-                        residual=residual)
+                        lookup=self.settings.cfg_cache, residual=residual)
 
     def _latest_checkpoint(self, ctx: JobContext,
                            links: list[ChainLink]) -> tuple[Checkpoint | None, RecordWrite]:
@@ -215,33 +214,45 @@ class DenoiseHandler:
         return None
 
     def _store_checkpoint(self, key: StoreKey, data: bytes, compute_s: float) -> None:
-        self.cache.put(key, torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                       cost_s=compute_s)
+        self.cache.put(key, _as_tensor(data), cost_s=compute_s)
 
-    def _save(self, run: DenoiseRun, keep: bool = False) -> None:
-        """Checkpoint where the run stands, behind the loop; with ``keep``, on disk too."""
-        snapshot, ctx = run.checkpoint(), run.ctx
-        key = run.links[snapshot.step].checkpoint_key()
+    def _save(self, runs: list[DenoiseRun], keep: bool = False) -> None:
+        """Checkpoint where the runs stand, behind the loop, in one store write; with
+        ``keep``, on disk too."""
+        if not runs:
+            return
+        taken = [(run.ctx, run.checkpoint()) for run in runs]  # now, before the next step
+        keys = [run.links[snapshot.step].checkpoint_key()
+                for run, (_, snapshot) in zip(runs, taken, strict=True)]
 
         def write() -> None:
-            data = snapshot.to_bytes()
+            data = [snapshot.to_bytes() for _, snapshot in taken]
             if keep and self.files is not None:
-                self.files.write(key, data)
-            self._store_checkpoint(key, data, snapshot.compute_s)
-            ctx.progress(RecordWrite({checkpoint_field(snapshot.step): str(key),
-                                      Field.CHECKPOINT_STEP: snapshot.step}))
+                for key, blob in zip(keys, data, strict=True):
+                    self.files.write(key, blob)
+            self.cache.batch_put([(key, _as_tensor(blob)) for key, blob in zip(keys, data,
+                                                                                strict=True)],
+                                 cost_s=[snapshot.compute_s for _, snapshot in taken])
+            for key, (ctx, snapshot) in zip(keys, taken, strict=True):
+                ctx.progress(RecordWrite({checkpoint_field(snapshot.step): str(key),
+                                          Field.CHECKPOINT_STEP: snapshot.step}))
 
-        self._writes.submit(f"checkpoint {key}", write)
+        self._writes.submit(f"{len(keys)} checkpoint(s), {keys[0]} first", write)
 
     def stopped(self, run: DenoiseRun) -> Outcome:
         """A run that left early: checkpoint where it stands (unless a newer attempt owns the
         request), wait for the write, and report why."""
         ctx = run.ctx
         if not ctx.stale and run.step > 0:
-            self._save(run, keep=True)
+            self._save([run], keep=True)
         self._writes.drain()
         fields = run.guidance.stats.as_fields()
         if ctx.preempt is not None and not ctx.should_stop:
             return Outcome(None, fields=fields, preempted=ctx.preempt)
         return Outcome(None, State.CANCELLED, fields)
 
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    """Serialized bytes as the uint8 tensor a store entry holds."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -64,7 +64,13 @@ class StepPlan:
     guided: bool
     uncond: torch.Tensor | None = None  # found in the exact tier
     cfg_key: StoreKey | None = None  # where a computed unconditional row is kept
+    # The unconditional row while the exact tier is still to be asked for its output
+    # (``ExactTier.look_up``): it joins ``rows`` on a miss.
+    asking: Row | None = None
     uncond_skipped: bool = False  # the interval tier stands in for it
+    # An unconditional output this step computed, for the exact tier: (its key, the output,
+    # the seconds it cost). ``ExactTier.store`` writes a step's entries together.
+    computed: tuple[StoreKey, torch.Tensor, float] | None = None
 
 
 class Guidance:
@@ -72,14 +78,13 @@ class Guidance:
     where the request's CFG mode allows."""
 
     def __init__(self, cache: TensorCache, combine: Combine, model: Fingerprint,
-                 spec: GenerationSpec, *, lookup: bool, write_behind: WriteBehind,
+                 spec: GenerationSpec, *, lookup: bool,
                  residual: torch.Tensor | None = None) -> None:
         self.cache = cache
         self.combine = combine
         self.model = model
         self.spec = spec
         self.lookup = lookup and spec.cfg_cache.mode is not CfgMode.OFF
-        self.write_behind = write_behind
         # The interval tier's state: part of every checkpoint, so a resume is bit-exact.
         self.residual = residual
         self.stats = GuidanceStats()
@@ -94,19 +99,28 @@ class Guidance:
         if self.residual is not None and not self.spec.cfg_cache.fresh_at(step):
             return StepPlan(scale, rows, guided=True, uncond_skipped=True)
         plan = StepPlan(scale, rows, guided=True)
-        if self.lookup:
-            # The exact bytes, whatever the device and dtype (bfloat16 has no numpy type).
-            raw = latents.detach().to("cpu").contiguous().view(torch.uint8).numpy()
-            digest = tensor_digest(raw.data, TensorSpec.of(latents).dtype, tuple(latents.shape))
-            plan.cfg_key = cfg_key(self.spec.tenant, self.model, negative[0], float(t), digest)
-            self.stats.lookups += 1
-            hit = self.cache.get(plan.cfg_key)
-            if hit is not None:
-                self.stats.hits += 1
-                plan.uncond = hit.to(latents.device)
-                return plan
-        rows.append(Row(latents, t, negative[1], self.spec))
+        uncond = Row(latents, t, negative[1], self.spec)
+        if not self.lookup:
+            rows.append(uncond)
+            return plan
+        # The exact bytes, whatever the device and dtype (bfloat16 has no numpy type).
+        raw = latents.detach().to("cpu").contiguous().view(torch.uint8).numpy()
+        digest = tensor_digest(raw.data, TensorSpec.of(latents).dtype, tuple(latents.shape))
+        plan.cfg_key = cfg_key(self.spec.tenant, self.model, negative[0], float(t), digest)
+        plan.asking = uncond
         return plan
+
+    def answer(self, plan: StepPlan, found: torch.Tensor | None) -> None:
+        """What the exact tier holds for ``plan``'s unconditional row: its output, or None
+        (the row then runs)."""
+        assert plan.asking is not None
+        self.stats.lookups += 1
+        if found is None:
+            plan.rows.append(plan.asking)
+        else:
+            self.stats.hits += 1
+            plan.uncond = found.to(plan.asking.latents.device)
+        plan.asking = None
 
     def finish(self, plan: StepPlan, outputs: Sequence[torch.Tensor],
                seconds: Sequence[float]) -> torch.Tensor:
@@ -127,9 +141,37 @@ class Guidance:
             uncond = outputs[1]
             self._uncond_s = seconds[1]
             if plan.cfg_key is not None:
-                stored, cost = plan.cfg_key, seconds[1]
-                self.write_behind.submit(f"CFG entry {stored}",
-                                         lambda: self.cache.put(stored, uncond, cost_s=cost))
+                plan.computed = (plan.cfg_key, uncond, seconds[1])
         if self.spec.cfg_cache.approximate:
             self.residual = prediction - uncond
         return self.combine(prediction, uncond, plan.scale)
+
+
+class ExactTier:
+    """The exact tier for every run of an engine: a step's lookups in one round trip, and the
+    unconditional outputs the step computed stored in one write behind the loop."""
+
+    def __init__(self, cache: TensorCache, write_behind: WriteBehind) -> None:
+        self.cache = cache
+        self.write_behind = write_behind
+
+    def look_up(self, plans: Sequence[tuple[Guidance, StepPlan]]) -> None:
+        """Answer every plan that asks the tier (``StepPlan.asking``)."""
+        asking = [(guidance, plan) for guidance, plan in plans if plan.asking is not None]
+        if not asking:
+            return
+        keys = [plan.cfg_key for _, plan in asking]
+        assert all(key is not None for key in keys)
+        found = self.cache.lookup_many(keys)  # type: ignore[arg-type]
+        for (guidance, plan), tensor in zip(asking, found, strict=True):
+            guidance.answer(plan, tensor)
+
+    def store(self, plans: Sequence[StepPlan]) -> None:
+        """Keep the unconditional outputs the plans computed (``StepPlan.computed``)."""
+        entries = [plan.computed for plan in plans if plan.computed is not None]
+        if not entries:
+            return
+        items = [(key, output) for key, output, _ in entries]
+        costs = [cost for _, _, cost in entries]
+        self.write_behind.submit(f"{len(items)} CFG entries, {items[0][0]} first",
+                                 lambda: self.cache.batch_put(items, cost_s=costs))

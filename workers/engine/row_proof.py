@@ -1,0 +1,51 @@
+"""The engine's own check that its batched rows are exact on the machine it runs on.
+
+Which matrix sizes round alike is a property of the CPU or GPU and its kernels, not of the code:
+batched rows proven exact on one machine differed on another. So the first batched forward of
+each geometry and batch size is also run row by row, and the rows compared bit for bit. A
+geometry whose rows differ is never batched again by this worker (its rows get forwards of
+their own, as on a device where nothing was proven); the row-by-row outputs are the ones used,
+so no step ever takes a batched result that was not proven equal to the row alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# What makes two forwards comparable for the proof: the latent shape, dtype and request
+# geometry of their rows (texts of other lengths share them, padded).
+Geometry = Hashable
+
+
+class RowProof:
+    """The geometries and batch sizes proven on this worker, and those refused."""
+
+    def __init__(self) -> None:
+        self.proven: set[tuple[Geometry, int]] = set()
+        self.refused: set[Geometry] = set()
+
+    def trusted(self, geometry: Geometry) -> bool:
+        """Whether rows of ``geometry`` may share a forward at all."""
+        return geometry not in self.refused
+
+    def settle(self, geometry: Geometry, batched: torch.Tensor,
+               alone: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The output to use for a batched forward of ``geometry``: the batched one once its
+        batch size is proven; the first time, ``alone`` (the same rows, each in a forward of
+        its own) is computed as well and decides."""
+        size = batched.shape[0]
+        if (geometry, size) in self.proven:
+            return batched
+        separate = alone()
+        if all(torch.equal(batched[i:i + 1], separate[i:i + 1]) for i in range(size)):
+            self.proven.add((geometry, size))
+            return batched
+        self.refused.add(geometry)
+        log.warning("rows of %s differ between a batch of %d and alone on this device: they "
+                    "get a forward each from now on", geometry, size)
+        return separate
