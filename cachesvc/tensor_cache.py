@@ -188,15 +188,27 @@ class TensorCache:
         if not items:
             return
         costs = [cost_s] * len(items) if isinstance(cost_s, float | int) else list(cost_s)
+        if len(costs) != len(items):
+            raise ValueError(f"batch_put of {len(items)} entries given {len(costs)} costs")
         specs = [TensorSpec.of(t) for _, t in items]
+        if any(spec.entry_bytes >= PUT_SESSION_MIN_BYTES for spec in specs):
+            # Large entries go one by one through a put session, which waits by sleeping
+            # (see PUT_SESSION_MIN_BYTES); the rest still travel together.
+            large = {i for i, spec in enumerate(specs)
+                     if spec.entry_bytes >= PUT_SESSION_MIN_BYTES}
+            for i in sorted(large):
+                self.put(items[i][0], items[i][1], cost_s=costs[i])
+            rest = [i for i in range(len(items)) if i not in large]
+            self.batch_put([items[i] for i in rest], cost_s=[costs[i] for i in rest])
+            return
         offsets = _offsets(specs)
         keys = [k for k, _ in items]
         config = self._config(keys[0])
         expires_at_ms = self._expiry(keys[0])
         indexed = self._index_ttl(keys, expires_at_ms)
         with self._pool.lease(offsets[-1]) as buf:
-            for (_, tensor), spec, off, cost in zip(items, specs, offsets, costs,
-                                                    strict=False):
+            for (_, tensor), spec, off, cost in zip(items, specs, offsets[:-1], costs,
+                                                    strict=True):
                 codec.typed_view(buf.raw, off + spec.header_bytes, spec).copy_(tensor)
                 self._seal(buf, off, spec, int(cost * 1e6), expires_at_ms)
             self._write(keys[0], lambda: self.store.batch_put_from(

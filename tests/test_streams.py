@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import redis
 
-from cachesvc.settings import Settings
+from bench.common import NoOp
+from cachesvc.settings import Settings, WorkerSettings
 from keys import GenerationSpec, OutputFormat, Priority
-from keys.names import request_record, stage_stream
+from keys.names import consumer_group, dead_letter_stream, request_record, stage_stream
 from tests.redis_databases import STREAMS, emptied, on_database
 from workers.queue.credits import Credits
 from workers.queue.messages import Job, Stage
 from workers.queue.records import Records
+from workers.queue.runtime import Worker
 from workers.queue.schema import StageField, State
 from workers.queue.scripts import RecordWrite, Result
 from workers.queue.streams import StageQueue
@@ -87,3 +91,29 @@ def test_a_read_with_a_claim_fences_each_job_as_it_takes_it(quiet: redis.Redis) 
     quiet.xadd(stage_stream(Stage.ENCODE.value, Priority.BATCH.value), {"job": job.to_json()})
     again = queue.next(block_ms=None, idle_timeout_ms=60_000, count=8, claim=claim)
     assert [d.claim for d in again] == [Result.STALE]
+
+
+def test_a_claimed_job_this_release_cannot_read_fails_its_request(quiet: redis.Redis) -> None:
+    """An entry the fused read can claim but the worker cannot read as a Job (a release that
+    wrote another shape of job) fails its request with the reason, through the dead letters,
+    rather than leaving it claimed by a live worker that never runs it."""
+    spec = GenerationSpec.create(
+        request_id="unreadable", tenant="acme", prompt="p", width=16, height=16,
+        num_frames=1, num_inference_steps=1, guidance_scale=1.0, seed=0,
+        output_format=OutputFormat.NPY)
+    submit(quiet, spec)
+    stream = stage_stream(Stage.ENCODE.value, spec.priority.value)
+    quiet.delete(stream)  # its readable entry: this test offers the unreadable one instead
+    worker = Worker(NoOp(Stage.ENCODE), quiet, WorkerSettings())
+    worker.queue.ensure_group()
+    quiet.xadd(stream, {"job": json.dumps({"request_id": "unreadable", "tenant": "acme",
+                                           "stage": "no-such-stage", "v": 1})})
+    taken = worker.read(None, 60_000, 8)
+    assert [(d.job, d.claim) for d in taken] == [(None, Result.OK)]
+    assert worker.claim(taken) == []
+    record = Records(quiet).get("acme", "unreadable")
+    assert record is not None and record.state is State.FAILED
+    assert record.error is not None and "cannot read its job" in record.error
+    assert quiet.xlen(dead_letter_stream()) == 1
+    assert quiet.xpending(stream, consumer_group(Stage.ENCODE.value))["pending"] == 0
+    worker.leases.close()

@@ -50,7 +50,7 @@ def _group_key(row: Row, pads_text: bool) -> tuple[object, ...]:
 
 class DenoiseEngine:
     def __init__(self, model: Denoiser, max_batch: int, max_tokens: int,
-                 parallel: bool, exact_tier: ExactTier | None = None) -> None:
+                 parallel: bool, exact_tier: ExactTier) -> None:
         self.model = model
         # Asked for every run's unconditional row of a step at once, before the forwards.
         self.exact_tier = exact_tier
@@ -99,9 +99,8 @@ class DenoiseEngine:
         if not active:
             return result
         plans = [run.plan() for run in active]
-        if self.exact_tier is not None:
-            self.exact_tier.look_up([(run.guidance, plan)
-                                     for run, plan in zip(active, plans, strict=True)])
+        self.exact_tier.look_up([(run.guidance, plan)
+                                 for run, plan in zip(active, plans, strict=True)])
         rows = {(i, j): row for i, plan in enumerate(plans) for j, row in enumerate(plan.rows)}
         outputs: dict[Slot, torch.Tensor] = {}
         seconds: dict[Slot, float] = {}
@@ -127,8 +126,7 @@ class DenoiseEngine:
                 continue
             result.advanced.append(run)
             done.append(plan)
-        if self.exact_tier is not None:
-            self.exact_tier.store(done)
+        self.exact_tier.store(done)
         return result
 
     def _run_forwards(self, rows: dict[Slot, Row]

@@ -8,20 +8,27 @@ the batch it sees, and attention over texts padded to a common length under a ke
 inert (the kernel sums a longer row in another order). Inside ``rows_apart`` each of those
 computes every sample on its own: a linear layer as one batched multiply of per-sample
 matrices (``baddbmm``: each sample's product is the very product it makes alone, with its own
-row count), a convolution and masked attention one sample at a time, attention over only the
-positions its mask keeps.
+row count), padded texts cut back to their own tokens, a convolution one sample at a time, and
+attention under a padding mask over only the positions each row keeps (rows that keep the
+same positions together).
 
-That this holds where the engine runs is checked there, by the engine (``ProofOfRows``).
+Which kernels round alike is a property of the device, so this is checked where it runs: the
+first batched call of each shape is compared with its samples one at a time (``_CHECKED``), and
+the engine compares its first batched forward of each geometry with the rows alone
+(``row_proof``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
 
 # Each function's input rank when it carries a batch of samples (linear layers: any rank from
 # 2 up, the first dimension being the sample).
@@ -30,6 +37,11 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask")
 # Below this many multiply-adds per sample ATen's batched multiply takes a naive loop that
 # rounds unlike a lone multiply: such tiny layers run one sample at a time instead.
 _NAIVE_BMM_BELOW = 400
+# What this device answered when a batched call of a shape was first compared, bit for bit,
+# with the same samples computed one at a time: a batched product of per-sample matrices, or
+# attention over rows that keep the same positions. A shape that differed is computed one
+# sample at a time from then on. Keyed by everything that picks the kernel.
+_CHECKED: dict[tuple[object, ...], bool] = {}
 
 
 class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, like no_grad
@@ -53,7 +65,6 @@ class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, 
             lengths = text_mask.sum(dim=1).tolist()
             self._texts = [_Group(samples, length, text_mask.device)
                            for length, samples in _same(lengths).items()]
-        self._attention: dict[tuple[int, tuple[int, ...]], list[_Group]] = {}
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -81,16 +92,12 @@ class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, 
                                   for i in range(x.shape[0])])
         return func(*args, **kwargs)
 
-    def _groups(self, mask: torch.Tensor) -> list[_Group]:
-        """The rows of a key mask (samples, 1, 1, keys) that keep the same positions; a
-        forward passes one mask to all its blocks, so each is worked out once."""
-        seen = (mask.data_ptr(), tuple(mask.shape))
-        if seen not in self._attention:
-            keeps = mask[:, 0, 0]
-            same = _same([bytes(keep.cpu().numpy()) for keep in keeps])
-            self._attention[seen] = [_Group(samples, keeps[samples[0]], mask.device)
-                                     for samples in same.values()]
-        return self._attention[seen]
+    @staticmethod
+    def _groups(mask: torch.Tensor) -> list[_Group]:
+        """The rows of a key mask (samples, 1, 1, keys) that keep the same positions."""
+        keeps = mask[:, 0, 0]
+        same = _same([bytes(keep.cpu().numpy()) for keep in keeps])
+        return [_Group(samples, keeps[samples[0]], mask.device) for samples in same.values()]
 
 
 class _Group:
@@ -112,12 +119,33 @@ def _linear_per_sample(x: torch.Tensor, weight: torch.Tensor,
     samples = x.shape[0]
     x3 = x.reshape(samples, -1, x.shape[-1])
     rows, inner, outer = x3.shape[1], weight.shape[1], weight.shape[0]
-    if rows * inner * outer < _NAIVE_BMM_BELOW:
+
+    def one_at_a_time() -> torch.Tensor:
         return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(samples)])
+
+    shape = ("linear", rows, inner, outer, samples, x.dtype, x.device, bias is not None)
+    if rows * inner * outer < _NAIVE_BMM_BELOW or _CHECKED.get(shape) is False:
+        return one_at_a_time()
     w = weight.t().expand(samples, inner, outer)
     out = (torch.bmm(x3, w) if bias is None
            else torch.baddbmm(bias.expand(samples, rows, outer), x3, w))
-    return out.reshape(*x.shape[:-1], outer)
+    return _checked(shape, out.reshape(*x.shape[:-1], outer), one_at_a_time)
+
+
+def _checked(shape: tuple[object, ...], batched: torch.Tensor,
+             one_at_a_time: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``batched``, once the first batched call of ``shape`` was shown equal to its samples
+    computed one at a time; where it was not, those samples (and the shape is not batched
+    again)."""
+    verdict = _CHECKED.get(shape)
+    if verdict is None:
+        alone = one_at_a_time()
+        verdict = _CHECKED[shape] = torch.equal(batched, alone)
+        if not verdict:
+            log.warning("a batched %s of shape %s rounds unlike its samples alone on this "
+                        "device: computed one sample at a time from now on", shape[0], shape)
+            return alone
+    return batched
 
 
 def _linear_of_texts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -161,7 +189,17 @@ def _attention_of_groups(sdpa: Callable[..., Any], q: torch.Tensor, k: torch.Ten
                                          v[i:i + 1, :, keep], **kwargs)
             continue
         index = group.index
-        rows = sdpa(q[index][:, :, keep], k[index][:, :, keep], v[index][:, :, keep], **kwargs)
+        gq, gk, gv = q[index][:, :, keep], k[index][:, :, keep], v[index][:, :, keep]
+
+        def one_at_a_time(gq: torch.Tensor = gq, gk: torch.Tensor = gk,
+                          gv: torch.Tensor = gv) -> torch.Tensor:
+            return torch.cat([sdpa(gq[j:j + 1], gk[j:j + 1], gv[j:j + 1], **kwargs)
+                              for j in range(gq.shape[0])])
+
+        shape = ("attention", *gq.shape, *gk.shape[2:], gq.dtype, gq.device,
+                 tuple(sorted(kwargs.items())))
+        rows = (one_at_a_time() if _CHECKED.get(shape) is False
+                else _checked(shape, sdpa(gq, gk, gv, **kwargs), one_at_a_time))
         out[index.view(-1, 1), :, group.positions] = rows.transpose(1, 2)
     return out
 

@@ -8,6 +8,7 @@ overwrite a newer attempt's progress nor publish a result twice.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -119,6 +120,17 @@ class Records:
             request_record(job.tenant, job.request_id), delivery.stream, dead_letter_stream(),
             consumer_group(job.stage.value), delivery.entry_id, job.to_json(), reason,
             timestamp(), job.generation))
+
+    def dead_letter_unreadable(self, delivery: Delivery, stage: Stage) -> None:
+        """``dead_letter`` for an entry whose job could be claimed (``lua/take.lua`` read its
+        tenant, request id and generation) but not read as a ``Job``."""
+        fields = json.loads(delivery.raw)
+        record = request_record(str(fields["tenant"]), str(fields["request_id"]))
+        self.scripts.run(DeadLetterArgs(
+            record, delivery.stream, dead_letter_stream(), consumer_group(stage.value),
+            delivery.entry_id, delivery.raw.decode(errors="replace"),
+            f"{stage} cannot read its job (message version {fields.get('v')})", timestamp(),
+            int(fields.get("generation") or 0)))
 
     def cancel(self, tenant: str, request_id: str) -> bool:
         """Ask workers to stop at the next step boundary; False if already finished.

@@ -338,6 +338,14 @@ class StageWorker:
         """The delivery's job, or None if it is dropped or dead-lettered instead of run."""
         job = delivery.job
         if job is None:
+            if delivery.claim is Result.OK:
+                # The read claimed a request whose job this release cannot read: its record
+                # now names this live worker as its owner, so nothing would ever rescue it.
+                # It fails, with the reason, through the dead letters.
+                log.error("dead-lettering unreadable entry %s: %r", delivery.entry_id,
+                          delivery.raw[:200])
+                self.records.dead_letter_unreadable(delivery, self.handler.stage)
+                return None
             log.error("dropping malformed entry %s: %r", delivery.entry_id, delivery.raw[:200])
             self.queue.ack(delivery)
             return None
