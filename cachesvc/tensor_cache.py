@@ -171,7 +171,7 @@ class TensorCache:
         expires_at_ms = self._expiry(key)
         indexed = self._index_ttl([key], expires_at_ms)
         self._write(key, lambda: self._store_entry(key, slot, int(cost_s * 1e6), expires_at_ms))
-        self._after_write(key, slot.spec.payload_bytes, indexed)
+        self._after_write([(key, slot.spec.payload_bytes)], indexed)
 
     def put(self, key: StoreKey, tensor: torch.Tensor, *, cost_s: float = 0.0) -> None:
         """Store a copy of ``tensor``. Content-keyed writes are idempotent: the first one wins."""
@@ -214,11 +214,8 @@ class TensorCache:
             self._write(keys[0], lambda: self.store.batch_put_from(
                 [str(k) for k in keys], [buf.ptr + o for o in offsets[:-1]],
                 [s.entry_bytes for s in specs], config))
-        if indexed is not None:
-            indexed.result()
-        for key, spec in zip(keys, specs, strict=True):  # each tenant counts its own bytes
-            self.counters.queue(key.tenant, key.kind,
-                                {Event.BYTES_WRITTEN: float(spec.payload_bytes)})
+        self._after_write([(k, s.payload_bytes) for k, s in zip(keys, specs, strict=True)],
+                          indexed)
 
     # Reading ----------------------------------------------------------------------------------
 
@@ -354,11 +351,14 @@ class TensorCache:
             return None
         return self._io.submit(self.ttl_index.add, keys, expires_at_ms)
 
-    def _after_write(self, key: StoreKey, payload_bytes: int,
+    def _after_write(self, written: Sequence[tuple[StoreKey, int]],
                      indexed: Future[None] | None) -> None:
+        """Wait for the TTL index write; count each entry's payload bytes under its tenant."""
         if indexed is not None:
             indexed.result()
-        self.counters.queue(key.tenant, key.kind, {Event.BYTES_WRITTEN: float(payload_bytes)})
+        for key, payload_bytes in written:
+            self.counters.queue(key.tenant, key.kind,
+                                {Event.BYTES_WRITTEN: float(payload_bytes)})
 
     @staticmethod
     def _seal(buf: RegisteredBuffer, offset: int, spec: TensorSpec, cost_us: int,

@@ -268,7 +268,7 @@ def test_a_batched_product_that_rounds_unlike_its_samples_is_not_batched_again()
         assert shape in exact_rows._CHECKED
         exact_rows._CHECKED.pop(shape)
         drifted = alone + 1e-6
-        assert exact_rows._checked(shape, drifted, lambda: alone) is alone
+        assert exact_rows._checked(shape, lambda: drifted, lambda: alone) is alone
         assert exact_rows._CHECKED[shape] is False
         assert torch.equal(exact_rows._linear_per_sample(x, weight, None), alone)
     finally:

@@ -42,10 +42,16 @@ class StepResult:
 
 
 def _group_key(row: Row, pads_text: bool) -> tuple[object, ...]:
-    spec = row.spec
+    """Rows may share a forward when this is equal: their geometry, and their text's length
+    unless the family pads texts."""
     text = row.embeds.shape[2:] if pads_text else row.embeds.shape[1:]
-    return (tuple(row.latents.shape), tuple(text), row.latents.dtype,
-            spec.width, spec.height, spec.num_frames)
+    return (*_geometry(row), tuple(text))
+
+
+def _geometry(row: Row) -> tuple[object, ...]:
+    spec = row.spec
+    return (tuple(row.latents.shape[1:]), row.latents.dtype, spec.width, spec.height,
+            spec.num_frames)
 
 
 class DenoiseEngine:
@@ -175,8 +181,3 @@ class DenoiseEngine:
         return torch.cat([self.model.predict(r.latents, r.timestep.reshape(1), r.embeds, r.spec)
                           for r in rows])
 
-
-def _geometry(row: Row) -> tuple[object, ...]:
-    spec = row.spec
-    return (tuple(row.latents.shape[1:]), row.latents.dtype, spec.width, spec.height,
-            spec.num_frames)

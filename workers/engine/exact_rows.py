@@ -106,7 +106,6 @@ class _Group:
     def __init__(self, samples: list[int], keep: Any, device: torch.device) -> None:
         self.samples = samples
         self.keep = keep  # a length (a prefix), or a boolean mask of positions
-        self.first = samples[0]
         self.index = torch.tensor(samples, device=device)
         if isinstance(keep, torch.Tensor):
             self.positions = keep.nonzero().view(1, -1)
@@ -123,29 +122,33 @@ def _linear_per_sample(x: torch.Tensor, weight: torch.Tensor,
     def one_at_a_time() -> torch.Tensor:
         return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(samples)])
 
-    shape = ("linear", rows, inner, outer, samples, x.dtype, x.device, bias is not None)
-    if rows * inner * outer < _NAIVE_BMM_BELOW or _CHECKED.get(shape) is False:
+    def batched() -> torch.Tensor:
+        w = weight.t().expand(samples, inner, outer)
+        out = (torch.bmm(x3, w) if bias is None
+               else torch.baddbmm(bias.expand(samples, rows, outer), x3, w))
+        return out.reshape(*x.shape[:-1], outer)
+
+    if rows * inner * outer < _NAIVE_BMM_BELOW:
         return one_at_a_time()
-    w = weight.t().expand(samples, inner, outer)
-    out = (torch.bmm(x3, w) if bias is None
-           else torch.baddbmm(bias.expand(samples, rows, outer), x3, w))
-    return _checked(shape, out.reshape(*x.shape[:-1], outer), one_at_a_time)
+    shape = ("linear", rows, inner, outer, samples, x.dtype, x.device, bias is not None)
+    return _checked(shape, batched, one_at_a_time)
 
 
-def _checked(shape: tuple[object, ...], batched: torch.Tensor,
+def _checked(shape: tuple[object, ...], batched: Callable[[], torch.Tensor],
              one_at_a_time: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``batched``, once the first batched call of ``shape`` was shown equal to its samples
-    computed one at a time; where it was not, those samples (and the shape is not batched
-    again)."""
+    """The batched call, once the first one of ``shape`` was shown equal to its samples
+    computed one at a time; where it was not, those samples, then and from then on."""
     verdict = _CHECKED.get(shape)
+    if verdict is False:
+        return one_at_a_time()
+    out = batched()
     if verdict is None:
         alone = one_at_a_time()
-        verdict = _CHECKED[shape] = torch.equal(batched, alone)
-        if not verdict:
+        if not (_CHECKED.setdefault(shape, torch.equal(out, alone))):
             log.warning("a batched %s of shape %s rounds unlike its samples alone on this "
                         "device: computed one sample at a time from now on", shape[0], shape)
             return alone
-    return batched
+    return out
 
 
 def _linear_of_texts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -157,7 +160,7 @@ def _linear_of_texts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     for group in texts:
         length = group.keep
         if len(group.samples) == 1:
-            i = group.first
+            i = group.samples[0]
             out[i, :length] = F.linear(x[i:i + 1, :length], weight, bias)[0]
         else:
             out[group.index, :length] = _linear_per_sample(x[group.index, :length], weight,
@@ -184,7 +187,7 @@ def _attention_of_groups(sdpa: Callable[..., Any], q: torch.Tensor, k: torch.Ten
     for group in groups:
         keep = group.keep
         if len(group.samples) == 1:
-            i = group.first
+            i = group.samples[0]
             out[i:i + 1, :, keep] = sdpa(q[i:i + 1, :, keep], k[i:i + 1, :, keep],
                                          v[i:i + 1, :, keep], **kwargs)
             continue
@@ -196,10 +199,13 @@ def _attention_of_groups(sdpa: Callable[..., Any], q: torch.Tensor, k: torch.Ten
             return torch.cat([sdpa(gq[j:j + 1], gk[j:j + 1], gv[j:j + 1], **kwargs)
                               for j in range(gq.shape[0])])
 
+        def together(gq: torch.Tensor = gq, gk: torch.Tensor = gk,
+                     gv: torch.Tensor = gv) -> torch.Tensor:
+            return sdpa(gq, gk, gv, **kwargs)
+
         shape = ("attention", *gq.shape, *gk.shape[2:], gq.dtype, gq.device,
                  tuple(sorted(kwargs.items())))
-        rows = (one_at_a_time() if _CHECKED.get(shape) is False
-                else _checked(shape, sdpa(gq, gk, gv, **kwargs), one_at_a_time))
+        rows = _checked(shape, together, one_at_a_time)
         out[index.view(-1, 1), :, group.positions] = rows.transpose(1, 2)
     return out
 

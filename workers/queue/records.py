@@ -116,21 +116,23 @@ class Records:
             f"{r.seconds:.6f}", r.fields)
 
     def dead_letter(self, job: Job, delivery: Delivery, reason: str) -> None:
-        self.scripts.run(DeadLetterArgs(
-            request_record(job.tenant, job.request_id), delivery.stream, dead_letter_stream(),
-            consumer_group(job.stage.value), delivery.entry_id, job.to_json(), reason,
-            timestamp(), job.generation))
+        self._dead_letter(request_record(job.tenant, job.request_id), delivery, job.stage,
+                          job.to_json(), reason, job.generation)
 
     def dead_letter_unreadable(self, delivery: Delivery, stage: Stage) -> None:
         """``dead_letter`` for an entry whose job could be claimed (``lua/take.lua`` read its
         tenant, request id and generation) but not read as a ``Job``."""
         fields = json.loads(delivery.raw)
-        record = request_record(str(fields["tenant"]), str(fields["request_id"]))
+        self._dead_letter(request_record(str(fields["tenant"]), str(fields["request_id"])),
+                          delivery, stage, delivery.raw.decode(errors="replace"),
+                          f"{stage} cannot read its job (message version {fields.get('v')})",
+                          int(fields.get("generation") or 0))
+
+    def _dead_letter(self, record: str, delivery: Delivery, stage: Stage, job: str,
+                     reason: str, generation: int) -> None:
         self.scripts.run(DeadLetterArgs(
             record, delivery.stream, dead_letter_stream(), consumer_group(stage.value),
-            delivery.entry_id, delivery.raw.decode(errors="replace"),
-            f"{stage} cannot read its job (message version {fields.get('v')})", timestamp(),
-            int(fields.get("generation") or 0)))
+            delivery.entry_id, job, reason, timestamp(), generation))
 
     def cancel(self, tenant: str, request_id: str) -> bool:
         """Ask workers to stop at the next step boundary; False if already finished.
