@@ -147,8 +147,9 @@ class WorkerSettings(_Section):
                                "the batch bounds split, or texts of different lengths where "
                                "a family cannot pad them) on two threads")
     # The denoise engine (README "The denoise engine"): the most runs a worker holds and steps
-    # together; their conditional and unconditional rows share forwards. On this CPU the 16
-    # rows of 8 runs cost about a third per row of a lone forward.
+    # together, and the most rows one forward takes (the 16 rows of 8 runs with CFG are two
+    # forwards, on two threads with cfg_parallel). On this CPU a forward of 16 shapes rows
+    # costs about a third per row of a lone forward.
     max_batch: int = Field(8, ge=1, le=256)
     # And the most token-rows (image plus text tokens, summed over its rows) one forward takes,
     # so activation memory stays bounded when the requests are large: 64k is two rows of a

@@ -3,9 +3,9 @@ advances every run that may move by one denoising step, and runs leave between s
 
 Each step is planned centrally: every run says which rows it needs (after its CFG cache
 lookups, all asked in one round trip), rows of one geometry share a forward (the conditional
-and unconditional rows of every run alike, at most ``max_tokens`` token-rows each; texts of
-different lengths are padded where the family allows it, else they group by length), and
-each run finishes its own step with its own scheduler.
+and unconditional rows of every run alike, at most ``max_batch`` rows and ``max_tokens``
+token-rows each; texts of different lengths are padded where the family allows it, else they
+group by length), and each run finishes its own step with its own scheduler.
 Runs at different steps share a forward: the timestep is per row. Family code stays behind
 ``Denoiser.predict``; the engine knows tensors, not models.
 """
@@ -157,9 +157,7 @@ class DenoiseEngine:
             first = rows[slots[0]]
             text = max(rows[s].embeds.shape[1] for s in slots)
             tokens = self.model.tokens(first.spec) + text
-            # One forward for as many rows as memory allows: a forward's cost here is mostly
-            # per call, and two forwards on two threads contend for the interpreter.
-            per_forward = max(1, self.max_tokens // max(tokens, 1))
+            per_forward = max(1, min(self.max_batch, self.max_tokens // max(tokens, 1)))
             for start in range(0, len(slots), per_forward):
                 yield slots[start:start + per_forward]
 
