@@ -117,3 +117,33 @@ def test_a_claimed_job_this_release_cannot_read_fails_its_request(quiet: redis.R
     assert quiet.xlen(dead_letter_stream()) == 1
     assert quiet.xpending(stream, consumer_group(Stage.ENCODE.value))["pending"] == 0
     worker.leases.close()
+
+
+def test_a_batch_of_publishes_acknowledges_each_delivery_it_publishes(
+        quiet: redis.Redis) -> None:
+    """``publish`` defers its acknowledgements to the end of a batch (one XACK per stream and
+    group): every published delivery is acknowledged and its seconds are on its record, while
+    a result whose attempt went stale is refused and its delivery stays pending."""
+    worker = Worker(NoOp(Stage.ENCODE), quiet, WorkerSettings())
+    worker.queue.ensure_group()
+    for n, priority in enumerate([Priority.BATCH, Priority.BATCH, Priority.BATCH]):
+        submit(quiet, GenerationSpec.create(
+            request_id=f"pub-{n}", tenant="acme", prompt="p", width=16, height=16,
+            num_frames=1, num_inference_steps=1, guidance_scale=1.0, seed=n,
+            output_format=OutputFormat.NPY, priority=priority))
+    owned = worker.claim(worker.read(None, 60_000, 8))
+    assert [job.request_id for job, _ in owned] == ["pub-0", "pub-1", "pub-2"]
+    # A newer attempt took pub-1 over meanwhile: its result is stale.
+    quiet.hset(request_record("acme", "pub-1"), StageField.FENCE.of(Stage.ENCODE), 5)
+    results = [r for job, d in owned if (r := worker._run(job, d)) is not None]
+    worker.settle(results)
+    stream = stage_stream(Stage.ENCODE.value, Priority.BATCH.value)
+    pending = quiet.xpending_range(stream, consumer_group(Stage.ENCODE.value), "-", "+", 8)
+    assert [p["message_id"].decode() for p in pending] == [owned[1][1].entry_id]
+    records = Records(quiet)
+    for n, state in ((0, State.ENCODED), (1, State.ENCODING), (2, State.ENCODED)):
+        record = records.get("acme", f"pub-{n}")
+        assert record is not None and record.state is state
+        seconds = record.fields.get(StageField.SECONDS.of(Stage.ENCODE))
+        assert (seconds is not None) is (state is State.ENCODED)
+    worker.leases.close()

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import redis
@@ -28,7 +28,7 @@ from workers.queue.lifecycle import Lifecycle
 from workers.queue.messages import Job, Stage
 from workers.queue.records import Progress, Records, StageResult
 from workers.queue.schema import Field, PreemptMode, StageField, State
-from workers.queue.scripts import RecordWrite, Result
+from workers.queue.scripts import NOTHING, RecordWrite, Result
 from workers.queue.streams import Delivery, LeaseKeeper, StageQueue
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class Outcome:
 
     next_job: Job | None
     state: State | None = None  # default: the stage's finished state
-    fields: RecordWrite = field(default_factory=RecordWrite)
+    fields: RecordWrite = NOTHING
     # Set when the job stopped early to be re-queued or parked, not finished.
     preempted: PreemptMode | None = None
     # Adapter hashes the next job needs: a router may send it to a worker that holds them.
@@ -94,7 +94,7 @@ class JobContext:
         self._preempt_check = preempt_check
         self._asked: PreemptMode | None = None
         self._stopping = stopping
-        self._pending = RecordWrite()
+        self._pending = NOTHING
         self._lock = threading.Lock()
         # Set by the progress thread, read by the handler: plain flags (a bool is written
         # whole), not Events, since every delivery makes a context and most report nothing.
@@ -143,7 +143,7 @@ class JobContext:
     def take(self) -> RecordWrite:
         """What was reported since the last write (deferred contexts)."""
         with self._lock:
-            fields, self._pending = self._pending, RecordWrite()
+            fields, self._pending = self._pending, NOTHING
         return fields
 
     def give_back(self, fields: RecordWrite) -> None:
@@ -379,7 +379,9 @@ class StageWorker:
         """What is published (or re-queued) for a job that ran to ``outcome``."""
         ctx.close()
         job = ctx.job
-        fields = RecordWrite({StageField.SECONDS.of(job.stage): f"{seconds:.4f}"}) | outcome.fields
+        fields = outcome.fields
+        if outcome.preempted is not None:  # a publish records the seconds it counts itself
+            fields = RecordWrite({StageField.SECONDS.of(job.stage): f"{seconds:.4f}"}) | fields
         routed = (self._router.inbox_for(outcome.affinity)
                   if self._router is not None and outcome.affinity else None)
         return StageResult(job, delivery, outcome.next_job, outcome.state, seconds,

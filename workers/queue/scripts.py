@@ -87,12 +87,21 @@ class RecordWrite:
             check_field(name)
 
     def to_json(self) -> str:
+        # An empty write, the most common, travels as nothing (``table_arg`` in common.lua).
+        if not self.set and not self.add:
+            return ""
         # Strings throughout: Lua numbers lose integers past 2^53 and format floats their way.
         # pydantic-core's encoder: two of these travel with every dispatch.
         return to_json({"set": {k: str(v) for k, v in self.set.items()},
                         "add": {k: str(v) for k, v in self.add.items()}}).decode()
 
     def __or__(self, other: RecordWrite) -> RecordWrite:
+        # Most writes merge with an empty one: handing back the other side skips a copy and a
+        # check of every field, twice per dispatch.
+        if not other.set and not other.add:
+            return self
+        if not self.set and not self.add:
+            return other
         add = dict(self.add)
         for name, amount in other.add.items():
             add[name] = add.get(name, 0) + amount
@@ -132,12 +141,12 @@ class ScriptArgs:
         return out
 
     def argv(self) -> list[str]:
-        return [_wire(getattr(self, name)) for name in _arg_names(type(self))]
+        return [wire(getattr(self, name)) for name, wire in _arg_wires(type(self))]
 
 
 # Each class's slots, worked out once: every dispatch packs two scripts' arguments.
 _KEY_NAMES: dict[type, tuple[tuple[str, bool], ...]] = {}
-_ARG_NAMES: dict[type, tuple[str, ...]] = {}
+_ARG_WIRES: dict[type, tuple[tuple[str, Callable[[Any], str]], ...]] = {}
 
 
 def _key_names(cls: type) -> tuple[tuple[str, bool], ...]:
@@ -149,10 +158,12 @@ def _key_names(cls: type) -> tuple[tuple[str, bool], ...]:
     return found
 
 
-def _arg_names(cls: type) -> tuple[str, ...]:
-    found = _ARG_NAMES.get(cls)
+def _arg_wires(cls: type) -> tuple[tuple[str, Callable[[Any], str]], ...]:
+    """(field, how its value travels) for each ARGV slot, chosen once from the field's type."""
+    found = _ARG_WIRES.get(cls)
     if found is None:
-        found = _ARG_NAMES[cls] = tuple(f.name for f in _slots(cls, "ARGV"))
+        found = _ARG_WIRES[cls] = tuple((f.name, _WIRES.get(str(f.type), _wire))
+                                        for f in _slots(cls, "ARGV"))
     return found
 
 
@@ -170,6 +181,12 @@ def _wire(value: object) -> str:
     if isinstance(value, Mapping | list | tuple):
         return json.dumps(value)
     return str(value)
+
+
+# The argument types whose wire form needs no inspection of the value (the annotations are
+# strings: this module and ``script_args`` use postponed evaluation).
+_WIRES: dict[str, Callable[[Any], str]] = {"str": str, "int": str,
+                                           "RecordWrite": RecordWrite.to_json}
 
 
 def _lua_table(entries: Mapping[str, object]) -> str:
@@ -220,7 +237,7 @@ def _bindings(cls: type[ScriptArgs]) -> str:
     lines = [f"local {f.name} = {{unpack(KEYS, {i})}}" if f.metadata["rest"]
              else f"local {f.name} = KEYS[{i}]"
              for i, f in enumerate(_slots(cls, "KEYS"), 1)]
-    lines += [f"local {f.name} = cjson.decode(ARGV[{i}])" if f.metadata["table"]
+    lines += [f"local {f.name} = table_arg(ARGV[{i}])" if f.metadata["table"]
               else f"local {f.name} = ARGV[{i}]"
               for i, f in enumerate(_slots(cls, "ARGV"), 1)]
     return "\n".join(lines) + "\n"
@@ -258,8 +275,8 @@ def library() -> tuple[str, str]:
     name = f"diffcache_{digest[:12]}"
     # Each script's body becomes a local function (prefixed: some share a name with a function
     # of common.lua), registered under its own name and callable by ``batch``.
-    # Called alone, a script never defers its latency counts (``batch`` does, and ends by
-    # applying them).
+    # Called alone, a script never defers its latency counts or acknowledgements (``batch``
+    # does, and ends by applying them).
     functions = "".join(f"local function script_{script}(KEYS, ARGV)\n{body}\nend\n"
                         f"redis.register_function('{name}_{script}', function(KEYS, ARGV)\n"
                         f"  stop_deferring()\n  return script_{script}(KEYS, ARGV)\nend)\n"

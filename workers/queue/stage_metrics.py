@@ -22,9 +22,12 @@ def _field(bound: float) -> str:
     return "le:+Inf" if bound == float("inf") else f"le:{bound}"
 
 
+_FIELDS = tuple(_field(bound) for bound in BOUNDS)
+
+
 def bucket_field(seconds: float) -> str:
     """The histogram field a job of ``seconds`` counts in; the publish script adds it."""
-    return _field(BOUNDS[bisect.bisect_left(BOUNDS, seconds)])
+    return _FIELDS[bisect.bisect_left(BOUNDS, seconds)]
 
 
 @dataclass(frozen=True, slots=True)

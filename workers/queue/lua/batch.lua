@@ -1,14 +1,15 @@
 -- Many calls of one script in one command: the calls a worker makes for a read of many jobs
 -- (claims, publishes) cost one command's overhead, not one each. Each call runs as it would
 -- alone, in order; the answers come back as a list, a failed call's error in its place.
--- Latency histograms are updated once, at the end (``count_latency``).
+-- Latency histograms are updated, and acknowledgements made, once at the end (``count_latency``,
+-- ``ack``).
 -- ARGV[1]: the script's name; ARGV[2]: JSON [[number of keys, number of args], ...], one
 -- pair per call; then every call's args in turn. KEYS: every call's keys in turn.
 local function batch(KEYS, ARGV)
   local script = SCRIPTS[ARGV[1]]
   local answers = {}
   local k, a = 1, 3
-  defer_latency()
+  defer()
   for i, shape in ipairs(cjson.decode(ARGV[2])) do
     -- One call's error is its own answer, as it was when each call was a command of its own:
     -- the calls after it still run, and the histograms still get what the others counted.
@@ -21,6 +22,6 @@ local function batch(KEYS, ARGV)
     end
     k, a = k + shape[1], a + shape[2]
   end
-  apply_latency()
+  apply_deferred()
   return answers
 end

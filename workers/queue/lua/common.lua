@@ -2,6 +2,13 @@
 -- these scripts; each change is announced on the record's events channel, which /events
 -- waits on instead of rereading the record.
 
+-- A script's table argument (``arg(table=True)`` in scripts.py): JSON, or '' for an empty
+-- RecordWrite, which most writes are.
+local function table_arg(raw)
+  if raw == '' then return {set = {}, add = {}} end
+  return cjson.decode(raw)
+end
+
 local function state_of(record)
   return redis.call('HGET', record, F.STATE)
 end
@@ -41,8 +48,9 @@ local function read_stage(record, stage)
           watched = tonumber(v[8] or '0') > 0}
 end
 
--- Latency histogram increments made while ``batch`` runs: applied once when it ends, so a
--- read of many jobs updates each histogram once (a field holds the same sums either way).
+-- Latency histogram increments and acknowledgements made while ``batch`` runs: applied once
+-- when it ends, so a read of many jobs updates each histogram once and acknowledges each
+-- stream's entries in one XACK. The batch is one command, so nothing sees the state between.
 local DEFERRED = nil
 
 local function count_latency(latency, bucket, seconds)
@@ -52,28 +60,51 @@ local function count_latency(latency, bucket, seconds)
     redis.call('HINCRBY', latency, 'count', 1)
     return
   end
-  local h = DEFERRED[latency]
+  local h = DEFERRED.latency[latency]
   if h == nil then
     h = {buckets = {}, sum = 0, count = 0}
-    DEFERRED[latency] = h
+    DEFERRED.latency[latency] = h
   end
   h.buckets[bucket] = (h.buckets[bucket] or 0) + 1
   h.sum = h.sum + tonumber(seconds)
   h.count = h.count + 1
 end
 
-local function defer_latency()
-  DEFERRED = {}
+-- Acknowledge ``entry_id`` of ``stream`` in ``group``.
+local function ack(stream, group, entry_id)
+  if DEFERRED == nil then
+    redis.call('XACK', stream, group, entry_id)
+    return
+  end
+  local by_group = DEFERRED.acks[stream]
+  if by_group == nil then
+    by_group = {}
+    DEFERRED.acks[stream] = by_group
+  end
+  local ids = by_group[group]
+  if ids == nil then
+    ids = {}
+    by_group[group] = ids
+  end
+  ids[#ids + 1] = entry_id
+end
+
+local function defer()
+  DEFERRED = {latency = {}, acks = {}}
 end
 
 local function stop_deferring()
   DEFERRED = nil
 end
 
-local function apply_latency()
+local function apply_deferred()
   local deferred = DEFERRED
   DEFERRED = nil
-  for latency, h in pairs(deferred or {}) do
+  if deferred == nil then return end
+  for stream, by_group in pairs(deferred.acks) do
+    for group, ids in pairs(by_group) do redis.call('XACK', stream, group, unpack(ids)) end
+  end
+  for latency, h in pairs(deferred.latency) do
     for bucket, n in pairs(h.buckets) do redis.call('HINCRBY', latency, bucket, n) end
     redis.call('HINCRBYFLOAT', latency, 'sum', string.format('%.6f', h.sum))
     redis.call('HINCRBY', latency, 'count', h.count)

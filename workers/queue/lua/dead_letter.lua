@@ -10,5 +10,5 @@ if state and not TERMINAL[state] and tonumber(generation) >= generation_of(recor
   redis.call('HSET', record, F.ERROR, reason)
   notify(record)
 end
-redis.call('XACK', stream, group, entry_id)
+ack(stream, group, entry_id)
 return R.OK

@@ -1,5 +1,5 @@
 -- Publish a stage's result once: hand the next stage its job, move the request on, record the
--- stage's latency and acknowledge the delivery, all or nothing.
+-- stage's latency (and its seconds on the record) and acknowledge the delivery, all or nothing.
 -- KEYS: record, stream (the delivery's), next_stream (the next stage's; the record for none),
 --       latency (the stage and class's histogram)
 -- ARGV: stage, token, group, entry_id, next_job ('' for none), finished (the state to move
@@ -14,7 +14,7 @@ if not is_current(read, token) then
 end
 if read.done or TERMINAL[read.state] then
   add_counters(record, fields)
-  redis.call('XACK', stream, group, entry_id)
+  ack(stream, group, entry_id)
   if read.done then return R.ALREADY_DONE end
   return R.FINISHED
 end
@@ -24,9 +24,10 @@ if next_job ~= '' then redis.call('XADD', next_stream, '*', 'job', next_job) end
 if read.preempt or read.error or read.waiting then
   redis.call('HDEL', record, F.PREEMPT, F.ERROR, F.WAITING)
 end
-transition(record, read.state, finished, now, {stage_field(STAGE_FIELD.DONE, stage), '1'},
-           fields)
-redis.call('XACK', stream, group, entry_id)
+transition(record, read.state, finished, now,
+           {stage_field(STAGE_FIELD.DONE, stage), '1', stage_field(STAGE_FIELD.SECONDS, stage),
+            seconds}, fields)
+ack(stream, group, entry_id)
 count_latency(latency, bucket, seconds)
 announce(record, finished, read)
 return R.OK

@@ -6,7 +6,7 @@
 --       max_recomputes, reason (the error when over the bound), cleared (fields to delete)
 -- Returns OK, STALE, FINISHED or OVER_BOUND (the request failed).
 if not current(record, stage, token) then return R.STALE end
-redis.call('XACK', stream, group, entry_id)
+ack(stream, group, entry_id)
 if TERMINAL[state_of(record)] then return R.FINISHED end
 release_credit(credits, record)
 redis.call('HINCRBY', record, stage_field(KIND_FIELD.RECOMPUTED, lost), 1)

@@ -8,7 +8,7 @@ if not current(record, stage, token) then
   add_counters(record, fields)
   return R.STALE
 end
-redis.call('XACK', stream, group, entry_id)
+ack(stream, group, entry_id)
 if TERMINAL[state_of(record)] then
   add_counters(record, fields)
   return R.FINISHED
