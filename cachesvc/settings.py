@@ -167,9 +167,10 @@ class WorkerSettings(_Section):
     affinity_wait_ms: int = Field(2000, ge=0)
     decode_credits: int = Field(8, ge=1, description="trajectories denoising or awaiting decode")
     preempt: bool = Field(True, description="waiting interactive work preempts batch work")
-    # An interactive entry must wait this long before it preempts: an idle worker takes it
-    # within a round trip, and then nothing needs preempting.
-    preempt_grace_ms: int = Field(100, ge=0)
+    # An interactive entry must wait this long before a full engine makes way for it. An idle
+    # worker has read it on arrival, so none is needed for that; with several denoise workers,
+    # a step time or so lets one that will have room at its next boundary take it instead.
+    preempt_grace_ms: int = Field(0, ge=0)
     # A job re-queued or resumed this many times is no longer preempted, so batch work always
     # finishes however much interactive work arrives.
     max_preemptions: int = Field(3, ge=0)

@@ -190,11 +190,6 @@ def decode_credits() -> str:
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:credits:decode"
 
 
-def preempt_ticket(entry_id: str) -> str:
-    """String: set once per waiting interactive entry, so it preempts at most one batch job."""
-    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:preempt:{entry_id}"
-
-
 def rescued_requests() -> str:
     """Hash: ``<stage>:<reason>`` -> requests the watchdog re-queued because nothing would
     ever have delivered them; in normal operation it stays empty."""

@@ -2,10 +2,11 @@
 advances every run that may move by one denoising step, and runs leave between steps.
 
 Each step is planned centrally: every run says which rows it needs (after its CFG cache
-lookups, all asked in one round trip), rows of one geometry share a forward (the conditional
-and unconditional rows of every run alike, at most ``max_batch`` rows and ``max_tokens``
-token-rows each; texts of different lengths are padded where the family allows it, else they
-group by length), and each run finishes its own step with its own scheduler.
+lookups, all asked in one round trip), rows of one geometry share forwards (the conditional
+and unconditional rows of every run alike, at most ``max_tokens`` token-rows each, and
+``max_batch`` rows on two threads or twice that in one forward, as ``layout`` measured faster;
+texts of different lengths are padded where the family allows it, else they group by length),
+and each run finishes its own step with its own scheduler.
 Runs at different steps share a forward: the timestep is per row. Family code stays behind
 ``Denoiser.predict``; the engine knows tensors, not models.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.engine.exact_rows import pad_texts, rows_apart
+from workers.engine.layout import ForwardLayouts, Layout
 from workers.engine.row_proof import RowProof
 from workers.engine.run import DenoiseRun
 from workers.families.base import Denoiser
@@ -65,6 +67,7 @@ class DenoiseEngine:
         # Whether batched rows are exact is proven here, on this device, per geometry and
         # batch size, before a batched result is used (README "The denoise engine").
         self.proof = RowProof()
+        self.layouts = ForwardLayouts()
         self.runs: list[DenoiseRun] = []
         # Independent forwards of one step (a step's conditional and unconditional rows when
         # their texts differ in length) run on two threads, each with this thread's intra-op
@@ -137,29 +140,41 @@ class DenoiseEngine:
 
     def _run_forwards(self, rows: dict[Slot, Row]
                       ) -> Iterator[tuple[list[Slot], torch.Tensor, float]]:
-        chunks = list(self._chunks(rows))
+        groups = list(self._groups(rows))
+        chunks = [chunk for _, _, group in groups for chunk in group]
         calls = [lambda c=c: self._forward([rows[s] for s in c]) for c in chunks]
+        start = time.perf_counter()
         if self._pool is None or len(calls) == 1:
             results = [call() for call in calls]
         else:
             futures = [self._pool.submit(call) for call in calls]
             wait_for_all(futures)  # none outlives the step, even when one raises
             results = [f.result() for f in futures]
+        geometry, layout, _ = groups[0]
+        if len(groups) == 1 and layout is not None:  # a step that timed one layout
+            self.layouts.observe(geometry, layout, len(rows), time.perf_counter() - start)
         for chunk, (out, took) in zip(chunks, results, strict=True):
             yield chunk, out, took
 
-    def _chunks(self, rows: dict[Slot, Row]) -> Iterator[list[Slot]]:
-        """Rows that may share a forward, cut to the engine's bounds."""
+    def _groups(self, rows: dict[Slot, Row]
+                ) -> Iterator[tuple[tuple[object, ...], Layout | None, list[list[Slot]]]]:
+        """Rows that may share a forward, cut into forwards by the engine's bounds and the
+        layout chosen for them (None: both layouts would cut them alike)."""
         groups: dict[tuple[object, ...], list[Slot]] = {}
         for slot, row in rows.items():
             groups.setdefault(_group_key(row, self.model.pads_text), []).append(slot)
         for slots in groups.values():
             first = rows[slots[0]]
             text = max(rows[s].embeds.shape[1] for s in slots)
-            tokens = self.model.tokens(first.spec) + text
-            per_forward = max(1, min(self.max_batch, self.max_tokens // max(tokens, 1)))
-            for start in range(0, len(slots), per_forward):
-                yield slots[start:start + per_forward]
+            by_tokens = max(1, self.max_tokens // max(self.model.tokens(first.spec) + text, 1))
+            split = min(self.max_batch, by_tokens)
+            whole = min(2 * self.max_batch, by_tokens)
+            geometry = _geometry(first)
+            layout = (self.layouts.choose(geometry)
+                      if self.max_batch > 1 and len(slots) > split and whole > split else None)
+            per_forward = whole if layout is Layout.WHOLE else split
+            yield geometry, layout, [slots[start:start + per_forward]
+                                     for start in range(0, len(slots), per_forward)]
 
     def _forward(self, rows: Sequence[Row]) -> tuple[torch.Tensor, float]:
         start = time.perf_counter()

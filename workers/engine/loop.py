@@ -56,7 +56,6 @@ class EngineWorker(StageWorker):
         self._adapters: AdapterSet | None = None  # the set the engine's runs use
         self._outage_since: float | None = None  # when the store went away mid-step
         self._outage_delay = OUTAGE_FIRST_RETRY_S
-        self._next_preempt_check = 0.0
 
     def _loop(self, idle_ms: int) -> None:
         try:
@@ -93,9 +92,12 @@ class EngineWorker(StageWorker):
     # --- between steps ---------------------------------------------------------------------
 
     def _join(self, idle_ms: int, recovering: bool) -> bool:
-        """Read new jobs while there is room; block only when the engine holds nothing."""
+        """Read new jobs while there is room; block only when the engine holds nothing. A
+        full engine still takes interactive work, in a batch run's place (``_make_way``)."""
         room = self._room()
         if room <= 0:
+            if not recovering:
+                self._make_way()
             return recovering
         if recovering:
             # What this worker held when Redis went away is still pending under its name.
@@ -111,6 +113,30 @@ class EngineWorker(StageWorker):
         for job, delivery in owned:
             self._start(job, delivery)
         return recovering
+
+    def _make_way(self) -> None:
+        """A full engine takes waiting interactive work at this step boundary: the batch run
+        that joined last leaves now (re-queued from the checkpoint it writes as it stops) and
+        the interactive run joins, so its first step is the engine's next one. A worker
+        blocked on an empty queue would have read the entry as it arrived, so one still
+        waiting here has no idle worker to go to (``workers.preempt_grace_ms`` leaves it
+        longer to one that will have room). Runs that may not be preempted (past
+        ``max_preemptions``, or preemption off) leave nothing to make way with; nor does an
+        engine draining for another adapter set."""
+        candidates = [r for r in self.engine.runs if r.ctx.preemptible]
+        if not candidates or self.waiting:
+            return
+        victim = candidates[-1]  # the one that joined last has the least to lose
+        if not victim.ctx.may_make_way():
+            return
+        owned = self.claim(self.queue.take_interactive(1, self._first_claim))
+        if not owned:
+            return
+        victim.ctx.make_way()
+        self._leave()
+        self.leases.acquire(*(d for _, d in owned))
+        for job, delivery in owned:
+            self._start(job, delivery)
 
     def _start(self, job: Job, delivery: Delivery) -> None:
         ctx = self.context(job, delivery)
@@ -132,9 +158,7 @@ class EngineWorker(StageWorker):
     def _report(self) -> None:
         """Every run's progress since the last turn, in one round trip; a run that reported
         nothing is asked about every ``POLL_S`` all the same, so it learns of a cancel or a
-        preemption while it waits. Then, when the engine is full, one batch run is asked
-        whether it should make way for waiting interactive work (with room, that work joins
-        at the next step instead)."""
+        preemption while it waits."""
         now = time.monotonic()
         writes = [(run, fields) for run in self._held()
                   if (fields := run.ctx.take()).set or fields.add
@@ -149,11 +173,6 @@ class EngineWorker(StageWorker):
                 raise
             for (run, _), progress in zip(writes, answers, strict=True):
                 run.ctx.learn(progress)
-        if self._room() <= 0 and now >= self._next_preempt_check:
-            self._next_preempt_check = now + POLL_S
-            candidates = [r for r in self.engine.runs if r.ctx.preemptible]
-            if candidates:  # the one that joined last has the least to lose
-                candidates[-1].ctx.ask_preempt()
 
     def _take_in(self) -> None:
         """Waiting runs of the engine's adapter set join it, unless a run of another set

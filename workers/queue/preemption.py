@@ -1,9 +1,9 @@
 """When batch work makes way for interactive work.
 
-A worker running a batch job asks, from its progress thread, whether an interactive entry of
-its stage has waited past a short grace period; if it has, the worker takes that entry's ticket
-(at most one preemption per waiting entry, whichever worker wins) and stops at its next step
-boundary. Jobs already re-queued or resumed ``max_preemptions`` times are left to finish.
+A denoise worker whose engine is full looks, at each step boundary, for interactive work of its
+stage that has waited past a grace period (none by default). If some has, it reads the entry
+itself, which no other worker can then read, and its batch run that joined last makes way for
+it. Jobs already re-queued or resumed ``max_preemptions`` times are left to finish.
 """
 
 from __future__ import annotations
@@ -14,13 +14,10 @@ import redis
 
 from cachesvc.settings import WorkerSettings
 from keys import Priority
-from keys.names import preempt_ticket
 from workers.queue.messages import Job, Stage
 from workers.queue.runtime import PreemptCheck
 from workers.queue.schema import PreemptMode
 from workers.queue.streams import oldest_waiting
-
-TICKET_TTL_MS = 60_000
 
 
 class InteractiveWaiting:
@@ -39,11 +36,12 @@ class InteractiveWaiting:
         return self._check
 
     def _check(self) -> PreemptMode | None:
+        """Whether interactive work has waited past the grace (with none, whether it may have:
+        the worker's read finds out, at no extra round trip)."""
+        if not self.grace_ms:
+            return PreemptMode.REQUEUE
         entry = oldest_waiting(self.redis, self.stage, Priority.INTERACTIVE)
         if entry is None:
             return None
         waited_ms = time.time() * 1000 - int(entry.split("-")[0])
-        if waited_ms < self.grace_ms:
-            return None
-        won = self.redis.set(preempt_ticket(entry), self.consumer, nx=True, px=TICKET_TTL_MS)
-        return PreemptMode.REQUEUE if won else None
+        return PreemptMode.REQUEUE if waited_ms >= self.grace_ms else None

@@ -157,6 +157,17 @@ class JobContext:
             assert self._preempt_check is not None
             self._asked = self._preempt_check()
 
+    def may_make_way(self) -> bool:
+        """Whether the preemption check says interactive work waits for this job's place."""
+        return self.preemptible and self._preempt_check is not None and (
+            self._preempt_check() is not None)
+
+    def make_way(self) -> None:
+        """Step aside now (re-queued at the next boundary): this worker took interactive work
+        in the job's place."""
+        if self.preemptible:
+            self._asked = PreemptMode.REQUEUE
+
     def learn(self, progress: Progress) -> None:
         """What a write of this job's progress answered."""
         self.heard_at = time.monotonic()

@@ -111,6 +111,11 @@ class StageQueue:
         return [self._delivery(stream, e, f, reclaimed=False)
                 for stream, entries in batches for e, f in entries]
 
+    def take_interactive(self, count: int, claim: RecordWrite) -> list[Delivery]:
+        """Up to ``count`` new interactive entries, claimed as they are read; none waiting,
+        nothing (it never blocks)."""
+        return self._take(self.streams[:1], count, claim)
+
     def _take(self, ordered: tuple[str, ...], count: int,
               claim: RecordWrite) -> list[Delivery]:
         """New entries of the first of ``ordered`` that has any, each claimed as it is read
