@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.engine.exact_rows import pad_texts, rows_apart
+from workers.engine.exact_rows import checks_made, pad_texts, rows_apart
 from workers.engine.layout import ForwardLayouts, Layout
 from workers.engine.row_proof import RowProof
 from workers.engine.run import DenoiseRun
@@ -143,6 +143,7 @@ class DenoiseEngine:
         groups = list(self._groups(rows))
         chunks = [chunk for _, _, group in groups for chunk in group]
         calls = [lambda c=c: self._forward([rows[s] for s in c]) for c in chunks]
+        checks = self.proof.verdicts + checks_made()
         start = time.perf_counter()
         if self._pool is None or len(calls) == 1:
             results = [call() for call in calls]
@@ -151,7 +152,10 @@ class DenoiseEngine:
             wait_for_all(futures)  # none outlives the step, even when one raises
             results = [f.result() for f in futures]
         geometry, layout, _ = groups[0]
-        if len(groups) == 1 and layout is not None:  # a step that timed one layout
+        # A step times its layout if it was one layout's alone and checked nothing (a check
+        # computes the rows one at a time as well).
+        if (len(groups) == 1 and layout is not None
+                and self.proof.verdicts + checks_made() == checks):
             self.layouts.observe(geometry, layout, len(rows), time.perf_counter() - start)
         for chunk, (out, took) in zip(chunks, results, strict=True):
             yield chunk, out, took

@@ -134,6 +134,12 @@ def _linear_per_sample(x: torch.Tensor, weight: torch.Tensor,
     return _checked(shape, batched, one_at_a_time)
 
 
+def checks_made() -> int:
+    """How many shapes have been checked in this process (each check computed its samples
+    one at a time as well)."""
+    return len(_CHECKED)
+
+
 def _checked(shape: tuple[object, ...], batched: Callable[[], torch.Tensor],
              one_at_a_time: Callable[[], torch.Tensor]) -> torch.Tensor:
     """The batched call, once the first one of ``shape`` was shown equal to its samples

@@ -12,6 +12,7 @@ so the choice costs time only, never exactness.
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ class Layout(enum.Enum):
     SPLIT = "split"  # forwards of max_batch rows, on two threads
     WHOLE = "whole"  # one forward of every row (at most twice max_batch)
 
+
+log = logging.getLogger(__name__)
 
 TRIALS = 2  # steps timed in each layout before the faster one is kept
 
@@ -52,7 +55,14 @@ class ForwardLayouts:
         return timings.next_trial() or timings.fastest()
 
     def observe(self, geometry: Hashable, layout: Layout, rows: int, seconds: float) -> None:
-        """A step's forwards of ``geometry`` took ``seconds`` for ``rows`` rows laid out so."""
+        """A step's forwards of ``geometry`` took ``seconds`` for ``rows`` rows laid out so
+        (the engine leaves out steps that also proved or checked a batch: those ran the rows
+        one at a time as well)."""
         timings = self._timings.setdefault(geometry, _Timings())
         if len(timings.per_row_s[layout]) < TRIALS:
             timings.per_row_s[layout].append(seconds / rows)
+            if timings.next_trial() is None:
+                log.info("forwards of %s laid out %s (ms per row: %s)", geometry,
+                         timings.fastest().value,
+                         {la.value: round(sum(t) / len(t) * 1000, 2)
+                          for la, t in timings.per_row_s.items()})
