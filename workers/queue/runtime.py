@@ -71,7 +71,8 @@ class Outcome:
     affinity: tuple[str, ...] = ()
 
 
-# Asked by the progress thread whether the job in hand should make way for other work.
+# Asked by the denoise engine, at a step boundary, whether a batch job in hand should make way
+# for waiting interactive work (``workers.queue.preemption``).
 PreemptCheck = Callable[[], PreemptMode | None]
 
 
@@ -80,7 +81,8 @@ class JobContext:
     request to preempt.
 
     Progress is written by a background thread, so a compute loop that reports every step
-    never waits on Redis; the same thread polls for cancellation and preemption. A context
+    never waits on Redis; what each write answers tells it of a cancellation, a newer attempt
+    or a preemption asked through the API. A context
     made ``deferred`` has no thread: its owner takes what it gathered (``take``) and writes
     it with others in one round trip, then hands back what the write learnt (``learn``).
     """
@@ -151,12 +153,6 @@ class JobContext:
         with self._lock:
             self._pending = fields | self._pending
 
-    def ask_preempt(self) -> None:
-        """Run the preemption check now (the owner of a deferred context decides when)."""
-        if self.preemptible:
-            assert self._preempt_check is not None
-            self._asked = self._preempt_check()
-
     def may_make_way(self) -> bool:
         """Whether the preemption check says interactive work waits for this job's place."""
         return self.preemptible and self._preempt_check is not None and (
@@ -182,8 +178,6 @@ class JobContext:
         fields = self.take()
         try:
             progress = self._records.update(self.job, self.attempt, fields)
-            if progress.preempt is None and not self._deferred:
-                self.ask_preempt()
         except redis.RedisError:
             log.warning("progress of %s not written", self.job.request_id, exc_info=True)
             self.give_back(fields)
