@@ -241,7 +241,9 @@ def test_a_batch_whose_rows_differ_from_alone_is_refused_and_its_rows_run_alone(
     proof = RowProof()
     alone = torch.arange(6.0).reshape(3, 2)
     assert proof.settle("g", alone.clone(), lambda: alone).equal(alone)
-    assert ("g", 3) in proof.proven and proof.trusted("g")
+    assert proof.proven("g", 3) and proof.trusted("g")
+    # A larger batch is proven against forwards already proven: batches of 3, the rest alone.
+    assert proof.largest_proven("g", below=7) == 3 and proof.largest_proven("g", below=3) == 1
 
     def not_again() -> torch.Tensor:
         raise AssertionError("a proven batch size is run alone again")

@@ -2,7 +2,8 @@
 
 Which matrix sizes round alike is a property of the CPU or GPU and its kernels, not of the code:
 batched rows proven exact on one machine differed on another. So the first batched forward of
-each geometry and batch size is also run row by row, and the rows compared bit for bit. A
+each geometry and batch size is also run row by row (or in batches of sizes already proven so,
+which is cheaper and proves the same), and the rows compared bit for bit. A
 geometry whose rows differ is never batched again by this worker (its rows get forwards of
 their own, as on a device where nothing was proven); the row-by-row outputs are the ones used,
 so no step ever takes a batched result that was not proven equal to the row alone.
@@ -26,14 +27,22 @@ class RowProof:
     """The geometries and batch sizes proven on this worker, and those refused."""
 
     def __init__(self) -> None:
-        self.proven: set[tuple[Geometry, int]] = set()
+        self._proven: set[tuple[Geometry, int]] = set()
         self.refused: set[Geometry] = set()
 
     @property
     def verdicts(self) -> int:
         """How many proofs this worker has run: a forward that ran one took the rows alone
         as well, so its time says nothing of the forward's own."""
-        return len(self.proven) + len(self.refused)
+        return len(self._proven) + len(self.refused)
+
+    def proven(self, geometry: Geometry, size: int) -> bool:
+        return (geometry, size) in self._proven
+
+    def largest_proven(self, geometry: Geometry, below: int) -> int:
+        """The largest batch size under ``below`` proven for ``geometry`` (1: none)."""
+        return max((size for g, size in self._proven if g == geometry and size < below),
+                   default=1)
 
     def trusted(self, geometry: Geometry) -> bool:
         """Whether rows of ``geometry`` may share a forward at all."""
@@ -42,14 +51,15 @@ class RowProof:
     def settle(self, geometry: Geometry, batched: torch.Tensor,
                alone: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The output to use for a batched forward of ``geometry``: the batched one once its
-        batch size is proven; the first time, ``alone`` (the same rows, each in a forward of
-        its own) is computed as well and decides."""
+        batch size is proven; the first time, ``alone`` (the same rows as forwards already
+        proven compute them: each alone, or in batches of proven sizes) is computed as well
+        and decides. Equal to what is equal to each row alone is equal to each row alone."""
         size = batched.shape[0]
-        if (geometry, size) in self.proven:
+        if (geometry, size) in self._proven:
             return batched
         separate = alone()
         if all(torch.equal(batched[i:i + 1], separate[i:i + 1]) for i in range(size)):
-            self.proven.add((geometry, size))
+            self._proven.add((geometry, size))
             return batched
         self.refused.add(geometry)
         log.warning("rows of %s differ between a batch of %d and alone on this device: they "
