@@ -29,7 +29,7 @@ from cachesvc.connect import open_redis
 from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, OutputFormat
-from keys.names import consumer_group, request_record
+from keys.names import request_record
 from workers.queue.messages import Stage
 from workers.queue.records import Records
 from workers.queue.schema import State
@@ -67,28 +67,15 @@ def timed(settings: Settings, client: redis.Redis,
     return elapsed, calls
 
 
-def decode_progress(client: redis.Redis) -> tuple[int, int]:
-    """Entries the decode group has read over every class, and how many it has in hand."""
-    group = consumer_group(Stage.DECODE.value)
-    pipe = client.pipeline(transaction=False)
-    for stream in StageQueue(client, Stage.DECODE, "bench").streams:
-        pipe.xinfo_groups(stream)
-    read = pending = 0
-    for groups in pipe.execute(raise_on_error=False):
-        for g in [] if isinstance(groups, Exception) else groups:
-            if g["name"].decode() == group:
-                read += int(g.get("entries-read") or 0)
-                pending += int(g["pending"])
-    return read, pending
-
-
 def diffcache_round(settings: Settings, client: redis.Redis, count: int,
                     finished_before: int) -> tuple[float, int]:
     specs = requests(count)
     for spec in specs:  # acceptance (fsynced, one at a time) is not dispatch
         submit(client, spec)
+    decode = StageQueue(client, Stage.DECODE, "bench")
+
     def done() -> bool:  # one round trip, as the raw baseline's check is
-        read, in_flight = decode_progress(client)
+        read, in_flight = decode.progress()
         return read >= finished_before + count and not in_flight
 
     seconds, calls = timed(settings, client, run_noop, done)

@@ -87,7 +87,7 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
             name: (m.out_features, m.in_features)
             for name, m in denoiser.transformer.named_modules()
             if isinstance(m, torch.nn.Linear)})
-        waiting = InteractiveWaiting(client, stage, consumer, settings.workers)
+        waiting = InteractiveWaiting(client, stage, settings.workers)
         return EngineWorker(denoise, client, settings.workers,
                             preemption=waiting.check_for if settings.workers.preempt else None,
                             inbox=settings.workers.adapter_routing), denoise

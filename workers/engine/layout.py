@@ -2,9 +2,9 @@
 on two threads, or all in one forward, whichever this worker measured faster.
 
 Neither is faster everywhere. A small model's forward is mostly Python, so two forwards on two
-threads take turns on the interpreter lock and one forward of every row wins (the shapes model
-here: 63 ms for 16 rows at once against 99 ms for two forwards of 8 on two threads); a larger
-model's kernels release the lock, and two forwards use both cores (Wan in ``bench.e2e``). Both
+threads take turns on the interpreter lock and one forward of every row wins (README "What
+shares a forward": 63 ms for 16 rows at once against 99 ms for two forwards of 8); a larger
+model's kernels release the lock, and two forwards use both cores. Both
 layouts give every row the same bits (``rows_apart``, and the engine's proof per batch size),
 so the choice costs time only, never exactness.
 """
@@ -16,13 +16,13 @@ import logging
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+log = logging.getLogger(__name__)
+
 
 class Layout(enum.Enum):
     SPLIT = "split"  # forwards of max_batch rows, on two threads
     WHOLE = "whole"  # one forward of every row (at most twice max_batch)
 
-
-log = logging.getLogger(__name__)
 
 TRIALS = 2  # steps timed in each layout before the faster one is kept
 

@@ -21,11 +21,9 @@ from workers.queue.streams import oldest_waiting
 
 
 class InteractiveWaiting:
-    def __init__(self, client: redis.Redis, stage: Stage, consumer: str,
-                 settings: WorkerSettings) -> None:
+    def __init__(self, client: redis.Redis, stage: Stage, settings: WorkerSettings) -> None:
         self.redis = client
         self.stage = stage
-        self.consumer = consumer
         self.grace_ms = settings.preempt_grace_ms
         self.max_preemptions = settings.max_preemptions
 

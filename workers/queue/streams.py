@@ -208,17 +208,21 @@ class StageQueue:
     def ack(self, delivery: Delivery) -> None:
         self.redis.xack(delivery.stream, self.group, delivery.entry_id)
 
-    def read_count(self) -> int:
-        """Entries the group has read, over every class, since it was created."""
-        total = 0
+    def progress(self) -> tuple[int, int]:
+        """Entries the group has read over every shared class since it was created, and how
+        many of them it has in hand; one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
         for stream in self.streams:
-            try:
-                groups = self.redis.xinfo_groups(stream)
-            except redis.ResponseError:  # the stream does not exist yet
+            pipe.xinfo_groups(stream)
+        read = pending = 0
+        for groups in pipe.execute(raise_on_error=False):
+            if isinstance(groups, redis.ResponseError):  # the stream does not exist yet
                 continue
-            total += sum(int(g.get("entries-read") or 0) for g in groups
-                         if g["name"].decode() == self.group)
-        return total
+            for g in groups:
+                if g["name"].decode() == self.group:
+                    read += int(g.get("entries-read") or 0)
+                    pending += int(g["pending"])
+        return read, pending
 
 
 class LeaseKeeper:
