@@ -29,7 +29,8 @@ from workers.queue.watchdog import read_rescued
 
 WINDOW_MINUTES = 30
 RECENT = 15
-KINDS = [KeyKind.EMBEDDING, KeyKind.CFG, KeyKind.CHECKPOINT, KeyKind.OUTPUT, KeyKind.ADAPTER]
+KINDS = [KeyKind.EMBEDDING, KeyKind.CFG, KeyKind.CHECKPOINT, KeyKind.OUTPUT, KeyKind.ADAPTER,
+         KeyKind.STEP]
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
 
 

@@ -12,11 +12,12 @@ from api.schemas import (
     FieldError,
     Overrides,
     Segment,
+    StepCacheBody,
     TextLimits,
     check_texts,
     segment_texts,
 )
-from keys import CfgCache, CfgMode, GenerationSpec, PromptSegment
+from keys import CfgCache, CfgMode, GenerationSpec, PromptSegment, StepCache, StepCachePolicy
 from workers.queue.schema import RequestRecord
 
 
@@ -42,6 +43,23 @@ def cfg_cache_from(body: CfgCacheBody) -> CfgCache:
         raise FieldError("cfg_cache.interval", f"applies to interval mode only, not "
                          f"{body.mode.value}")
     return CfgCache(body.mode, body.interval or 1)
+
+
+def step_cache_from(body: StepCacheBody | None, default: StepCachePolicy,
+                    served: frozenset[StepCachePolicy], family: str) -> StepCache:
+    """The request's step cache (``default`` when it names none), refused unless the served
+    family can run it."""
+    if body is None:
+        body = StepCacheBody(policy=default)
+    try:
+        cache = StepCache.create(body.policy, **body.params())
+    except ValueError as exc:  # a parameter of another policy: the message names it
+        field = str(exc).partition(" ")[0]
+        raise FieldError(field, str(exc).partition(" ")[2]) from exc
+    if cache.on and cache.policy not in served:
+        raise FieldError("step_cache.policy", f"{cache.policy.value} cannot run on the served "
+                         f"{family} model; it serves {sorted(p.value for p in served)}")
+    return cache
 
 
 def branch_point(record: RequestRecord, from_step: int | None) -> tuple[int, str]:

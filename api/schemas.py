@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cachesvc.settings import ApiSettings
-from keys import CfgMode, OutputFormat, Priority
+from keys import CfgMode, OutputFormat, Priority, StepCachePolicy
 from workers.queue.schema import PreemptMode
 from workers.queue.served_model import ServedModel
 
@@ -53,6 +53,26 @@ class CfgCacheBody(BaseModel):
 
     mode: CfgMode = CfgMode.EXACT
     interval: int | None = Field(None, ge=2, le=100, description="interval mode only")
+
+
+class StepCacheBody(BaseModel):
+    """A step-cache policy from diffusers' cache hooks (approximate: the output changes, and
+    so do its keys). A parameter left out takes the policy's default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: StepCachePolicy = StepCachePolicy.OFF
+    threshold: float | None = Field(None, gt=0, le=1, description="first_block: how far block "
+                                    "0's residual may move before the rest runs again")
+    interval: int | None = Field(None, ge=1, le=100, description="taylorseer: a full compute "
+                                 "every interval steps")
+    warmup: int | None = Field(None, ge=0, le=1000, description="taylorseer: steps computed "
+                               "in full before forecasting")
+    max_order: int | None = Field(None, ge=1, le=4, description="taylorseer: Taylor order")
+
+    def params(self) -> dict[str, float | int | None]:
+        return {"threshold": self.threshold, "interval": self.interval,
+                "warmup": self.warmup, "max_order": self.max_order}
 
 
 class LoraBody(BaseModel):
@@ -96,6 +116,8 @@ class GenerateBody(BaseModel):
                                                "model, png for an image model")
     priority: Priority = Priority.INTERACTIVE
     cfg_cache: CfgCacheBody = CfgCacheBody()
+    step_cache: StepCacheBody | None = Field(None, description="default: the tenant's "
+                                             "(api.step_cache_defaults), else off")
     loras: list[LoraBody] = Field(default_factory=list, description="LoRA adapters to apply "
                                   "(at most api.max_loras), uploaded with POST /v1/adapters")
 
@@ -120,10 +142,11 @@ class Overrides(BaseModel):
     seed: int | None = Field(None, description="refused: changes the prefix")
     model: str | None = Field(None, description="refused: changes the prefix")
     cfg_cache: CfgCacheBody | None = Field(None, description="refused: changes the prefix")
+    step_cache: StepCacheBody | None = Field(None, description="refused: changes the prefix")
 
 
 PREFIX_FIELDS = ("width", "height", "num_frames", "num_inference_steps", "seed", "model",
-                 "cfg_cache")
+                 "cfg_cache", "step_cache")
 
 
 class ResumeBody(BaseModel):
@@ -223,6 +246,16 @@ class Accepted(BaseModel):
                                 "training prompts): it runs, and may come out wrong")
 
 
+class StepCacheStatus(BaseModel):
+    """A request's step cache and what it did: forwards run under it, and those it skipped
+    part of (first_block: the blocks after the first; taylorseer: the attention)."""
+
+    policy: StepCachePolicy
+    params: dict[str, float | int]
+    forwards: int
+    skipped: int
+
+
 class RequestStatus(BaseModel):
     id: str
     state: str
@@ -243,6 +276,7 @@ class RequestStatus(BaseModel):
     loras: list[dict[str, str | float]] = Field(default_factory=list, description="the "
                                                 "adapters applied: hash and scale")
     warnings: list[str] = Field(default_factory=list, description="as in the 202 answer")
+    step_cache: StepCacheStatus | None = Field(None, description="absent when off")
     rescues: int = Field(0, description="times the watchdog re-queued the request because "
                          "no live worker owned it (each one is a bug report)")
     late: dict[str, int] = Field(default_factory=dict, description="counter -> what attempts "

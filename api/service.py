@@ -17,7 +17,13 @@ from uuid import uuid4
 import redis
 import xxhash
 
-from api.editing import branch_point, branched_spec, cfg_cache_from, segments_from
+from api.editing import (
+    branch_point,
+    branched_spec,
+    cfg_cache_from,
+    segments_from,
+    step_cache_from,
+)
 from api.schemas import (
     ChildState,
     FieldError,
@@ -26,6 +32,7 @@ from api.schemas import (
     Readiness,
     RequestStatus,
     ResumeBody,
+    StepCacheStatus,
     TextLimits,
     check_limits,
 )
@@ -36,7 +43,15 @@ from cachesvc.errors import CacheError, StoreUnavailableError
 from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from cachesvc.supervisor import ChildStatus, read_published
-from keys import GenerationSpec, KeyKind, LoraUse, OutputFormat, Priority, StoreKey
+from keys import (
+    GenerationSpec,
+    KeyKind,
+    LoraUse,
+    OutputFormat,
+    Priority,
+    StepCachePolicy,
+    StoreKey,
+)
 from keys.names import KEY_VERSION, call_waiters, check_tenant
 from keys.spec import valid_request_id
 from workers.queue.events import RecordEvents
@@ -44,7 +59,7 @@ from workers.queue.heartbeats import live_workers
 from workers.queue.lifecycle import Lifecycle, LifecycleError
 from workers.queue.messages import Stage
 from workers.queue.records import Records
-from workers.queue.schema import Field, PreemptMode, RequestRecord, State
+from workers.queue.schema import Field, KindField, PreemptMode, RequestRecord, State
 from workers.queue.scripts import RecordWrite
 from workers.queue.served_model import (
     ServedModel,
@@ -134,6 +149,11 @@ def status_of(record: RequestRecord) -> RequestStatus:
         model=model_of(record), recomputed=record.recomputed(), error=record.error,
         rescues=record.counter(Field.RESCUES), late=record.late(), warnings=record.warnings,
         loras=[{"hash": lora.hash, "scale": lora.scale} for lora in spec.loras],
+        step_cache=StepCacheStatus(
+            policy=spec.step_cache.policy, params=dict(spec.step_cache.params),
+            forwards=record.counter(KindField.LOOKUPS.of(KeyKind.STEP)),
+            skipped=record.counter(KindField.HITS.of(KeyKind.STEP)))
+        if spec.step_cache.on else None,
         created_at=record.created_at, updated_at=record.updated_at)
 
 
@@ -196,7 +216,11 @@ class Service:
             else body.guidance_scale,
             seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
             output_format=output_format, priority=body.priority,
-            cfg_cache=cfg_cache_from(body.cfg_cache), loras=self.loras_for(tenant, body.loras))
+            cfg_cache=cfg_cache_from(body.cfg_cache), loras=self.loras_for(tenant, body.loras),
+            step_cache=step_cache_from(
+                body.step_cache, self.settings.api.step_cache_defaults.get(tenant,
+                                                                         StepCachePolicy.OFF),
+                served.limits.step_caches, served.family))
         return self._within_cost(spec, served)
 
     def loras_for(self, tenant: str, loras: list[LoraBody]) -> tuple[LoraUse, ...]:

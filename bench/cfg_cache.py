@@ -16,17 +16,15 @@ import math
 
 import numpy as np
 
-from bench.common import model_stack, report, wait_all, workers
+from bench.common import model_stack, report, serve, workers
 from bench.workload import NEGATIVE_PROMPTS, prompt_pool
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
-from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat, StoreKey
+from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat
 from workers.queue.records import Records
-from workers.queue.schema import RequestRecord
 from workers.queue.served_model import request_defaults
-from workers.queue.submit import new_request_id, submit
-from workers.stages.media import decode_npy
+from workers.queue.submit import new_request_id
 
 SEED = 1234
 
@@ -45,18 +43,8 @@ def workload(settings: Settings, tenant: str, cfg: CfgCache, count: int) -> list
 def run(records: Records, cache: TensorCache,
         specs: list[GenerationSpec]) -> tuple[int, list[np.ndarray]]:
     """Forward calls and output frames of ``specs``, submitted together."""
-    client = records.redis
-    for spec in specs:
-        submit(client, spec)
-    done = wait_all(records, specs)
-    ordered: list[RequestRecord] = [done[s.request_id] for s in specs]
-    frames = []
-    for record in ordered:
-        assert record.output_key is not None
-        data = cache.get(StoreKey.parse(record.output_key), lookup=False)
-        assert data is not None, f"output of {record.spec.request_id} is gone"
-        frames.append(decode_npy(data.numpy().tobytes()))
-    return sum(r.counter("forwards") for r in ordered), frames
+    done, frames = serve(records, cache, specs)
+    return sum(r.counter("forwards") for r in done), frames
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -19,13 +20,16 @@ from cachesvc.connect import open_redis
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings, WorkerSettings, child_environ, load_settings
 from cachesvc.stack import EmbeddedStack
+from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import WaitTimeout, wait_until
-from keys import GenerationSpec
+from keys import GenerationSpec, StoreKey
 from workers.launch import wait_joined, worker_argv
 from workers.queue.messages import Stage
 from workers.queue.records import Records
 from workers.queue.runtime import JobContext, Outcome, Worker
 from workers.queue.schema import RequestRecord, State
+from workers.queue.submit import submit
+from workers.stages.media import decode_npy
 
 # Piped to a file, rich would fit tables to 80 columns and cut their cells; a wide table reads
 # better there.
@@ -134,6 +138,23 @@ def wait_all(records: Records, specs: Sequence[GenerationSpec], poll_s: float = 
         raise SystemExit(f"{exc}; {len(pending)} still running, e.g. "
                          f"{next(iter(pending))}") from None
     return done
+
+
+def serve(records: Records, cache: TensorCache, specs: Sequence[GenerationSpec]
+          ) -> tuple[list[RequestRecord], list[np.ndarray]]:
+    """``specs`` submitted together: their records and output frames (npy outputs), in
+    order."""
+    for spec in specs:
+        submit(records.redis, spec)
+    done = wait_all(records, specs)
+    ordered = [done[s.request_id] for s in specs]
+    frames = []
+    for record in ordered:
+        assert record.output_key is not None
+        data = cache.get(StoreKey.parse(record.output_key), lookup=False)
+        assert data is not None, f"output of {record.spec.request_id} is gone"
+        frames.append(decode_npy(data.numpy().tobytes()))
+    return ordered, frames
 
 
 def seconds_to_done(record: RequestRecord) -> float:

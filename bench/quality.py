@@ -3,10 +3,11 @@
 A fixed set of (prompt, seed) pairs (each prompt the full caption of a scene of a held-out
 dataset seed) goes through the service: once exact, once per interval CFG tier, and once more
 exact with each prompt in a free phrasing (no articles, "on white", commas, background
-first). The shipped attribute classifier reads every output; the report gives, per
-attribute, the share that shows what the prompt asked; per tier, the forwards saved, the
-change in accuracy, and paired PSNR and SSIM against the exact output of the same pair; and
-for every run an FID-style distance to the ground-truth renders, on the classifier's
+first), and once per step-cache policy setting. The shipped attribute classifier reads every
+output; the report gives, per attribute, the share that shows what the prompt asked; per tier
+and policy, the forwards saved (for a step cache: the share of forwards it stood in for part
+of), the change in accuracy, and paired PSNR and SSIM against the exact output of the same
+pair; and for every run an FID-style distance to the ground-truth renders, on the classifier's
 features.
 """
 
@@ -26,10 +27,10 @@ from torchmetrics.functional.image import (
 from torchmetrics.image.fid import FrechetInceptionDistance
 
 from bench.cfg_cache import run
-from bench.common import model_stack, report, workers
+from bench.common import model_stack, report, serve, workers
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings
-from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat
+from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat, StepCache, StepCachePolicy
 from training.classifier import AttributeClassifier, load_classifier
 from training.scenes import Colour, Scene, Shape, Size, free_caption, scene_at
 from training.scenes import Position as Where
@@ -39,6 +40,7 @@ from workers.queue.submit import new_request_id
 
 HELD_OUT = 500  # the dataset seed of the prompts: neither the model's nor the classifier's
 READ = ("color", "shape", "position")  # the attributes the issue's goal names
+EXACT_STEPS = StepCache()
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,14 +50,15 @@ class Outputs:
 
 
 def specs_for(settings: Settings, tenant: str, scenes: list[Scene], cfg: CfgCache,
-              first_seed: int, prompts: list[str] | None = None) -> list[GenerationSpec]:
+              first_seed: int, prompts: list[str] | None = None,
+              step_cache: StepCache = EXACT_STEPS) -> list[GenerationSpec]:
     """One request per scene, prompted by its full caption unless ``prompts`` are given."""
     m = request_defaults(settings.model, settings.model_dir)
     return [GenerationSpec.create(
         request_id=new_request_id(), tenant=tenant, prompt=prompt, width=m.width,
         height=m.height, num_frames=1, num_inference_steps=m.num_inference_steps,
         guidance_scale=m.guidance_scale, seed=first_seed + i, output_format=OutputFormat.NPY,
-        cfg_cache=cfg)
+        cfg_cache=cfg, step_cache=step_cache)
         for i, prompt in enumerate(prompts or [scene.caption for scene in scenes])]
 
 
@@ -109,12 +112,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--intervals", type=int, nargs="*", default=[2, 3, 5])
+    parser.add_argument("--first-block", type=float, nargs="*", default=[0.1, 0.2, 0.3],
+                        help="first-block cache thresholds")
+    parser.add_argument("--taylorseer", type=int, nargs="*", default=[2, 3, 5],
+                        help="TaylorSeer intervals (warm-up 3, order 1)")
     parser.add_argument("--grid", type=Path, help="also write a PNG grid of sample outputs")
     args = parser.parse_args()
     classifier = load_classifier()
     scenes = [scene_at(HELD_OUT, i) for i in range(args.requests)]
     truth = np.stack([np.asarray(s.render()) for s in scenes])
     results: dict[str, Outputs] = {}
+    step_caches = ([StepCache.create(StepCachePolicy.FIRST_BLOCK, threshold=t)
+                    for t in args.first_block]
+                   + [StepCache.create(StepCachePolicy.TAYLORSEER, interval=k)
+                      for k in args.taylorseer])
+    skipped: dict[StepCache, float] = {}  # the share of forwards each policy stood in for
     with model_stack(model={"preset": "shapes"}) as settings:
         records = Records(open_redis(settings))
         cache = open_cache(settings)
@@ -125,6 +137,14 @@ def main() -> None:
                 forwards, frames = run(records, cache,
                                        specs_for(settings, name, scenes, cfg, 1000))
                 results[name] = Outputs(np.concatenate(frames), forwards)
+            for n, step_cache in enumerate(step_caches):
+                done, frames = serve(records, cache, specs_for(
+                    settings, f"step-{n}", scenes, CfgCache(CfgMode.EXACT), 1000,
+                    step_cache=step_cache))
+                results[f"step-{n}"] = Outputs(np.concatenate(frames),
+                                               sum(r.counter("forwards") for r in done))
+                skipped[step_cache] = (sum(r.counter("hits:step") for r in done)
+                                       / sum(r.counter("lookups:step") for r in done))
             # The same scenes and seeds, each prompted as a person might write it.
             free = [free_caption(scene, HELD_OUT, i) for i, scene in enumerate(scenes)]
             forwards, frames = run(records, cache, specs_for(
@@ -148,18 +168,26 @@ def main() -> None:
     free_acc = accuracy(classifier, results["free"].frames, scenes)
     rows.append(["free phrasing", *(free_acc[a] for a in READ), results["free"].forwards,
                  "", "", "", distance(classifier, results["free"].frames, truth)])
-    interval = []
-    for k in args.intervals:
-        tier = results[f"interval-{k}"]
+
+    def scored(label: str, tier: Outputs, saved: float) -> dict[str, object]:
+        """An approximate run against the exact one; its row joins the table."""
         acc = accuracy(classifier, tier.frames, scenes)
         psnr, ssim = paired(tier.frames, exact.frames)
-        entry = {"k": k, "forwards_saved": round(1 - tier.forwards / exact.forwards, 4),
-                 "acc_delta": round(float(np.mean([acc[a] - exact_acc[a] for a in READ])), 4),
-                 "psnr_db": psnr, "ssim": ssim,
-                 "fid": distance(classifier, tier.frames, truth)}
-        interval.append(entry)
-        rows.append([f"interval k={k}", *(acc[a] for a in READ), tier.forwards,
-                     entry["forwards_saved"], psnr, ssim, entry["fid"]])
+        entry: dict[str, object] = {
+            "forwards_saved": round(saved, 4),
+            "acc_delta": round(float(np.mean([acc[a] - exact_acc[a] for a in READ])), 4),
+            "psnr_db": psnr, "ssim": ssim, "fid": distance(classifier, tier.frames, truth)}
+        rows.append([label, *(acc[a] for a in READ), tier.forwards, entry["forwards_saved"],
+                     psnr, ssim, entry["fid"]])
+        return entry
+
+    interval = [{"k": k, **scored(f"interval k={k}", results[f"interval-{k}"],
+                                  1 - results[f"interval-{k}"].forwards / exact.forwards)}
+                for k in args.intervals]
+    steps = [{"policy": c.policy.value, "params": dict(c.params),
+              **scored(" ".join([c.policy.value, *(f"{k}={v}" for k, v in c.params)]),
+                       results[f"step-{n}"], skipped[c])}
+             for n, c in enumerate(step_caches)]
     report(f"shapes model, {args.requests} (prompt, seed) pairs: attribute accuracy read by "
            "the classifier; PSNR/SSIM against the exact output of the same pair; FID on the "
            "classifier's features against the renders",
@@ -170,7 +198,7 @@ def main() -> None:
                "fid": exact_fid},
             "free_phrasing": {f"{a}_acc": free_acc[a] for a in free_acc},
             "classifier_on_renders": {f"{a}_acc": on_renders[a] for a in on_renders},
-            "interval": interval})
+            "interval": interval, "step_cache": steps})
 
 
 if __name__ == "__main__":

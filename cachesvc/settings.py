@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from keys import StepCachePolicy
+
 ENV_PREFIX = "DIFFCACHE_"
 _NESTED = "__"
 
@@ -217,6 +219,9 @@ class ApiSettings(_Section):
     max_body_bytes: int = Field(65536, ge=1024)
     max_adapter_bytes: int = Field(512 * 2**20, ge=1024, description="largest LoRA upload")
     max_loras: int = Field(4, ge=1, description="adapters one request may apply")
+    # Tenant -> the step-cache policy (at its default parameters) of its requests that name
+    # none: a tenant may opt all its traffic into an approximate policy.
+    step_cache_defaults: dict[str, StepCachePolicy] = Field(default_factory=dict)
     max_queue_depth: int = Field(1000, ge=1, description="deeper than this answers 429")
     max_jobs_per_tenant: int = Field(200, ge=1, description="one tenant's queued plus running "
                                      "requests; more answers 429")

@@ -32,6 +32,8 @@ from keys.spec import (
     OutputFormat,
     Priority,
     PromptSegment,
+    StepCache,
+    StepCachePolicy,
 )
 
 __all__ = [
@@ -49,6 +51,8 @@ __all__ = [
     "OutputFormat",
     "Priority",
     "PromptSegment",
+    "StepCache",
+    "StepCachePolicy",
     "StepInputs",
     "StoreKey",
     "adapted",

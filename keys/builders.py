@@ -54,14 +54,16 @@ EMBEDDING_FIELDS = FieldPolicy(
         "seed": "the text encoder is deterministic",
         "output_format": "applied after decode",
         "cfg_cache": "applied after the encoder",
+        "step_cache": "applied to the denoiser",
     },
 )
 CHAIN_FIELDS = FieldPolicy(
     # cfg_cache counts only in its approximate mode; the exact tier never changes an output.
+    # step_cache counts whenever a policy is on: every policy changes the output.
     # loras enter through the denoiser's fingerprint (``adapted``), which every DiT key holds.
     includes=frozenset(
         {"tenant", "schedule", "width", "height", "num_frames", "num_inference_steps",
-         "guidance_scale", "seed", "cfg_cache", "loras"}
+         "guidance_scale", "seed", "cfg_cache", "loras", "step_cache"}
     ),
     ignores={**_ROUTING, "output_format": "applied after decode"},
 )
@@ -217,7 +219,8 @@ def chain_root(
     dtype: str,
 ) -> ChainLink:
     """``h0 = H(model fp, scheduler config, shape, seed, steps, dtype)``, plus the CFG reuse
-    interval when the request asked for the approximate tier: its trajectory is its own."""
+    interval when the request asked for the approximate tier and the step-cache policy with
+    its parameters when one is on: such a trajectory is its own."""
     payload: dict[str, Canonical] = {
         "model": model.hex,
         "scheduler": scheduler_config,
@@ -228,6 +231,9 @@ def chain_root(
     }
     if spec.cfg_cache.approximate:
         payload["cfg_interval"] = spec.cfg_cache.interval
+    if spec.step_cache.on:
+        payload["step_cache"] = {"policy": spec.step_cache.policy.value,
+                                 **dict(spec.step_cache.params)}
     return ChainLink(spec.tenant, 0, digest("chain-root", payload))
 
 

@@ -47,6 +47,9 @@ class KeyKind(StrEnum):
     LATENTS = "latents"
     OUTPUT = "output"
     ADAPTER = "adapter"  # a LoRA's safetensors, by content hash, uploaded per tenant
+    # Denoiser forwards under a step-cache policy: counted (a hit is a forward the policy
+    # skipped part of), never stored; its state travels inside checkpoints.
+    STEP = "step"
     # Entries written by tests and benchmarks that do not belong to the pipeline.
     SCRATCH = "scratch"
 

@@ -73,6 +73,78 @@ class CfgCache:
         return self.mode is not CfgMode.INTERVAL or step % self.interval == 0
 
 
+class StepCachePolicy(StrEnum):
+    """Which of diffusers' step-cache hooks skips work between denoising steps (approximate)."""
+
+    OFF = "off"
+    FIRST_BLOCK = "first_block"  # the blocks after the first, while its residual barely moves
+    TAYLORSEER = "taylorseer"  # attention outputs forecast between full computes
+    MAGCACHE = "magcache"  # whole forwards, by magnitude ratios calibrated per model
+
+
+# The parameters each policy takes, with their defaults (FirstBlockCacheConfig's threshold is
+# raised from 0.05, which skips almost nothing at the step counts served here; TaylorSeer's
+# are diffusers' own).
+STEP_CACHE_DEFAULTS: dict[StepCachePolicy, dict[str, float | int]] = {
+    StepCachePolicy.OFF: {},
+    StepCachePolicy.FIRST_BLOCK: {"threshold": 0.2},
+    StepCachePolicy.TAYLORSEER: {"interval": 5, "warmup": 3, "max_order": 1},
+    StepCachePolicy.MAGCACHE: {"threshold": 0.06, "max_skip": 3},
+}
+_STEP_CACHE_RANGES: dict[str, tuple[float, float]] = {
+    "threshold": (1e-6, 1.0), "interval": (1, 100), "warmup": (0, 1000), "max_order": (1, 4),
+    "max_skip": (1, 100),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StepCache:
+    """A request's step-cache policy with every parameter it takes, defaults filled in, so two
+    requests asking for the same thing in different words have the same keys. Build it through
+    ``StepCache.create``."""
+
+    policy: StepCachePolicy = StepCachePolicy.OFF
+    params: tuple[tuple[str, float | int], ...] = ()  # sorted by name
+
+    def __post_init__(self) -> None:
+        names = [name for name, _ in self.params]
+        if names != sorted(STEP_CACHE_DEFAULTS[self.policy]):
+            raise ValueError(f"step_cache {self.policy.value} takes exactly "
+                             f"{sorted(STEP_CACHE_DEFAULTS[self.policy])}, got {names}")
+        for name, value in self.params:
+            low, high = _STEP_CACHE_RANGES[name]
+            if not low <= value <= high:
+                raise ValueError(f"step_cache.{name} must be from {low:g} to {high:g}, "
+                                 f"got {value}")
+
+    @classmethod
+    def create(cls, policy: StepCachePolicy | str = StepCachePolicy.OFF,
+               **given: float | int | None) -> StepCache:
+        """The policy with ``given`` parameters (None: the default); a parameter the policy
+        does not take raises ``ValueError`` naming it."""
+        policy = StepCachePolicy(policy)
+        defaults = STEP_CACHE_DEFAULTS[policy]
+        for name, value in given.items():
+            if value is not None and name not in defaults:
+                raise ValueError(f"step_cache.{name} does not apply to policy {policy.value}")
+        params = {name: _like(default, given.get(name)) for name, default in defaults.items()}
+        return cls(policy, tuple(sorted(params.items())))
+
+    @property
+    def on(self) -> bool:
+        return self.policy is not StepCachePolicy.OFF
+
+    def param(self, name: str) -> float | int:
+        return dict(self.params)[name]
+
+
+def _like(default: float | int, value: float | int | None) -> float | int:
+    """``value`` in the type of the parameter's default; the default for None."""
+    if value is None:
+        return default
+    return float(value) if isinstance(default, float) else int(value)
+
+
 _ADAPTER_HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -120,6 +192,7 @@ class GenerationSpec:
     cfg_cache: CfgCache = CfgCache()
     # Applied to the denoiser, sorted by hash: the same set in any order is the same request.
     loras: tuple[LoraUse, ...] = ()
+    step_cache: StepCache = StepCache()
 
     def __post_init__(self) -> None:
         check_tenant(self.tenant)
@@ -161,6 +234,7 @@ class GenerationSpec:
         schedule: tuple[PromptSegment, ...] | None = None,
         cfg_cache: CfgCache = CfgCache(),
         loras: tuple[LoraUse, ...] = (),
+        step_cache: StepCache = StepCache(),
     ) -> GenerationSpec:
         """Build a spec; without ``schedule``, prompt and negative prompt hold for every step."""
         if schedule is None:
@@ -179,6 +253,7 @@ class GenerationSpec:
             priority=Priority(priority),
             cfg_cache=cfg_cache,
             loras=tuple(sorted(loras, key=lambda lora: lora.hash)),
+            step_cache=step_cache,
         )
 
     def segment_at(self, step: int) -> PromptSegment:

@@ -101,6 +101,15 @@ def test_generate_events_and_result_match_the_pipeline(http: TestClient, pipe: o
       "schedule": [{"prompt": "a", "until_step": 4}]}, "schedule", "num_inference_steps=8"),
     ({"cfg_cache": {"mode": "interval"}}, "cfg_cache.interval", "needs an interval"),
     ({"cfg_cache": {"mode": "exact", "interval": 3}}, "cfg_cache.interval", "interval mode"),
+    ({"step_cache": {"policy": "teacache"}}, "step_cache.policy", "'first_block'"),
+    ({"step_cache": {"policy": "first_block", "interval": 3}}, "step_cache.interval",
+     "does not apply to policy first_block"),
+    ({"step_cache": {"policy": "first_block", "threshold": 2}}, "step_cache.threshold",
+     "less than or equal to 1"),
+    ({"step_cache": {"policy": "taylorseer", "max_order": 9}}, "step_cache.max_order",
+     "less than or equal to 4"),
+    ({"step_cache": {"policy": "magcache"}}, "step_cache.policy",
+     "cannot run on the served wan model"),
 ])
 def test_bad_input_names_the_field_and_its_limit(http: TestClient, change: dict[str, object],
                                                  field: str, limit: str) -> None:

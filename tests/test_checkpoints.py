@@ -53,7 +53,10 @@ def test_a_checkpoint_round_trips_the_whole_scheduler_state(
 
     scheduler, rng = trajectory.scheduler(spec), torch.Generator().manual_seed(1)
     halfway = advance(scheduler, torch.randn(1, 4, 2, 3, 3, generator=rng), range(3))
-    saved = Checkpoint.capture(3, halfway, scheduler, rng, torch.ones(2), 0.5).to_bytes()
+    hooks = {"cond": ({"head_block_residual": torch.full((1, 3), 2.0), "current_step": 2},
+                      None)}
+    saved = Checkpoint.capture(3, halfway, scheduler, rng, torch.ones(2), 0.5,
+                               hooks).to_bytes()
     expected = advance(scheduler, halfway, range(3, 5))
 
     restored = Checkpoint.from_bytes(saved)
@@ -64,6 +67,10 @@ def test_a_checkpoint_round_trips_the_whole_scheduler_state(
     assert restored.cfg_residual is not None and torch.equal(restored.cfg_residual,
                                                              torch.ones(2))
     assert (restored.step, restored.compute_s) == (3, 0.5)
+    fields = restored.hooks["cond"][0]
+    assert restored.hooks["cond"][1] is None and fields is not None
+    assert fields["current_step"] == 2
+    assert torch.equal(fields["head_block_residual"], torch.full((1, 3), 2.0))
 
 
 def test_resuming_from_every_checkpoint_is_bit_identical(

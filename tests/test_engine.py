@@ -21,7 +21,7 @@ from bench.lora import random_lora
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
-from keys import GenerationSpec, LoraUse
+from keys import GenerationSpec, LoraUse, StepCache, StepCachePolicy
 from keys.names import consumer_group, stage_stream
 from tests.test_lora import TENANT, upload
 from tests.test_preemption import decode_entries_for
@@ -41,10 +41,11 @@ from workers.engine.row_proof import RowProof
 from workers.families import qwen_image, wan
 from workers.families.base import CPU
 from workers.queue.engine_metrics import read_occupancy, read_rows
+from workers.queue.lifecycle import Lifecycle
 from workers.queue.messages import Stage
 from workers.queue.records import Records
 from workers.queue.runtime import consumer_name
-from workers.queue.schema import State
+from workers.queue.schema import PreemptMode, State
 from workers.queue.submit import submit
 
 # Prompts of different lengths; the negative prompt is the same, so unconditional rows of
@@ -233,6 +234,58 @@ def test_runs_of_different_adapter_sets_never_share_a_forward(
     for record in records:
         expected = reference(lora_pipe if record.spec.loras else pipe, record.spec)
         assert np.array_equal(read_frames(worker_settings, record), expected)
+
+
+FIRST_BLOCK = StepCache.create(StepCachePolicy.FIRST_BLOCK, threshold=0.3)
+
+
+@pytest.mark.slow
+def test_runs_with_and_without_step_caches_batched_together_each_match_their_pipeline(
+        worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
+        engine: ChildProcess, pipe: object) -> None:
+    """A run's skip decision is its own: runs under policies beside each other and beside
+    plain runs that share forwards, each equal to the pipeline with its own hook (or none)."""
+    caches = [StepCache(), FIRST_BLOCK,
+              StepCache.create(StepCachePolicy.TAYLORSEER, interval=2, warmup=1), StepCache(),
+              StepCache.create(StepCachePolicy.FIRST_BLOCK, threshold=0.5)]
+    specs = [make_spec(seed=2100 + i, prompt=PROMPTS[i], num_inference_steps=6, step_cache=c)
+             for i, c in enumerate(caches)]
+    before = batched_forwards(client)
+    with only(engine, pool, client, worker_settings):
+        offered_together(client, engine, specs)
+        records = [wait_done(client, s) for s in specs]
+    assert batched_forwards(client) > before  # the plain runs shared forwards
+    for record in records:
+        assert np.array_equal(read_frames(worker_settings, record), reference(pipe, record.spec))
+        if record.spec.step_cache.on:
+            assert record.counter("hits:step") > 0
+
+
+@pytest.mark.slow
+def test_a_step_cache_run_parked_on_one_worker_resumes_on_another_bit_identically(
+        worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
+        engine: ChildProcess, pipe: object) -> None:
+    first = next(c for c in pool[Stage.DENOISE] if c is not engine and c.alive())
+    spec = make_spec(seed=2200, num_inference_steps=40, width=64, height=64,
+                     step_cache=FIRST_BLOCK)
+    lifecycle = Lifecycle(client)
+    with only(first, pool, client, worker_settings):
+        submit(client, spec)
+        owner, _ = stop_owner_when(client, spec, Stage.DENOISE, [first],
+                                   lambda f: int(f.get("step", 0)) >= 3)
+        try:
+            assert lifecycle.ask_preempt(spec.tenant, spec.request_id, PreemptMode.PARK)
+        finally:
+            os.kill(owner.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        wait_for(client, spec, State.PREEMPTED)
+    parked = Records(client).get(spec.tenant, spec.request_id)
+    assert parked is not None
+    with only(engine, pool, client, worker_settings):
+        lifecycle.resume(parked)
+        record = wait_done(client, spec)
+    assert record.fields["worker:denoise"] == consumer_name(engine.pid)  # type: ignore[arg-type]
+    assert record.counter("resumed_from") >= 3 and record.counter("hits:step") > 0
+    assert np.array_equal(read_frames(worker_settings, record), reference(pipe, spec))
 
 
 def test_a_batch_whose_rows_differ_from_alone_is_refused_and_its_rows_run_alone() -> None:

@@ -21,6 +21,7 @@ from keys import (
     KeyKind,
     LoraUse,
     PromptSegment,
+    StepCache,
     StoreKey,
     adapted,
     canonical_bytes,
@@ -190,6 +191,10 @@ CHANGES = {
     "loras": st.dictionaries(st.from_regex(r"[0-9a-f]{32}", fullmatch=True),
                              st.floats(0.1, 2.0), min_size=1, max_size=3).map(
         lambda d: tuple(LoraUse(h, s) for h, s in sorted(d.items()))),
+    # Every policy changes outputs, and so does each parameter of it.
+    "step_cache": st.one_of(
+        st.floats(0.01, 1.0).map(lambda t: StepCache.create("first_block", threshold=t)),
+        st.integers(1, 9).map(lambda k: StepCache.create("taylorseer", interval=k))),
 }
 
 

@@ -20,7 +20,7 @@ from cachesvc.processes import ChildProcess
 from cachesvc.settings import ApiSettings, ModelSettings, Settings, WorkerSettings, load_settings
 from cachesvc.stack import EmbeddedStack
 from cachesvc.waiting import wait_until
-from keys import GenerationSpec, StoreKey
+from keys import GenerationSpec, StepCache, StepCachePolicy, StoreKey
 from tests.workers_harness import (
     lose_output,
     make_spec,
@@ -140,6 +140,58 @@ def test_resuming_from_every_checkpoint_is_bit_identical(
             assert np.array_equal(frames, expected), f"resumed from step {k}"
     finally:
         cache.close()
+
+
+POLICIES = [StepCache.create(StepCachePolicy.FIRST_BLOCK, threshold=0.3),
+            StepCache.create(StepCachePolicy.TAYLORSEER, interval=2, warmup=1)]
+
+
+@pytest.mark.parametrize("step_cache", POLICIES, ids=lambda c: c.policy.value)
+def test_a_step_cache_is_bit_identical_to_the_pipeline_with_its_hook_from_every_checkpoint(
+        qwen_settings: Settings, qwen_client: redis.Redis, qwen_pool: object,
+        qwen_pipe: object, step_cache: StepCache) -> None:
+    """The hook's state travels in each checkpoint: a resume from any of them gives what the
+    uninterrupted run (and the pipeline with the same hook enabled) gives."""
+    spec = image_spec(seed=23, num_inference_steps=8, step_cache=step_cache)
+    expected = reference(qwen_pipe, spec)
+    assert not np.array_equal(expected, reference(qwen_pipe, image_spec(seed=23,
+                                                                          num_inference_steps=8)))
+    assert np.array_equal(run_request(qwen_settings, qwen_client, spec), expected)
+    record = wait_done(qwen_client, spec)
+    assert record.counter("lookups:step") == 16  # every forward of 8 guided steps
+    assert 0 < record.counter("hits:step") < 16
+    assert record.counter("lookups:cfg") == 0  # the exact tier cannot see hook state
+    checkpoints = record.checkpoints()
+    cache = open_cache(qwen_settings)
+    try:
+        for k in range(7, 0, -1):
+            for step, key in checkpoints.items():
+                if step > k:
+                    cache.remove(StoreKey.parse(key))
+            lose_output(qwen_settings, cache, record)
+            again = image_spec(seed=23, num_inference_steps=8, step_cache=step_cache)
+            frames = run_request(qwen_settings, qwen_client, again)
+            assert wait_done(qwen_client, again).counter("resumed_from") == k
+            assert np.array_equal(frames, expected), f"resumed from step {k}"
+    finally:
+        cache.close()
+
+
+def test_a_step_cache_request_never_finds_the_exact_trajectory(
+        qwen_settings: Settings, qwen_client: redis.Redis, qwen_pool: object,
+        qwen_pipe: object) -> None:
+    exact = image_spec(seed=29)
+    run_request(qwen_settings, qwen_client, exact)
+    cached = image_spec(seed=29, step_cache=POLICIES[0])
+    frames = run_request(qwen_settings, qwen_client, cached)
+    record = wait_done(qwen_client, cached)
+    assert record.counter("resumed_from") == 0 and record.counter("hits:ckpt") == 0
+    assert record.output_key != wait_done(qwen_client, exact).output_key
+    assert np.array_equal(frames, reference(qwen_pipe, cached))
+    # Same policy, same parameters: the prefix is shared.
+    same = image_spec(seed=29, step_cache=POLICIES[0])
+    run_request(qwen_settings, qwen_client, same)
+    assert wait_done(qwen_client, same).output_key == record.output_key
 
 
 def test_a_killed_denoise_worker_is_recovered_bit_identically(

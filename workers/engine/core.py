@@ -7,7 +7,8 @@ and unconditional rows of every run alike, at most ``max_tokens`` token-rows eac
 ``max_batch`` rows on two threads or twice that in one forward, as ``layout`` measured faster;
 texts of different lengths are padded where the family allows it, else they group by length),
 and each run finishes its own step with its own scheduler.
-Runs at different steps share a forward: the timestep is per row. Family code stays behind
+Runs at different steps share a forward: the timestep is per row. A row under a step cache
+runs alone, first, with its run's hook state (``step_cache``). Family code stays behind
 ``Denoiser.predict``; the engine knows tensors, not models.
 """
 
@@ -25,6 +26,7 @@ from workers.engine.exact_rows import checks_made, pad_texts, rows_apart
 from workers.engine.layout import ForwardLayouts, Layout
 from workers.engine.row_proof import RowProof
 from workers.engine.run import DenoiseRun
+from workers.engine.step_cache import StepCacheHooks
 from workers.families.base import Denoiser
 from workers.stages.guidance import ExactTier, Row, StepPlan
 from workers.stages.interrupt import BlockInterrupts, StepInterrupted
@@ -76,6 +78,7 @@ class DenoiseEngine:
                                          initargs=(torch.get_num_threads(),))
                       if parallel else None)
         self._interrupts = BlockInterrupts(model.transformer)
+        self.hooks = StepCacheHooks(model.transformer, model.step_cache_config)
 
     # --- membership ----------------------------------------------------------------------
 
@@ -140,6 +143,15 @@ class DenoiseEngine:
 
     def _run_forwards(self, rows: dict[Slot, Row]
                       ) -> Iterator[tuple[list[Slot], torch.Tensor, float]]:
+        # Rows under a step cache, each alone and one after another: the hooks hold one
+        # run's state at a time, and every forward while they are on goes through them.
+        cached = [slot for slot, row in rows.items() if row.cached is not None]
+        for slot in cached:
+            yield [slot], *self._forward([rows[slot]])
+        rows = {slot: row for slot, row in rows.items() if row.cached is None}
+        if not rows:
+            return
+        self.hooks.off()
         groups = list(self._groups(rows))
         chunks = [chunk for _, _, group in groups for chunk in group]
         calls = [lambda c=c: self._forward([rows[s] for s in c]) for c in chunks]
@@ -154,7 +166,7 @@ class DenoiseEngine:
         geometry, layout, _ = groups[0]
         # A step times its layout if it was one layout's alone and checked nothing (a check
         # computes the rows one at a time as well).
-        if (len(groups) == 1 and layout is not None
+        if (len(groups) == 1 and not cached and layout is not None
                 and self.proof.verdicts + checks_made() == checks):
             self.layouts.observe(geometry, layout, len(rows), time.perf_counter() - start)
         for chunk, (out, took) in zip(chunks, results, strict=True):
@@ -213,6 +225,11 @@ class DenoiseEngine:
 
     def _apart(self, rows: Sequence[Row]) -> torch.Tensor:
         """Each row in a forward of its own, as the request alone computes it."""
-        return torch.cat([self.model.predict(r.latents, r.timestep.reshape(1), r.embeds, r.spec)
-                          for r in rows])
+        return torch.cat([self._alone(r) for r in rows])
+
+    def _alone(self, row: Row) -> torch.Tensor:
+        def predict() -> torch.Tensor:
+            return self.model.predict(row.latents, row.timestep.reshape(1), row.embeds, row.spec)
+
+        return predict() if row.cached is None else self.hooks.forward(row.cached, predict)
 

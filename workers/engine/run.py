@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from keys import ChainLink, GenerationSpec, LoraUse, StoreKey
+from workers.engine.step_cache import RunStepCache
 from workers.queue.messages import RefName, Role
 from workers.queue.runtime import JobContext
 from workers.queue.schema import Field
@@ -42,6 +43,7 @@ class DenoiseRun:
     saves: frozenset[int]
     segments: list[int]
     adapters: AdapterSet
+    step_cache: RunStepCache | None = None  # its hook state, when the request has a policy
     has_credit: bool = False
     waited_for_credit: bool = False
     joined_at: float = field(default_factory=time.monotonic)
@@ -68,12 +70,17 @@ class DenoiseRun:
         cond = self.embeds[RefName(Role.PROMPT, self.segments[i])][1]
         negative = (self.embeds[RefName(Role.NEGATIVE, self.segments[i])]
                     if spec.segment_uses_cfg(segment) else None)
-        return self.guidance.plan(i, self.latents, self.scheduler.timesteps[i], cond, negative,
+        plan = self.guidance.plan(i, self.latents, self.scheduler.timesteps[i], cond, negative,
                                   spec.guidance_of(segment))
+        if self.step_cache is not None:
+            plan.rows = self.step_cache.attach(plan.rows)
+        return plan
 
     def advance(self, plan: StepPlan, outputs: list[torch.Tensor], seconds: list[float]) -> None:
         """Finish the step ``plan`` began with its rows' outputs; report it."""
         start = time.perf_counter()
+        if self.step_cache is not None:
+            self.step_cache.commit(plan.rows)
         prediction = self.guidance.finish(plan, outputs, seconds)
         t = self.scheduler.timesteps[self.step]
         self.latents = self.scheduler.step(prediction, t, self.latents, return_dict=False)[0]
@@ -90,4 +97,5 @@ class DenoiseRun:
 
     def checkpoint(self) -> Checkpoint:
         return Checkpoint.capture(self.step, self.latents, self.scheduler, self.rng,
-                                  self.guidance.residual, self.compute_s)
+                                  self.guidance.residual, self.compute_s,
+                                  {} if self.step_cache is None else self.step_cache.state)

@@ -19,7 +19,7 @@ import torch
 
 from encoders.text import TextModel as TextEncoder
 from encoders.text import TokenizedText as Tokens
-from keys import Fingerprint, GenerationSpec, file_digest, model_fingerprint
+from keys import Fingerprint, GenerationSpec, StepCache, file_digest, model_fingerprint
 from keys.canonical import Canonical
 from workers.queue.served_model import FamilyLimits, ModelGeometry
 
@@ -94,6 +94,9 @@ class Denoiser(Trajectory, Protocol):
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """Classifier-free guidance, in the family pipeline's exact operation order."""
+
+    def step_cache_config(self, cache: StepCache) -> Any:
+        """The diffusers hook configuration that runs ``cache`` on this transformer."""
 
 
 class Decoder(Protocol):

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from keys import GenerationSpec
+from keys import GenerationSpec, StepCache
 from workers.families.base import (
     CPU,
     Family,
@@ -30,6 +30,7 @@ from workers.families.base import (
     placed_pipeline,
     to_uint8,
 )
+from workers.families.step_cache import hook_config, hooks_enabled
 from workers.queue.served_model import LIMITS, ModelGeometry
 
 # QwenImagePipeline's prompt template; its first DROP_IDX tokens (the system prompt) are
@@ -334,6 +335,10 @@ class QwenDenoiser(QwenTrajectory):
                                 attention_kwargs={}, return_dict=False)[0]
 
     @staticmethod
+    def step_cache_config(cache: StepCache) -> Any:
+        return hook_config(cache)  # TaylorSeer's defaults match transformer_blocks.N.attn
+
+    @staticmethod
     def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """True CFG, then rescaled per token to the conditional prediction's norm."""
         combined = uncond + scale * (cond - uncond)
@@ -383,11 +388,13 @@ class QwenReference:
 
     def __call__(self, spec: GenerationSpec) -> np.ndarray:
         segment = spec.schedule[0]
-        images = self.pipe(segment.prompt, negative_prompt=segment.negative_prompt,
-                           true_cfg_scale=spec.guidance_scale, height=spec.height,
-                           width=spec.width, num_inference_steps=spec.num_inference_steps,
-                           generator=torch.Generator().manual_seed(spec.seed),
-                           output_type="np").images
+        config = QwenDenoiser.step_cache_config(spec.step_cache) if spec.step_cache.on else None
+        with hooks_enabled(self.pipe.transformer, config):
+            images = self.pipe(segment.prompt, negative_prompt=segment.negative_prompt,
+                               true_cfg_scale=spec.guidance_scale, height=spec.height,
+                               width=spec.width, num_inference_steps=spec.num_inference_steps,
+                               generator=torch.Generator().manual_seed(spec.seed),
+                               output_type="np").images
         return to_uint8(images)
 
 

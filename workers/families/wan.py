@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from keys import GenerationSpec
+from keys import GenerationSpec, StepCache
 from workers.families.base import (
     CPU,
     Family,
@@ -28,6 +28,7 @@ from workers.families.base import (
     placed_pipeline,
     to_uint8,
 )
+from workers.families.step_cache import hook_config, hooks_enabled
 from workers.queue.served_model import LIMITS, ModelGeometry
 
 MAX_SEQUENCE_LENGTH = 512  # what WanPipeline.__call__ uses (encode_prompt defaults to 226)
@@ -242,6 +243,11 @@ class WanDenoiser(WanTrajectory):
                                 return_dict=False)[0]
 
     @staticmethod
+    def step_cache_config(cache: StepCache) -> Any:
+        # diffusers' TaylorSeer patterns must end in "attn"; Wan's modules are attn1 and attn2.
+        return hook_config(cache, attention=(r"blocks\.\d+\.attn1", r"blocks\.\d+\.attn2"))
+
+    @staticmethod
     def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """Classifier-free guidance, in the pipeline's exact operation order."""
         return uncond + scale * (cond - uncond)
@@ -302,12 +308,15 @@ class WanReference:
 
     def __call__(self, spec: GenerationSpec) -> np.ndarray:
         segment = spec.schedule[0]
-        frames = self.pipe(segment.prompt, negative_prompt=segment.negative_prompt,
-                           height=spec.height, width=spec.width, num_frames=spec.num_frames,
-                           num_inference_steps=spec.num_inference_steps,
-                           guidance_scale=spec.guidance_scale,
-                           generator=torch.Generator().manual_seed(spec.seed),
-                           output_type="np").frames
+        config = WanDenoiser.step_cache_config(spec.step_cache) if spec.step_cache.on else None
+        with hooks_enabled(self.pipe.transformer, config):
+            frames = self.pipe(segment.prompt, negative_prompt=segment.negative_prompt,
+                               height=spec.height, width=spec.width,
+                               num_frames=spec.num_frames,
+                               num_inference_steps=spec.num_inference_steps,
+                               guidance_scale=spec.guidance_scale,
+                               generator=torch.Generator().manual_seed(spec.seed),
+                               output_type="np").frames
         return to_uint8(frames[0])
 
 

@@ -19,7 +19,7 @@ import redis
 from pydantic import TypeAdapter, ValidationError
 
 from cachesvc.settings import ModelSettings
-from keys import GenerationSpec
+from keys import GenerationSpec, StepCachePolicy
 from keys.names import lora_targets, served_model
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,10 @@ class FamilyLimits:
     frame_multiple: int  # num_frames must be frame_multiple * k + 1 (video families)
     spatial_multiple: int  # width and height: VAE factor times DiT patch size
     max_prompt_tokens: int  # what the text encoder keeps of a prompt, less what it adds
-
+    # The step-cache policies the family's denoiser drives (MagCache needs magnitude ratios
+    # calibrated per model, which no family ships yet).
+    step_caches: frozenset[StepCachePolicy] = frozenset(
+        {StepCachePolicy.FIRST_BLOCK, StepCachePolicy.TAYLORSEER})
 
 
 # One entry per family module in workers/families/.

@@ -13,6 +13,8 @@ from keys import (
     OutputFormat,
     Priority,
     PromptSegment,
+    StepCache,
+    StepCachePolicy,
 )
 
 
@@ -27,14 +29,17 @@ def spec_to_json(spec: GenerationSpec) -> str:
         "output_format": spec.output_format.value, "priority": spec.priority.value,
         "cfg_cache": [spec.cfg_cache.mode.value, spec.cfg_cache.interval],
         "loras": [[lora.hash, lora.scale] for lora in spec.loras],
+        "step_cache": [spec.step_cache.policy.value, dict(spec.step_cache.params)],
     })
 
 
 def spec_from_json(raw: str | bytes) -> GenerationSpec:
-    """The spec a record holds. Records written before per-segment guidance, the CFG cache or
-    LoRA adapters existed read with their defaults, so requests in flight survive an upgrade."""
+    """The spec a record holds. Records written before per-segment guidance, the CFG cache,
+    LoRA adapters or step caches existed read with their defaults, so requests in flight
+    survive an upgrade."""
     d = json.loads(raw)
     mode, interval = d.get("cfg_cache", [CfgMode.EXACT.value, 1])
+    policy, params = d.get("step_cache", [StepCachePolicy.OFF.value, {}])
     return GenerationSpec(
         request_id=d["request_id"], tenant=d["tenant"],
         schedule=tuple(PromptSegment(p, n, int(u), None if not g or g[0] is None
@@ -45,4 +50,5 @@ def spec_from_json(raw: str | bytes) -> GenerationSpec:
         guidance_scale=float(d["guidance_scale"]), seed=int(d["seed"]),
         output_format=OutputFormat(d["output_format"]), priority=Priority(d["priority"]),
         cfg_cache=CfgCache(CfgMode(mode), int(interval)),
-        loras=tuple(LoraUse(h, float(s)) for h, s in d.get("loras", [])))
+        loras=tuple(LoraUse(h, float(s)) for h, s in d.get("loras", [])),
+        step_cache=StepCache.create(policy, **params))

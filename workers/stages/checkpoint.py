@@ -2,9 +2,10 @@
 
 A checkpoint after step k holds the latents, the scheduler's whole stepping state (a multistep
 scheduler keeps its last model outputs, their timesteps, the last sample and its order counters;
-a first-order one only its step index), the noise generator's state and, for the approximate CFG
-tier, the guidance residual in use. It is stored as safetensors (tensors plus string metadata,
-never pickle) under the chain link ``h(k)``.
+a first-order one only its step index), the noise generator's state, for the approximate CFG
+tier the guidance residual in use, and for a step cache its hooks' state per guidance branch.
+It is stored as safetensors (tensors plus string metadata, never pickle) under the chain link
+``h(k)``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+
+from workers.stages import hook_state
+from workers.stages.hook_state import HookStateError, RunHookState
 
 FORMAT = "diffcache-checkpoint-1"
 _CPU = torch.device("cpu")
@@ -39,10 +43,12 @@ class Checkpoint:
     rng: torch.Tensor  # torch.Generator.get_state()
     cfg_residual: torch.Tensor | None
     compute_s: float  # denoising seconds from step 0 to here: what resuming here saves
+    hooks: RunHookState  # the step cache's hook state; empty without a policy
 
     @staticmethod
     def capture(step: int, latents: torch.Tensor, scheduler: Any, rng: torch.Generator,
-                cfg_residual: torch.Tensor | None, compute_s: float) -> Checkpoint:
+                cfg_residual: torch.Tensor | None, compute_s: float,
+                hooks: RunHookState) -> Checkpoint:
         """A snapshot that later steps cannot change (the loop goes on while it is written)."""
         state: dict[str, Any] = {}
         for name in _HISTORIES:
@@ -55,8 +61,11 @@ class Checkpoint:
         for name in _COUNTERS:
             if hasattr(scheduler, name):
                 state[name] = getattr(scheduler, name)
+        # A hook state is only ever replaced, never changed in place (``RunStepCache``), so
+        # the dict of branches is all that must be copied.
         return Checkpoint(step, latents.clone(), state, rng.get_state(),
-                          None if cfg_residual is None else cfg_residual.clone(), compute_s)
+                          None if cfg_residual is None else cfg_residual.clone(), compute_s,
+                          dict(hooks))
 
     def restore(self, scheduler: Any, rng: torch.Generator,
                 device: torch.device = _CPU) -> None:
@@ -73,6 +82,10 @@ class Checkpoint:
         meta = {"format": FORMAT, "step": str(self.step), "compute_s": repr(self.compute_s)}
         if self.cfg_residual is not None:
             tensors["cfg_residual"] = self.cfg_residual
+        if self.hooks:
+            tree, hook_tensors = hook_state.encode(self.hooks, "hooks")
+            meta["hooks"] = json.dumps(tree)
+            tensors.update(hook_tensors)
         for name, value in self.scheduler.items():
             if isinstance(value, list):
                 meta[f"len:{name}"] = str(len(value))
@@ -105,8 +118,13 @@ class Checkpoint:
             elif kind == "int":
                 state[name] = int(value)
         state.update({n: tensors[n] for n in _SAMPLES if n in tensors})
+        try:
+            hooks = (hook_state.decode(json.loads(meta["hooks"]), tensors, _CPU)
+                     if "hooks" in meta else {})
+        except (HookStateError, ValueError) as exc:
+            raise CheckpointError(f"unreadable step-cache state: {exc}") from exc
         return Checkpoint(int(meta["step"]), tensors["latents"], state, tensors["rng"],
-                          tensors.get("cfg_residual"), float(meta["compute_s"]))
+                          tensors.get("cfg_residual"), float(meta["compute_s"]), hooks)
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:

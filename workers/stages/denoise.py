@@ -26,6 +26,7 @@ from cachesvc.tensor_cache import TensorCache
 from keys import ChainLink, GenerationSpec, KeyKind, StoreKey, adapted, latents_key
 from workers.engine.core import DenoiseEngine
 from workers.engine.run import AdapterSet, DenoiseRun, Embeddings
+from workers.engine.step_cache import RunStepCache
 from workers.families.base import Denoiser
 from workers.queue.credits import Credits
 from workers.queue.messages import LATENTS, Job, Stage, TensorRef
@@ -36,6 +37,7 @@ from workers.queue.streams import Delivery
 from workers.stages.adapters import AdapterStats, LoadedAdapters
 from workers.stages.checkpoint import Checkpoint, CheckpointError
 from workers.stages.guidance import ExactTier, Guidance
+from workers.stages.hook_state import RunHookState, on_device
 from workers.stages.trajectory import chain_links, checkpoint_steps
 from workers.stages.write_behind import WriteBehind
 
@@ -81,7 +83,7 @@ class DenoiseHandler:
             latents, rng = self.model.initial_latents(spec)
             run = DenoiseRun(ctx, delivery, spec, embeds, links, scheduler, rng, latents, 0,
                              0.0, self._guidance(spec, None), saves, spec.step_segments(),
-                             adapters)
+                             adapters, _step_cache(spec, {}))
         else:
             rng = torch.Generator(device="cpu")
             device = self.model.device
@@ -90,7 +92,7 @@ class DenoiseHandler:
             run = DenoiseRun(ctx, delivery, spec, embeds, links, scheduler, rng,
                              found.latents.to(device), found.step, found.compute_s,
                              self._guidance(spec, residual), saves, spec.step_segments(),
-                             adapters)
+                             adapters, _step_cache(spec, on_device(found.hooks, device)))
             ctx.progress(RecordWrite({
                 checkpoint_field(found.step): str(links[found.step].checkpoint_key())}))
         ctx.progress(RecordWrite({Field.STEP: run.step, Field.RESUMED_FROM: run.step}))
@@ -132,7 +134,7 @@ class DenoiseHandler:
                                                             stored.shape)),
                                    chain_index=head.index, chain_head=head.hex,
                                    compute_s=run.compute_s),
-                       fields=run.guidance.stats.as_fields())
+                       fields=self._stats(run))
 
     def discard(self, outcome: Outcome) -> None:
         """A fenced-out attempt's latents belong to no one: delete them."""
@@ -155,9 +157,25 @@ class DenoiseHandler:
                 if t is not None}
 
     def _guidance(self, spec: GenerationSpec, residual: torch.Tensor | None) -> Guidance:
+        # Under a step cache an unconditional output depends on the hooks' state, not only
+        # on the inputs the exact tier's key names: the tier is neither asked nor fed.
         return Guidance(self.cache, self.model.guide,
                         adapted(self.model.fingerprint, spec.loras), spec,
-                        lookup=self.settings.cfg_cache, residual=residual)
+                        lookup=self.settings.cfg_cache and not spec.step_cache.on,
+                        residual=residual)
+
+    def _stats(self, run: DenoiseRun) -> RecordWrite:
+        """What the attempt computed, for the record; the step cache's part also counted per
+        tenant, beside the other caches."""
+        fields = run.guidance.stats.as_fields()
+        if run.step_cache is None:
+            return fields
+        cached = run.step_cache
+        self.cache.counters.add_many(run.spec.tenant, KeyKind.STEP, {
+            Event.LOOKUPS: cached.forwards, Event.HITS: cached.skipped,
+            Event.MISSES: cached.forwards - cached.skipped})
+        return fields | RecordWrite(add={KindField.LOOKUPS.of(KeyKind.STEP): cached.forwards,
+                                         KindField.HITS.of(KeyKind.STEP): cached.skipped})
 
     def _latest_checkpoint(self, ctx: JobContext,
                            links: list[ChainLink]) -> tuple[Checkpoint | None, RecordWrite]:
@@ -246,11 +264,15 @@ class DenoiseHandler:
         if not ctx.stale and run.step > 0:
             self._save([run], keep=True)
         self._writes.drain()
-        fields = run.guidance.stats.as_fields()
+        fields = self._stats(run)
         if ctx.preempt is not None and not ctx.should_stop:
             return Outcome(None, fields=fields, preempted=ctx.preempt)
         return Outcome(None, State.CANCELLED, fields)
 
+
+
+def _step_cache(spec: GenerationSpec, state: RunHookState) -> RunStepCache | None:
+    return RunStepCache(spec.step_cache, state) if spec.step_cache.on else None
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:

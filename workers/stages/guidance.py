@@ -22,6 +22,7 @@ from cachesvc.tensor_cache import TensorCache
 from keys import CfgMode, Fingerprint, GenerationSpec, KeyKind, StoreKey, cfg_key, tensor_digest
 from workers.queue.schema import Field, KindField
 from workers.queue.scripts import RecordWrite
+from workers.stages.hook_state import CachedForward
 from workers.stages.write_behind import WriteBehind
 
 # (cond, uncond, scale) -> guided prediction, in the family's operation order.
@@ -53,6 +54,8 @@ class Row:
     timestep: torch.Tensor  # 0-d
     embeds: torch.Tensor
     spec: GenerationSpec  # its geometry: rows of one geometry may share a forward
+    # Its run's step-cache state for this forward; such a row always runs alone.
+    cached: CachedForward | None = None
 
 
 @dataclass

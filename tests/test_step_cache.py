@@ -1,0 +1,123 @@
+"""Step caching: a policy and its parameters are part of every trajectory key, hook state
+checkpoints without pickle, and the Wan family's output under each policy is bit-identical to
+``WanPipeline`` with the same diffusers hook enabled (CPU, float32, one thread per op)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+import redis
+import torch
+
+from cachesvc.settings import ApiSettings, Settings
+from cachesvc.waiting import wait_until
+from keys import Fingerprint, StepCache, StepCachePolicy, chain_root
+from tests.workers_harness import make_spec, reference, run_request, serve_api, wait_done
+from workers.queue.spec_json import spec_from_json, spec_to_json
+from workers.stages.hook_state import HookStateError, decode, encode
+
+MODEL = Fingerprint("transformer", "0" * 32)
+
+
+def root(cache: StepCache) -> str:
+    return chain_root(make_spec(step_cache=cache), MODEL, {}, "float32").hex
+
+
+def test_the_policy_and_every_parameter_are_in_the_key_and_defaults_are_spelled_out() -> None:
+    roots = {root(StepCache()), root(StepCache.create("first_block")),
+             root(StepCache.create("first_block", threshold=0.3)),
+             root(StepCache.create("taylorseer")), root(StepCache.create("taylorseer", warmup=4))}
+    assert len(roots) == 5
+    default = StepCache.create(StepCachePolicy.FIRST_BLOCK)
+    assert StepCache.create("first_block", threshold=default.param("threshold")) == default
+    assert root(StepCache.create("first_block", threshold=default.param("threshold"))) == \
+        root(default)
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"policy": "first_block", "interval": 2}, "step_cache.interval does not apply"),
+    ({"policy": "taylorseer", "max_order": 0}, "step_cache.max_order must be from 1"),
+    ({"policy": "first_block", "threshold": 0.0}, "step_cache.threshold must be from"),
+])
+def test_a_parameter_out_of_place_or_range_is_refused_by_name(given: dict[str, object],
+                                                              message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StepCache.create(**given)  # type: ignore[arg-type]
+
+
+def test_the_record_keeps_the_policy_and_reads_records_from_before_it() -> None:
+    spec = make_spec(step_cache=StepCache.create("taylorseer", interval=3))
+    assert spec_from_json(spec_to_json(spec)) == spec
+    old = json.loads(spec_to_json(make_spec()))
+    del old["step_cache"]
+    assert spec_from_json(json.dumps(old)).step_cache == StepCache()
+
+
+def test_hook_state_round_trips_through_safetensors_form_without_pickle() -> None:
+    state = {"cond": ({"residual": torch.arange(6.0).reshape(2, 3), "step": 4, "last": None,
+                       "factors": {0: {0: torch.ones(2, dtype=torch.bfloat16)}, 1: {}},
+                       "dtypes": (torch.float32,), "device": torch.device("cpu"),
+                       "shapes": (torch.Size([1, 2]),), "flag": False, "pair": [1.5, None]},
+                      None),
+             "uncond": (None, None)}
+    tree, tensors = encode(state, "hooks")
+    back = decode(json.loads(json.dumps(tree)), tensors, torch.device("cpu"))
+    fields = back["cond"][0]
+    assert fields is not None and back["cond"][1] is None and back["uncond"] == (None, None)
+    assert torch.equal(fields["residual"], state["cond"][0]["residual"])  # type: ignore[index]
+    assert fields["factors"][0][0].dtype == torch.bfloat16 and fields["factors"][1] == {}
+    assert {k: v for k, v in fields.items() if k not in ("residual", "factors")} == \
+        {k: v for k, v in state["cond"][0].items()  # type: ignore[union-attr]
+         if k not in ("residual", "factors")}
+
+
+def test_hook_state_that_has_no_checkpoint_form_is_refused_by_name() -> None:
+    with pytest.raises(HookStateError, match=r"cond\[0\]\.hook is a object"):
+        encode({"cond": ({"hook": object()},)}, "hooks")
+    with pytest.raises(HookStateError, match="not a torch dtype"):
+        decode({"cond": [{"x": {"dtype": "load"}}]}, {}, torch.device("cpu"))
+    with pytest.raises(HookStateError, match="unknown hook state node"):
+        decode({"cond": [{"x": {"pickle": "..."}}]}, {}, torch.device("cpu"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", [StepCache.create("first_block", threshold=0.3),
+                                   StepCache.create("taylorseer", interval=2, warmup=1)],
+                         ids=lambda c: c.policy.value)
+def test_wan_under_a_step_cache_matches_the_pipeline_with_the_same_hook(
+        worker_settings: Settings, client: redis.Redis, pool: object, pipe: object,
+        cache: StepCache) -> None:
+    spec = make_spec(seed=61, num_inference_steps=8, step_cache=cache)
+    frames = run_request(worker_settings, client, spec)
+    record = wait_done(client, spec)
+    assert (record.counter("lookups:step"), record.counter("lookups:cfg")) == (16, 0)
+    assert record.counter("hits:step") > 0
+    assert np.array_equal(frames, reference(pipe, spec))
+    assert not np.array_equal(frames, reference(pipe, make_spec(seed=61,
+                                                                num_inference_steps=8)))
+
+
+@pytest.mark.slow
+def test_a_tenant_default_applies_to_requests_that_name_no_policy_and_the_status_shows_it(
+        worker_settings: Settings, client: redis.Redis, pool: object) -> None:
+    api = ApiSettings(step_cache_defaults={worker_settings.default_tenant: "first_block"})
+    small = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 4,
+             "output_format": "npy", "seed": 3}
+    with serve_api(worker_settings, api) as url, httpx.Client(base_url=url) as http:
+        named = http.post("/v1/generate", json={"prompt": "a fox", **small,
+                                                "step_cache": {"policy": "off"}})
+        default = http.post("/v1/generate", json={"prompt": "a fox", **small})
+        assert named.status_code == default.status_code == 202, (named.text, default.text)
+        statuses = {}
+        for name, answer in (("named", named), ("default", default)):
+            request_id = answer.json()["id"]
+            wait_until(lambda r=request_id: http.get(f"/v1/requests/{r}").json()["state"]
+                       == "DONE", timeout_s=120, what=f"{request_id} DONE")
+            statuses[name] = http.get(f"/v1/requests/{request_id}").json()
+    assert statuses["named"]["step_cache"] is None
+    shown = statuses["default"]["step_cache"]
+    assert shown["policy"] == "first_block" and shown["params"] == {"threshold": 0.2}
+    assert shown["forwards"] == 8  # 4 guided steps

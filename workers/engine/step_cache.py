@@ -1,0 +1,137 @@
+"""Step caching in the engine: diffusers' cache hooks driven one forward at a time. Each run
+holds its own hook state per guidance branch; the state goes into the hooks for that run's
+forward and comes back out after it, so no two runs share a skip decision, a step abandoned
+half-way leaves the run's state as it was, and a checkpoint can carry the state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
+
+import torch
+from diffusers.hooks.hooks import StateManager
+from diffusers.models.cache_utils import CacheMixin
+
+from keys import StepCache
+from workers.stages.guidance import Row
+from workers.stages.hook_state import CachedForward, HookFields, RunHookState
+
+BRANCHES = ("cond", "uncond")  # a plan's rows, in order
+_CONTEXT = "diffcache"  # the one context the hooks see: the run's state is put in it
+# Fields each hook rewrites at every forward before it reads them: not state to carry.
+_TRANSIENT = {"FBCSharedBlockState": frozenset({"head_block_output", "should_compute"})}
+
+
+class StepCacheHooks:
+    """The transformer's hooks, enabled for the step cache of the forward at hand."""
+
+    def __init__(self, transformer: torch.nn.Module,
+                 config_for: Callable[[StepCache], Any]) -> None:
+        self.transformer = cast(CacheMixin, transformer)
+        self._modules = transformer
+        self._config_for = config_for
+        self._enabled: StepCache | None = None
+        self._managers: list[StateManager] = []
+
+    def forward(self, slot: CachedForward, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``call()`` with the hooks of ``slot.cache`` holding the branch's state; the state
+        after it lands in ``slot``. Forwards under hooks must not overlap: one thread at a
+        time, and no forward without hooks meanwhile (``off`` first)."""
+        self._enable(slot.cache)
+        before = slot.before or (None,) * len(self._managers)
+        for manager, fields in zip(self._managers, before, strict=True):
+            manager._state_cache.pop(_CONTEXT, None)
+            if fields is not None:
+                manager._state_cache[_CONTEXT] = _state(manager, fields)
+        with self.transformer.cache_context(_CONTEXT):
+            out = call()
+        states = [manager._state_cache.pop(_CONTEXT, None) for manager in self._managers]
+        slot.skipped = any(_stood_in(state) for state in states if state is not None)
+        slot.after = tuple(None if state is None else _fields(state) for state in states)
+        return out
+
+    def off(self) -> None:
+        """No hooks: the transformer computes every block of every forward."""
+        if self._enabled is not None:
+            self.transformer.disable_cache()
+            self._enabled, self._managers = None, []
+
+    def _enable(self, cache: StepCache) -> None:
+        if self._enabled == cache:
+            return
+        self.off()
+        self.transformer.enable_cache(self._config_for(cache))
+        self._enabled = cache
+        self._managers = _state_managers(self._modules)
+
+
+@dataclass
+class RunStepCache:
+    """A run's step cache: its hook state per branch, and what it computed and skipped."""
+
+    cache: StepCache
+    state: RunHookState = field(default_factory=dict)
+    forwards: int = 0
+    skipped: int = 0
+
+    def attach(self, rows: Sequence[Row]) -> list[Row]:
+        """The plan's rows, each to run under this run's state for its branch."""
+        return [replace(row, cached=CachedForward(self.cache, self.state.get(branch, ())))
+                for row, branch in zip(rows, BRANCHES, strict=False)]
+
+    def commit(self, rows: Sequence[Row]) -> None:
+        """Take the state the rows' forwards left: the step is the run's now."""
+        for row, branch in zip(rows, BRANCHES, strict=False):
+            slot = row.cached
+            assert slot is not None and slot.after is not None
+            self.state[branch] = slot.after
+            self.forwards += 1
+            self.skipped += slot.skipped
+
+
+def _state_managers(transformer: torch.nn.Module) -> list[StateManager]:
+    """Every state manager of the transformer's hooks, in module order (the same on every
+    worker that enables the same configuration on the same model)."""
+    found: dict[int, StateManager] = {}
+    for module in transformer.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is None:
+            continue
+        for name in registry._hook_order:
+            for value in vars(registry.hooks[name]).values():
+                if isinstance(value, StateManager):
+                    found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def _state(manager: StateManager, fields: HookFields) -> Any:
+    """A fresh hook state holding ``fields``, its containers copied (a hook updates them in
+    place, and the run's own state must not change until its step is done)."""
+    make = cast(Callable[..., Any], manager._state_cls)  # typed as an instance upstream
+    state = make(*manager._init_args, **manager._init_kwargs)
+    for name, value in fields.items():
+        setattr(state, name, _copied(value))
+    return state
+
+
+def _fields(state: Any) -> HookFields:
+    transient = _TRANSIENT.get(type(state).__name__, frozenset())
+    return {name: value for name, value in vars(state).items() if name not in transient}
+
+
+def _stood_in(state: Any) -> bool:
+    """Whether the hook skipped or forecast its part of the forward just run."""
+    if getattr(state, "should_compute", True) is False:  # first-block cache
+        return True
+    step = getattr(state, "current_step", None)  # TaylorSeer: it updates on computed steps
+    return step is not None and getattr(state, "last_update_step", step) != step
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    return value
