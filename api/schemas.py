@@ -63,16 +63,19 @@ class StepCacheBody(BaseModel):
 
     policy: StepCachePolicy = StepCachePolicy.OFF
     threshold: float | None = Field(None, gt=0, le=1, description="first_block: how far block "
-                                    "0's residual may move before the rest runs again")
+                                    "0's residual may move before the rest runs again; "
+                                    "magcache: the error it may accumulate")
     interval: int | None = Field(None, ge=1, le=100, description="taylorseer: a full compute "
                                  "every interval steps")
     warmup: int | None = Field(None, ge=0, le=1000, description="taylorseer: steps computed "
                                "in full before forecasting")
     max_order: int | None = Field(None, ge=1, le=4, description="taylorseer: Taylor order")
+    max_skip: int | None = Field(None, ge=1, le=100, description="magcache: steps it may skip "
+                                 "in a row")
 
     def params(self) -> dict[str, float | int | None]:
         return {"threshold": self.threshold, "interval": self.interval,
-                "warmup": self.warmup, "max_order": self.max_order}
+                "warmup": self.warmup, "max_order": self.max_order, "max_skip": self.max_skip}
 
 
 class LoraBody(BaseModel):

@@ -220,7 +220,7 @@ class Service:
             step_cache=step_cache_from(
                 body.step_cache, self.settings.api.step_cache_defaults.get(tenant,
                                                                          StepCachePolicy.OFF),
-                served.limits.step_caches, served.family))
+                served.step_caches, served.family))
         return self._within_cost(spec, served)
 
     def loras_for(self, tenant: str, loras: list[LoraBody]) -> tuple[LoraUse, ...]:

@@ -116,6 +116,9 @@ def main() -> None:
                         help="first-block cache thresholds")
     parser.add_argument("--taylorseer", type=int, nargs="*", default=[2, 3, 5],
                         help="TaylorSeer intervals (warm-up 3, order 1)")
+    parser.add_argument("--magcache", type=float, nargs="*", default=[0.06, 0.12, 0.24],
+                        help="MagCache thresholds (the model card's ratios, at most 3 skipped "
+                        "in a row)")
     parser.add_argument("--grid", type=Path, help="also write a PNG grid of sample outputs")
     args = parser.parse_args()
     classifier = load_classifier()
@@ -125,7 +128,9 @@ def main() -> None:
     step_caches = ([StepCache.create(StepCachePolicy.FIRST_BLOCK, threshold=t)
                     for t in args.first_block]
                    + [StepCache.create(StepCachePolicy.TAYLORSEER, interval=k)
-                      for k in args.taylorseer])
+                      for k in args.taylorseer]
+                   + [StepCache.create(StepCachePolicy.MAGCACHE, threshold=t)
+                      for t in args.magcache])
     skipped: dict[StepCache, float] = {}  # the share of forwards each policy stood in for
     with model_stack(model={"preset": "shapes"}) as settings:
         records = Records(open_redis(settings))

@@ -35,7 +35,7 @@ from workers.queue.records import Records
 from workers.queue.schema import RequestRecord
 from workers.queue.submit import new_request_id
 
-POLICIES = [StepCachePolicy.FIRST_BLOCK, StepCachePolicy.TAYLORSEER]
+POLICIES = [StepCachePolicy.FIRST_BLOCK, StepCachePolicy.TAYLORSEER, StepCachePolicy.MAGCACHE]
 
 
 def checkpoint_bytes(cache: TensorCache, record: RequestRecord, step: int) -> int:

@@ -262,6 +262,26 @@ def test_runs_with_and_without_step_caches_batched_together_each_match_their_pip
 
 
 @pytest.mark.slow
+def test_runs_whose_step_cache_decides_alike_share_forwards_and_each_matches_the_pipeline(
+        worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
+        engine: ChildProcess, pipe: object) -> None:
+    """TaylorSeer decides by its counters alone: runs at the same point of the same policy
+    share forwards, their hook states joined along the batch, and each row is what its run
+    alone gives (the pipeline with the same hook)."""
+    cache = StepCache.create(StepCachePolicy.TAYLORSEER, interval=2, warmup=1)
+    specs = [make_spec(seed=2300 + i, prompt=PROMPTS[i], num_inference_steps=6,
+                       step_cache=cache) for i in range(3)]
+    before = batched_forwards(client)
+    with only(engine, pool, client, worker_settings):
+        offered_together(client, engine, specs)
+        records = [wait_done(client, s) for s in specs]
+    assert batched_forwards(client) > before  # no run without a policy was there to batch
+    for record in records:
+        assert record.counter("hits:step") > 0
+        assert np.array_equal(read_frames(worker_settings, record), reference(pipe, record.spec))
+
+
+@pytest.mark.slow
 def test_a_step_cache_run_parked_on_one_worker_resumes_on_another_bit_identically(
         worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
         engine: ChildProcess, pipe: object) -> None:

@@ -5,6 +5,7 @@ the API refuses video-only fields for an image family."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -32,11 +33,12 @@ from tests.workers_harness import (
     wait_done,
     wait_for,
 )
+from training.magcache import calibrate
 from workers.families import family_named, qwen_image
 from workers.families.base import CPU
 from workers.queue.messages import Stage
 from workers.queue.schema import State
-from workers.queue.served_model import RequestDefaults
+from workers.queue.served_model import MODEL_CARD, RequestDefaults
 from workers.queue.submit import submit
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
@@ -46,6 +48,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def qwen_settings(tmp_path_factory: pytest.TempPathFactory,
                   qwen_model_dir: Path) -> Iterator[Settings]:
+    # Ratios for MagCache in the model's card, calibrated as for the shipped model, before any
+    # worker reads the card.
+    ratios = calibrate(qwen_model_dir, ["a red fox", "a small boat at sea"],
+                       RequestDefaults(width=64, height=64, num_inference_steps=8))
+    card = qwen_model_dir / MODEL_CARD
+    card.write_text(json.dumps({"model": {"magcache_ratios": ratios}}))
     settings = load_settings(data_dir=str(tmp_path_factory.mktemp("qwen-stack")),
                              store={"segment_mib": 64})
     stack = EmbeddedStack(settings)
@@ -143,7 +151,8 @@ def test_resuming_from_every_checkpoint_is_bit_identical(
 
 
 POLICIES = [StepCache.create(StepCachePolicy.FIRST_BLOCK, threshold=0.3),
-            StepCache.create(StepCachePolicy.TAYLORSEER, interval=2, warmup=1)]
+            StepCache.create(StepCachePolicy.TAYLORSEER, interval=2, warmup=1),
+            StepCache.create(StepCachePolicy.MAGCACHE, threshold=0.5)]
 
 
 @pytest.mark.parametrize("step_cache", POLICIES, ids=lambda c: c.policy.value)

@@ -7,8 +7,9 @@ and unconditional rows of every run alike, at most ``max_tokens`` token-rows eac
 ``max_batch`` rows on two threads or twice that in one forward, as ``layout`` measured faster;
 texts of different lengths are padded where the family allows it, else they group by length),
 and each run finishes its own step with its own scheduler.
-Runs at different steps share a forward: the timestep is per row. A row under a step cache
-runs alone, first, with its run's hook state (``step_cache``). Family code stays behind
+Runs at different steps share a forward: the timestep is per row. Rows under step caches run
+first, with their runs' hook states (``step_cache``), sharing a forward only where their skip
+decisions are bound to be equal. Family code stays behind
 ``Denoiser.predict``; the engine knows tensors, not models.
 """
 
@@ -26,7 +27,7 @@ from workers.engine.exact_rows import checks_made, pad_texts, rows_apart
 from workers.engine.layout import ForwardLayouts, Layout
 from workers.engine.row_proof import RowProof
 from workers.engine.run import DenoiseRun
-from workers.engine.step_cache import StepCacheHooks
+from workers.engine.step_cache import StepCacheHooks, decision_key
 from workers.families.base import Denoiser
 from workers.stages.guidance import ExactTier, Row, StepPlan
 from workers.stages.interrupt import BlockInterrupts, StepInterrupted
@@ -143,11 +144,11 @@ class DenoiseEngine:
 
     def _run_forwards(self, rows: dict[Slot, Row]
                       ) -> Iterator[tuple[list[Slot], torch.Tensor, float]]:
-        # Rows under a step cache, each alone and one after another: the hooks hold one
-        # run's state at a time, and every forward while they are on goes through them.
-        cached = [slot for slot, row in rows.items() if row.cached is not None]
-        for slot in cached:
-            yield [slot], *self._forward([rows[slot]])
+        # Rows under a step cache first, one forward after another (the hooks hold one
+        # forward's state at a time, and every forward while they are on goes through them).
+        cached = {slot: row for slot, row in rows.items() if row.cached is not None}
+        for chunk in self._hooked_chunks(cached):
+            yield chunk, *self._hooked([cached[s] for s in chunk])
         rows = {slot: row for slot, row in rows.items() if row.cached is None}
         if not rows:
             return
@@ -191,6 +192,37 @@ class DenoiseEngine:
             per_forward = whole if layout is Layout.WHOLE else split
             yield geometry, layout, [slots[start:start + per_forward]
                                      for start in range(0, len(slots), per_forward)]
+
+    def _hooked_chunks(self, rows: dict[Slot, Row]) -> Iterator[list[Slot]]:
+        """Rows under step caches that may share a forward: those whose skip decisions are
+        bound to be equal (``decision_key``), of one geometry and text length; a row whose
+        decision its own data makes (first-block) has a forward of its own."""
+        groups: dict[object, list[Slot]] = {}
+        for slot, row in rows.items():
+            assert row.cached is not None
+            key = decision_key(row.cached)
+            groups.setdefault(slot if key is None else (key, _group_key(row, False)),
+                              []).append(slot)
+        for slots in groups.values():
+            first = rows[slots[0]]
+            tokens = self.model.tokens(first.spec) + first.embeds.shape[1]
+            size = min(self.max_batch, max(1, self.max_tokens // max(tokens, 1)))
+            yield from (slots[start:start + size] for start in range(0, len(slots), size))
+
+    def _hooked(self, rows: Sequence[Row]) -> tuple[torch.Tensor, float]:
+        """Rows under one step-cache decision in one forward, their hook states joined, once
+        that is proven equal to each row alone with its own state (as every batched forward
+        is; under its own proof, the hooks skipping parts of it)."""
+        start = time.perf_counter()
+        slots = [row.cached for row in rows if row.cached is not None]
+        geometry = (*_geometry(rows[0]), slots[0].cache.policy)
+        if len(rows) == 1 or not self.proof.trusted(geometry):
+            return self._apart(rows), time.perf_counter() - start
+        batched = self.hooks.forward_many(slots, lambda: self._batched(rows))
+        # The first time, the rows alone run as well (each leaving its own state, which then
+        # stands) and decide.
+        out = self.proof.settle(geometry, batched, lambda: self._apart(rows))
+        return out, time.perf_counter() - start
 
     def _forward(self, rows: Sequence[Row]) -> tuple[torch.Tensor, float]:
         start = time.perf_counter()

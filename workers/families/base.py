@@ -95,8 +95,9 @@ class Denoiser(Trajectory, Protocol):
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """Classifier-free guidance, in the family pipeline's exact operation order."""
 
-    def step_cache_config(self, cache: StepCache) -> Any:
-        """The diffusers hook configuration that runs ``cache`` on this transformer."""
+    def step_cache_config(self, cache: StepCache, steps: int) -> Any:
+        """The diffusers hook configuration that runs ``cache`` on this transformer, for a
+        trajectory of ``steps``."""
 
 
 class Decoder(Protocol):

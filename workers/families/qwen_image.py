@@ -31,7 +31,7 @@ from workers.families.base import (
     to_uint8,
 )
 from workers.families.step_cache import hook_config, hooks_enabled
-from workers.queue.served_model import LIMITS, ModelGeometry
+from workers.queue.served_model import LIMITS, ModelGeometry, model_card
 
 # QwenImagePipeline's prompt template; its first DROP_IDX tokens (the system prompt) are
 # dropped from the text encoder's hidden states.
@@ -301,6 +301,7 @@ class QwenDenoiser(QwenTrajectory):
         super().__init__(directory, placement)
         self.transformer = QwenImageTransformer2DModel.from_pretrained(
             directory / "transformer", dtype=placement.dit_dtype).to(self.device).eval()
+        self.mag_ratios = model_card(directory).magcache_ratios
 
     def latent_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
         rows, cols = self.tokens_per_side(spec)
@@ -334,9 +335,9 @@ class QwenDenoiser(QwenTrajectory):
                                 * latents.shape[0],
                                 attention_kwargs={}, return_dict=False)[0]
 
-    @staticmethod
-    def step_cache_config(cache: StepCache) -> Any:
-        return hook_config(cache)  # TaylorSeer's defaults match transformer_blocks.N.attn
+    def step_cache_config(self, cache: StepCache, steps: int) -> Any:
+        # TaylorSeer's default patterns match transformer_blocks.N.attn.
+        return hook_config(cache, steps, mag_ratios=self.mag_ratios)
 
     @staticmethod
     def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
@@ -385,10 +386,12 @@ class QwenReference:
         from diffusers import QwenImagePipeline
 
         self.pipe = placed_pipeline(QwenImagePipeline, directory, placement)
+        self.mag_ratios = model_card(directory).magcache_ratios
 
     def __call__(self, spec: GenerationSpec) -> np.ndarray:
         segment = spec.schedule[0]
-        config = QwenDenoiser.step_cache_config(spec.step_cache) if spec.step_cache.on else None
+        config = (hook_config(spec.step_cache, spec.num_inference_steps,
+                              mag_ratios=self.mag_ratios) if spec.step_cache.on else None)
         with hooks_enabled(self.pipe.transformer, config):
             images = self.pipe(segment.prompt, negative_prompt=segment.negative_prompt,
                                true_cfg_scale=spec.guidance_scale, height=spec.height,

@@ -29,7 +29,7 @@ from workers.families.base import (
     to_uint8,
 )
 from workers.families.step_cache import hook_config, hooks_enabled
-from workers.queue.served_model import LIMITS, ModelGeometry
+from workers.queue.served_model import LIMITS, ModelGeometry, model_card
 
 MAX_SEQUENCE_LENGTH = 512  # what WanPipeline.__call__ uses (encode_prompt defaults to 226)
 PRESET_FILE = "diffcache-preset.json"
@@ -120,6 +120,10 @@ def build(directory: Path, preset_name: str, seed: int = 0) -> None:
                                                      **asdict(preset)}))
 
 
+# The attention modules TaylorSeer forecasts: diffusers' default patterns must end in "attn",
+# and Wan's are attn1 (self) and attn2 (cross).
+ATTENTION = (r"blocks\.\d+\.attn1", r"blocks\.\d+\.attn2")
+
 # --- Encode ---------------------------------------------------------------------------------
 
 
@@ -204,6 +208,7 @@ class WanDenoiser(WanTrajectory):
         super().__init__(directory, placement)
         self.transformer = WanTransformer3DModel.from_pretrained(
             directory / "transformer", dtype=placement.dit_dtype).to(self.device).eval()
+        self.mag_ratios = model_card(directory).magcache_ratios
         vae_config = json.loads((directory / "vae" / "config.json").read_text())
         self.temporal_factor = 2 ** sum(vae_config["temperal_downsample"])
         self.spatial_factor = 2 ** (len(vae_config["dim_mult"]) - 1)
@@ -242,10 +247,8 @@ class WanDenoiser(WanTrajectory):
                                                                 self.transformer.dtype),
                                 return_dict=False)[0]
 
-    @staticmethod
-    def step_cache_config(cache: StepCache) -> Any:
-        # diffusers' TaylorSeer patterns must end in "attn"; Wan's modules are attn1 and attn2.
-        return hook_config(cache, attention=(r"blocks\.\d+\.attn1", r"blocks\.\d+\.attn2"))
+    def step_cache_config(self, cache: StepCache, steps: int) -> Any:
+        return hook_config(cache, steps, ATTENTION, self.mag_ratios)
 
     @staticmethod
     def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
@@ -305,10 +308,12 @@ class WanReference:
         from diffusers import WanPipeline
 
         self.pipe = placed_pipeline(WanPipeline, directory, placement)
+        self.mag_ratios = model_card(directory).magcache_ratios
 
     def __call__(self, spec: GenerationSpec) -> np.ndarray:
         segment = spec.schedule[0]
-        config = WanDenoiser.step_cache_config(spec.step_cache) if spec.step_cache.on else None
+        config = (hook_config(spec.step_cache, spec.num_inference_steps, ATTENTION,
+                              self.mag_ratios) if spec.step_cache.on else None)
         with hooks_enabled(self.pipe.transformer, config):
             frames = self.pipe(segment.prompt, negative_prompt=segment.negative_prompt,
                                height=spec.height, width=spec.width,

@@ -33,8 +33,8 @@ class FamilyLimits:
     frame_multiple: int  # num_frames must be frame_multiple * k + 1 (video families)
     spatial_multiple: int  # width and height: VAE factor times DiT patch size
     max_prompt_tokens: int  # what the text encoder keeps of a prompt, less what it adds
-    # The step-cache policies the family's denoiser drives (MagCache needs magnitude ratios
-    # calibrated per model, which no family ships yet).
+    # The step-cache policies the family's denoiser drives on any model (MagCache also runs
+    # where the model's card ships calibrated ratios: ``ServedModel.step_caches``).
     step_caches: frozenset[StepCachePolicy] = frozenset(
         {StepCachePolicy.FIRST_BLOCK, StepCachePolicy.TAYLORSEER})
 
@@ -124,6 +124,9 @@ class ModelCard:
     max_height: int | None = None
     prompts: str = ""  # the kinds of prompt it was trained on, in a sentence
     vocabulary: tuple[str, ...] = ()  # every word its training captions hold; () for any
+    # MagCache's calibrated ratios for the card's step count (``training.magcache``); none:
+    # the model cannot run MagCache.
+    magcache_ratios: tuple[float, ...] = ()
 
     def warnings(self, spec: GenerationSpec) -> list[str]:
         """What a request asks for outside what the model was trained on: it runs, and
@@ -154,7 +157,8 @@ def model_card(directory: Path) -> ModelCard:
         return ModelCard()
     try:
         facts = json.loads(card.read_text()).get("model", {})
-        return ModelCard(**{**facts, "vocabulary": tuple(facts.get("vocabulary", ()))})
+        return ModelCard(**{**facts, "vocabulary": tuple(facts.get("vocabulary", ())),
+                            "magcache_ratios": tuple(facts.get("magcache_ratios", ()))})
     except (ValueError, TypeError, AttributeError) as error:
         raise ModelCardError(f"{card}: unreadable model facts ({error})") from error
 
@@ -172,6 +176,14 @@ class ServedModel:
     @property
     def limits(self) -> FamilyLimits:
         return LIMITS[self.family]
+
+    @property
+    def step_caches(self) -> frozenset[StepCachePolicy]:
+        """The step-cache policies this model runs: its family's, and MagCache where its card
+        ships calibrated ratios."""
+        if self.card.magcache_ratios:
+            return self.limits.step_caches | {StepCachePolicy.MAGCACHE}
+        return self.limits.step_caches
 
     @property
     def spatial_multiple(self) -> int:

@@ -272,7 +272,8 @@ class DenoiseHandler:
 
 
 def _step_cache(spec: GenerationSpec, state: RunHookState) -> RunStepCache | None:
-    return RunStepCache(spec.step_cache, state) if spec.step_cache.on else None
+    return (RunStepCache(spec.step_cache, spec.num_inference_steps, state)
+            if spec.step_cache.on else None)
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:

@@ -29,6 +29,7 @@ class CachedForward:
     it once it ran."""
 
     cache: StepCache
+    steps: int  # the trajectory's step count, which MagCache's configuration holds
     before: BranchState
     after: BranchState | None = None
     skipped: bool = False  # a hook stood in for part of the forward
