@@ -52,6 +52,7 @@ from workers.queue.submit import submit
 # different requests share forwards while conditional ones group by length.
 PROMPTS = ["a fox", "a red fox in the snow", "a cat", "a small boat on a wide grey sea",
            "a red fox in the rain"]
+FIRST_BLOCK = StepCache.create(StepCachePolicy.FIRST_BLOCK, threshold=0.3)
 
 
 @pytest.mark.parametrize("family", ["wan", "qwen-image"])
@@ -224,7 +225,10 @@ def test_runs_of_different_adapter_sets_never_share_a_forward(
     adapted = [make_spec(tenant=TENANT, seed=2000 + i, prompt=PROMPTS[i],
                          loras=(LoraUse(content_hash, 0.8),)) for i in range(2)]
     plain = [make_spec(tenant=TENANT, seed=2010 + i, prompt=PROMPTS[i]) for i in range(2)]
-    specs = [adapted[0], plain[0], adapted[1], plain[1]]  # interleaved in the stream
+    # A step cache under an adapter: its hook runs on the adapted denoiser.
+    cached = make_spec(tenant=TENANT, seed=2020, prompt=PROMPTS[2], step_cache=FIRST_BLOCK,
+                       loras=(LoraUse(content_hash, 0.8),))
+    specs = [adapted[0], plain[0], adapted[1], plain[1], cached]  # interleaved in the stream
     with only(engine, pool, client, worker_settings):
         offered_together(client, engine, specs)
         records = [wait_done(client, s) for s in specs]
@@ -234,9 +238,6 @@ def test_runs_of_different_adapter_sets_never_share_a_forward(
     for record in records:
         expected = reference(lora_pipe if record.spec.loras else pipe, record.spec)
         assert np.array_equal(read_frames(worker_settings, record), expected)
-
-
-FIRST_BLOCK = StepCache.create(StepCachePolicy.FIRST_BLOCK, threshold=0.3)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ the API refuses video-only fields for an image family."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -203,10 +204,13 @@ def test_a_step_cache_request_never_finds_the_exact_trajectory(
     assert wait_done(qwen_client, same).output_key == record.output_key
 
 
+@pytest.mark.parametrize("step_cache", [StepCache(), POLICIES[0]],
+                         ids=lambda c: c.policy.value)
 def test_a_killed_denoise_worker_is_recovered_bit_identically(
         qwen_settings: Settings, qwen_client: redis.Redis,
-        qwen_pool: dict[Stage, ChildProcess], qwen_pipe: object, tmp_path: Path) -> None:
-    spec = image_spec(seed=77, num_inference_steps=60)
+        qwen_pool: dict[Stage, ChildProcess], qwen_pipe: object, tmp_path: Path,
+        step_cache: StepCache) -> None:
+    spec = image_spec(seed=77, num_inference_steps=60, step_cache=step_cache)
     submit(qwen_client, spec)
     # Stopped once its record reports the checkpoint at step 6, then killed there.
     victim, _ = stop_owner_when(qwen_client, spec, Stage.DENOISE, [qwen_pool[Stage.DENOISE]],
@@ -280,6 +284,32 @@ def test_a_parked_request_resumes_bit_identically_and_an_edit_branches(
     branch = spec.branch(new_request_id(), 30, tail)
     run_request(qwen_settings, qwen_client, branch)
     assert wait_done(qwen_client, branch).counter("resumed_from") == 30
+
+
+def test_an_edit_under_a_step_cache_gives_what_the_edited_request_computes_from_scratch(
+        qwen_settings: Settings, qwen_client: redis.Redis, qwen_pool: object) -> None:
+    """The branch resumes with the hook state the prefix's checkpoint holds: the same output
+    as the edited request run from step 0 with nothing cached."""
+    from keys import PromptSegment
+    from workers.queue.submit import new_request_id
+
+    spec = image_spec(seed=313, num_inference_steps=12, step_cache=POLICIES[0])
+    run_request(qwen_settings, qwen_client, spec)
+    branch = spec.branch(new_request_id(), 6, (PromptSegment("a white owl", "blurry", 12),))
+    frames = run_request(qwen_settings, qwen_client, branch)
+    record = wait_done(qwen_client, branch)
+    assert record.counter("resumed_from") == 6
+    cache = open_cache(qwen_settings)
+    try:
+        for key in [*wait_done(qwen_client, spec).checkpoints().values(),
+                    *record.checkpoints().values()]:
+            cache.remove(StoreKey.parse(key))
+        lose_output(qwen_settings, cache, record)
+    finally:
+        cache.close()
+    again = dataclasses.replace(branch, request_id=new_request_id())
+    assert np.array_equal(run_request(qwen_settings, qwen_client, again), frames)
+    assert wait_done(qwen_client, again).counter("resumed_from") == 0
 
 
 def test_openai_images_and_the_output_cache_serve_the_image_family(

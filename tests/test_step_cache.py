@@ -12,10 +12,18 @@ import pytest
 import redis
 import torch
 
+from cachesvc.connect import open_cache
 from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
-from keys import Fingerprint, StepCache, StepCachePolicy, chain_root
-from tests.workers_harness import make_spec, reference, run_request, serve_api, wait_done
+from keys import CfgCache, CfgMode, Fingerprint, StepCache, StepCachePolicy, StoreKey, chain_root
+from tests.workers_harness import (
+    lose_output,
+    make_spec,
+    reference,
+    run_request,
+    serve_api,
+    wait_done,
+)
 from workers.queue.spec_json import spec_from_json, spec_to_json
 from workers.stages.hook_state import HookStateError, decode, encode
 
@@ -121,3 +129,27 @@ def test_a_tenant_default_applies_to_requests_that_name_no_policy_and_the_status
     shown = statuses["default"]["step_cache"]
     assert shown["policy"] == "first_block" and shown["params"] == {"threshold": 0.2}
     assert shown["forwards"] == 8  # 4 guided steps
+
+
+@pytest.mark.slow
+def test_a_step_cache_composes_with_the_interval_tier_and_resumes_bit_exactly(
+        worker_settings: Settings, client: redis.Redis, pool: object) -> None:
+    """Both approximations at once: the interval tier's residual and the hooks' state are
+    both in the checkpoint, so a resume half-way gives the uninterrupted output."""
+    both = {"cfg_cache": CfgCache(CfgMode.INTERVAL, 2),
+            "step_cache": StepCache.create("first_block", threshold=0.3)}
+    spec = make_spec(seed=67, num_inference_steps=8, **both)
+    frames = run_request(worker_settings, client, spec)
+    record = wait_done(client, spec)
+    assert record.counter("cfg_reused") == 4 and record.counter("hits:step") > 0
+    cache = open_cache(worker_settings)
+    try:
+        for step, key in record.checkpoints().items():
+            if step > 4:
+                cache.remove(StoreKey.parse(key))
+        lose_output(worker_settings, cache, record)
+    finally:
+        cache.close()
+    again = make_spec(seed=67, num_inference_steps=8, **both)
+    assert np.array_equal(run_request(worker_settings, client, again), frames)
+    assert wait_done(client, again).counter("resumed_from") == 4
