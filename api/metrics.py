@@ -24,6 +24,7 @@ from workers.queue import engine_metrics, stage_metrics
 from workers.queue.adapter_stats import WorkerAdapters, read_adapter_stats
 from workers.queue.messages import Stage
 from workers.queue.served_model import read_served
+from workers.queue.step_cache_metrics import read_step_cache
 from workers.queue.streams import oldest_waiting, queue_counts
 from workers.queue.watchdog import read_rescued
 
@@ -51,12 +52,20 @@ class ClusterCollector(Collector):
         families = {event: CounterMetricFamily(
             f"diffcache_cache_{event.value}", f"Cache {event.value.replace('_', ' ')}, "
             "all processes", labels=["kind", "tenant"]) for event in Event}
+        step_cache = CounterMetricFamily(
+            "diffcache_step_cache_forwards", "Denoiser forwards run under a step-cache "
+            "policy: computed in full, or skipped (a hook stood in for part of them)",
+            labels=["tenant", "policy", "outcome"])
         for tenant in tenants(self._redis):
-            for field, value in read_totals(self._redis, tenant).items():
+            totals = read_totals(self._redis, tenant)
+            for field, value in totals.items():
                 kind, _, event = field.partition(".")
                 if event in Event.__members__.values():
                     families[Event(event)].add_metric([kind, self._label(tenant)], value)
+            for policy, outcome, forwards in read_step_cache(totals):
+                step_cache.add_metric([self._label(tenant), policy, outcome], forwards)
         yield from families.values()
+        yield step_cache
 
         yield from self._queue_families()
 

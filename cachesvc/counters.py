@@ -79,6 +79,15 @@ class CacheCounters:
                 self._prometheus(tenant, kind, event).inc(amount)
                 pending[f"{kind.value}.{event.value}"] += amount
 
+    def add_fields(self, tenant: str, fields: Mapping[str, float]) -> None:
+        """Count under fields of the caller's naming (no ``kind.event`` of its own, so the
+        per-kind readers pass them by), flushed with the rest."""
+        minute = int(time.time() // 60)
+        with self._lock:
+            pending = self._pending[(tenant, minute)]
+            for name, amount in fields.items():
+                pending[name] += amount
+
     def _prometheus(self, tenant: str, kind: KeyKind, event: Event) -> _Child:
         child = self._children.get((tenant, kind, event))
         if child is None:

@@ -125,10 +125,24 @@ def test_a_tenant_default_applies_to_requests_that_name_no_policy_and_the_status
             wait_until(lambda r=request_id: http.get(f"/v1/requests/{r}").json()["state"]
                        == "DONE", timeout_s=120, what=f"{request_id} DONE")
             statuses[name] = http.get(f"/v1/requests/{request_id}").json()
+
+        def per_policy() -> dict[str, float] | None:
+            """The tenant's first-block forwards on /metrics, once the worker has flushed."""
+            found = {}
+            for line in http.get("/metrics").text.splitlines():
+                if (line.startswith("diffcache_step_cache_forwards_total{")
+                        and 'policy="first_block"' in line
+                        and f'tenant="{worker_settings.default_tenant}"' in line):
+                    outcome = line.partition('outcome="')[2].partition('"')[0]
+                    found[outcome] = float(line.rpartition(" ")[2])
+            return found if sum(found.values()) >= 8 else None
+
+        shown_on_metrics = wait_until(per_policy, timeout_s=60, what="per-policy forwards")
     assert statuses["named"]["step_cache"] is None
     shown = statuses["default"]["step_cache"]
     assert shown["policy"] == "first_block" and shown["params"] == {"threshold": 0.2}
     assert shown["forwards"] == 8  # 4 guided steps
+    assert shown_on_metrics == {"computed": 8 - shown["skipped"], "skipped": shown["skipped"]}
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from workers.queue.messages import LATENTS, Job, Stage, TensorRef
 from workers.queue.runtime import InputLostError, JobContext, Outcome
 from workers.queue.schema import Field, KindField, State, checkpoint_field
 from workers.queue.scripts import NOTHING, RecordWrite
+from workers.queue.step_cache_metrics import step_cache_fields
 from workers.queue.streams import Delivery
 from workers.stages.adapters import AdapterStats, LoadedAdapters
 from workers.stages.checkpoint import Checkpoint, CheckpointError
@@ -174,6 +175,8 @@ class DenoiseHandler:
         self.cache.counters.add_many(run.spec.tenant, KeyKind.STEP, {
             Event.LOOKUPS: cached.forwards, Event.HITS: cached.skipped,
             Event.MISSES: cached.forwards - cached.skipped})
+        self.cache.counters.add_fields(run.spec.tenant, step_cache_fields(
+            cached.cache.policy, cached.forwards - cached.skipped, cached.skipped))
         return fields | RecordWrite(add={KindField.LOOKUPS.of(KeyKind.STEP): cached.forwards,
                                          KindField.HITS.of(KeyKind.STEP): cached.skipped})
 
