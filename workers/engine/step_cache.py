@@ -22,7 +22,8 @@ from workers.stages.hook_state import CachedForward, HookFields, RunHookState
 BRANCHES = ("cond", "uncond")  # a plan's rows, in order
 _CONTEXT = "diffcache"  # the one context the hooks see: the run's state is put in it
 # Fields each hook rewrites at every forward before it reads them: not state to carry.
-_TRANSIENT = {"FBCSharedBlockState": frozenset({"head_block_output", "should_compute"})}
+_TRANSIENT = {"FBCSharedBlockState": frozenset({"head_block_output", "should_compute"}),
+              "MagCacheState": frozenset({"head_block_input", "should_compute"})}
 
 
 class StepCacheHooks:
