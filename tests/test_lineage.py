@@ -19,7 +19,7 @@ from cachesvc.output_files import OutputFiles
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
-from keys import GenerationSpec, StoreKey
+from keys import GenerationSpec, StepCache, StoreKey
 from keys.names import stage_stream
 from tests.test_preemption import LONG
 from tests.workers_harness import (
@@ -106,10 +106,13 @@ def embeddings_of(client: redis.Redis, spec: GenerationSpec) -> list[StoreKey]:
     return [StoreKey.parse(r.key) for r in entry_for(client, Stage.DENOISE, spec.request_id).refs]
 
 
+@pytest.mark.parametrize("step_cache", [StepCache(), StepCache.create("first_block",
+                                                                      threshold=0.3)],
+                         ids=lambda c: c.policy.value)
 def test_decode_without_latents_goes_back_to_denoise_which_resumes_at_the_end(
         worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
-        pipe: object) -> None:
-    spec = make_spec(seed=1302, **LONG)
+        pipe: object, step_cache: StepCache) -> None:
+    spec = make_spec(seed=1302, step_cache=step_cache, **LONG)
     with paused(pool[Stage.DECODE]):
         submit(client, spec)
         wait_for(client, spec, State.DENOISED)
