@@ -48,9 +48,10 @@ def cfg_cache_from(body: CfgCacheBody) -> CfgCache:
 def step_cache_from(body: StepCacheBody | None, default: StepCachePolicy,
                     served: frozenset[StepCachePolicy], family: str) -> StepCache:
     """The request's step cache (``default`` when it names none), refused unless the served
-    family can run it."""
+    model can run it. A tenant default the model cannot run is no default: such a request
+    never named the field it would be refused for."""
     if body is None:
-        body = StepCacheBody(policy=default)
+        body = StepCacheBody(policy=default if default in served else StepCachePolicy.OFF)
     try:
         cache = StepCache.create(body.policy, **body.params())
     except ValueError as exc:  # a parameter of another policy: the message names it

@@ -16,7 +16,7 @@ import xxhash
 
 from keys.canonical import Canonical, digest
 from keys.names import KeyKind, StoreKey, check_tenant
-from keys.spec import SPEC_FIELDS, GenerationSpec, LoraUse
+from keys.spec import SPEC_FIELDS, GenerationSpec, LoraUse, StepCachePolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,10 +217,12 @@ def chain_root(
     model: Fingerprint,
     scheduler_config: Mapping[str, Canonical],
     dtype: str,
+    mag_ratios: Sequence[float] = (),
 ) -> ChainLink:
     """``h0 = H(model fp, scheduler config, shape, seed, steps, dtype)``, plus the CFG reuse
     interval when the request asked for the approximate tier and the step-cache policy with
-    its parameters when one is on: such a trajectory is its own."""
+    its parameters when one is on (MagCache's with the model's calibrated ``mag_ratios``, which
+    decide its skips as much as its parameters do): such a trajectory is its own."""
     payload: dict[str, Canonical] = {
         "model": model.hex,
         "scheduler": scheduler_config,
@@ -232,8 +234,11 @@ def chain_root(
     if spec.cfg_cache.approximate:
         payload["cfg_interval"] = spec.cfg_cache.interval
     if spec.step_cache.on:
-        payload["step_cache"] = {"policy": spec.step_cache.policy.value,
-                                 **dict(spec.step_cache.params)}
+        step_cache: dict[str, Canonical] = {"policy": spec.step_cache.policy.value,
+                                            **dict(spec.step_cache.params)}
+        if spec.step_cache.policy is StepCachePolicy.MAGCACHE:
+            step_cache["mag_ratios"] = [float(r) for r in mag_ratios]
+        payload["step_cache"] = step_cache
     return ChainLink(spec.tenant, 0, digest("chain-root", payload))
 
 

@@ -45,6 +45,16 @@ def test_the_policy_and_every_parameter_are_in_the_key_and_defaults_are_spelled_
         root(default)
 
 
+def test_magcache_keys_hold_the_models_ratios_which_decide_its_skips() -> None:
+    spec = make_spec(step_cache=StepCache.create("magcache"))
+    roots = {chain_root(spec, MODEL, {}, "float32", ratios).hex
+             for ratios in [(1.0, 0.9, 0.8), (1.0, 0.9, 0.7)]}
+    assert len(roots) == 2  # recalibrated ratios: another trajectory, other keys
+    first_block = make_spec(step_cache=StepCache.create("first_block"))
+    assert (chain_root(first_block, MODEL, {}, "float32", (1.0, 0.9)).hex
+            == chain_root(first_block, MODEL, {}, "float32").hex)
+
+
 @pytest.mark.parametrize("given, message", [
     ({"policy": "first_block", "interval": 2}, "step_cache.interval does not apply"),
     ({"policy": "taylorseer", "max_order": 0}, "step_cache.max_order must be from 1"),

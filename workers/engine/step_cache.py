@@ -17,7 +17,7 @@ from diffusers.models.cache_utils import CacheMixin
 
 from keys import StepCache, StepCachePolicy
 from workers.stages.guidance import Row
-from workers.stages.hook_state import CachedForward, HookFields, RunHookState
+from workers.stages.hook_state import CachedForward, HookFields, HookStateError, RunHookState
 
 BRANCHES = ("cond", "uncond")  # a plan's rows, in order
 _CONTEXT = "diffcache"  # the one context the hooks see: the run's state is put in it
@@ -189,6 +189,9 @@ def _state(manager: StateManager, fields: HookFields) -> Any:
     them in place, and the run's own state must not change until its step is done)."""
     make = cast(Callable[..., Any], manager._state_cls)  # typed as an instance upstream
     state = make(*manager._init_args, **manager._init_kwargs)
+    unknown = fields.keys() - vars(state).keys()
+    if unknown:  # a checkpoint of another hook, or of another diffusers
+        raise HookStateError(f"{type(state).__name__} has no fields {sorted(unknown)}")
     for name, value in fields.items():
         setattr(state, name, _copied(value))
     return state

@@ -60,6 +60,9 @@ class Trajectory(Protocol):
     device: torch.device
     fingerprint: Fingerprint
     decoder_fingerprint: Fingerprint
+    # MagCache's ratios from the model's card (none: it cannot run MagCache); they decide a
+    # MagCache trajectory's skips, so its keys hold them.
+    mag_ratios: tuple[float, ...]
 
     @property
     def scheduler_config(self) -> Mapping[str, Canonical]:

@@ -263,6 +263,7 @@ class QwenTrajectory:
 
         self.device = placement.device
         self.placement = placement
+        self.mag_ratios = model_card(directory).magcache_ratios
         self._scheduler_cls = FlowMatchEulerDiscreteScheduler
         self.scheduler_config = dict(FlowMatchEulerDiscreteScheduler.load_config(
             directory / "scheduler"))
@@ -301,7 +302,6 @@ class QwenDenoiser(QwenTrajectory):
         super().__init__(directory, placement)
         self.transformer = QwenImageTransformer2DModel.from_pretrained(
             directory / "transformer", dtype=placement.dit_dtype).to(self.device).eval()
-        self.mag_ratios = model_card(directory).magcache_ratios
 
     def latent_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
         rows, cols = self.tokens_per_side(spec)

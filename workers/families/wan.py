@@ -182,6 +182,7 @@ class WanTrajectory:
         from diffusers import UniPCMultistepScheduler
 
         self.device = placement.device
+        self.mag_ratios = model_card(directory).magcache_ratios
         self.scheduler_config = dict(
             UniPCMultistepScheduler.load_config(directory / "scheduler"))
         self._scheduler_cls = UniPCMultistepScheduler
@@ -208,7 +209,6 @@ class WanDenoiser(WanTrajectory):
         super().__init__(directory, placement)
         self.transformer = WanTransformer3DModel.from_pretrained(
             directory / "transformer", dtype=placement.dit_dtype).to(self.device).eval()
-        self.mag_ratios = model_card(directory).magcache_ratios
         vae_config = json.loads((directory / "vae" / "config.json").read_text())
         self.temporal_factor = 2 ** sum(vae_config["temperal_downsample"])
         self.spatial_factor = 2 ** (len(vae_config["dim_mult"]) - 1)

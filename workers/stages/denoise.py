@@ -75,7 +75,7 @@ class DenoiseHandler:
         links = chain_links(spec, {name: key for name, (key, _) in embeds.items()},
                             adapted(self.model.fingerprint, spec.loras),
                             self.model.scheduler_config,
-                            scheduler.timesteps)
+                            scheduler.timesteps, self.model.mag_ratios)
         found, lookups = self._latest_checkpoint(ctx, links)
         ctx.progress(lookups)
         saves = frozenset(checkpoint_steps(spec, self.settings.checkpoint_every))

@@ -21,6 +21,10 @@ BranchState = tuple[HookFields | None, ...]
 RunHookState = dict[str, BranchState]
 
 Node = Any  # a JSON value
+# The dtypes a hook state may name, by name: stored text never picks a torch attribute.
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
 @dataclass(slots=True)
@@ -83,10 +87,9 @@ def decode(tree: Node, tensors: dict[str, torch.Tensor], device: torch.device) -
         if kind == "tensor":
             return tensors[v].to(device)
         if kind == "dtype":
-            dtype = getattr(torch, str(v), None)
-            if not isinstance(dtype, torch.dtype):
-                raise HookStateError(f"{v!r} is not a torch dtype")
-            return dtype
+            if v not in _DTYPES:
+                raise HookStateError(f"{v!r} is not a torch dtype a hook state holds")
+            return _DTYPES[v]
         if kind == "device":
             return device
         if kind == "size":
@@ -104,7 +107,7 @@ def decode(tree: Node, tensors: dict[str, torch.Tensor], device: torch.device) -
                               else {name: value(n) for name, n in fields.items()}
                               for fields in hooks)
                 for branch, hooks in tree.items()}
-    except (KeyError, TypeError, AttributeError) as exc:
+    except (KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise HookStateError(f"malformed hook state: {exc!r}") from exc
 
 
