@@ -10,8 +10,8 @@ import redis
 
 from cachesvc.connect import open_cache
 from cachesvc.settings import Settings
-from keys import CfgCache, CfgMode, StoreKey
-from tests.workers_harness import lose_output, make_spec, reference, run_request, wait_done
+from keys import CfgCache, CfgMode
+from tests.workers_harness import make_spec, reference, rewind, run_request, wait_done
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
 pytestmark = pytest.mark.slow
@@ -53,10 +53,7 @@ def test_the_interval_tier_skips_branches_and_resumes_bit_exactly(
     # Resume at step 3: step 3 reuses the residual of step 2, which only the checkpoint holds.
     cache = open_cache(worker_settings)
     try:
-        for step, key in record.checkpoints().items():
-            if step > 3:
-                cache.remove(StoreKey.parse(key))
-        lose_output(worker_settings, cache, record)
+        rewind(worker_settings, cache, record, 3)
     finally:
         cache.close()
     again = make_spec(prompt="a small boat at sea", seed=52, num_inference_steps=STEPS,

@@ -27,6 +27,7 @@ from tests.workers_harness import (
     lose_output,
     make_spec,
     reference,
+    rewind,
     run_request,
     serve_api,
     start_worker,
@@ -139,10 +140,7 @@ def test_resuming_from_every_checkpoint_is_bit_identical(
     cache = open_cache(qwen_settings)
     try:
         for k in range(6, 0, -1):
-            for step, key in checkpoints.items():
-                if step > k:
-                    cache.remove(StoreKey.parse(key))
-            lose_output(qwen_settings, cache, record)
+            rewind(qwen_settings, cache, record, k)
             again = image_spec(seed=21)
             frames = run_request(qwen_settings, qwen_client, again)
             assert wait_done(qwen_client, again).counter("resumed_from") == k
@@ -171,14 +169,10 @@ def test_a_step_cache_is_bit_identical_to_the_pipeline_with_its_hook_from_every_
     assert record.counter("lookups:step") == 16  # every forward of 8 guided steps
     assert 0 < record.counter("hits:step") < 16
     assert record.counter("lookups:cfg") == 0  # the exact tier cannot see hook state
-    checkpoints = record.checkpoints()
     cache = open_cache(qwen_settings)
     try:
         for k in range(7, 0, -1):
-            for step, key in checkpoints.items():
-                if step > k:
-                    cache.remove(StoreKey.parse(key))
-            lose_output(qwen_settings, cache, record)
+            rewind(qwen_settings, cache, record, k)
             again = image_spec(seed=23, num_inference_steps=8, step_cache=step_cache)
             frames = run_request(qwen_settings, qwen_client, again)
             assert wait_done(qwen_client, again).counter("resumed_from") == k

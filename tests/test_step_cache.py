@@ -15,11 +15,11 @@ import torch
 from cachesvc.connect import open_cache
 from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
-from keys import CfgCache, CfgMode, Fingerprint, StepCache, StepCachePolicy, StoreKey, chain_root
+from keys import CfgCache, CfgMode, Fingerprint, StepCache, StepCachePolicy, chain_root
 from tests.workers_harness import (
-    lose_output,
     make_spec,
     reference,
+    rewind,
     run_request,
     serve_api,
     wait_done,
@@ -168,10 +168,7 @@ def test_a_step_cache_composes_with_the_interval_tier_and_resumes_bit_exactly(
     assert record.counter("cfg_reused") == 4 and record.counter("hits:step") > 0
     cache = open_cache(worker_settings)
     try:
-        for step, key in record.checkpoints().items():
-            if step > 4:
-                cache.remove(StoreKey.parse(key))
-        lose_output(worker_settings, cache, record)
+        rewind(worker_settings, cache, record, 4)
     finally:
         cache.close()
     again = make_spec(seed=67, num_inference_steps=8, **both)

@@ -58,6 +58,15 @@ def lose_output(settings: Settings, cache: TensorCache, record: RequestRecord) -
     return cache.remove(key)
 
 
+def rewind(settings: Settings, cache: TensorCache, record: RequestRecord, step: int) -> None:
+    """Lose a request's checkpoints after ``step`` and its output, so that a repeat of it
+    resumes at ``step``."""
+    for at, key in record.checkpoints().items():
+        if at > step:
+            cache.remove(StoreKey.parse(key))
+    lose_output(settings, cache, record)
+
+
 def make_spec(tenant: str = "acme", **changes: object) -> GenerationSpec:
     fields: dict[str, object] = dict(request_id=new_request_id(), tenant=tenant,
                                      prompt="a red fox in the snow", negative_prompt="blurry",
