@@ -100,7 +100,9 @@ def test_denoise_waits_for_a_decode_credit(worker_settings: Settings, client: re
 def test_interactive_work_joins_a_running_batch_job_at_the_next_step(
         worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
         pipe: object) -> None:
-    batch = make_spec(seed=480, priority="batch", **LONG)
+    # Long enough that the interactive request's whole path (encode, its 4 steps, decode)
+    # ends well before it, on a loaded machine too.
+    batch = make_spec(seed=480, priority="batch", **{**LONG, "num_inference_steps": 120})
     submit(client, batch)
     wait_for(client, batch, State.DENOISING, min_step=2)
     interactive = make_spec(seed=481)

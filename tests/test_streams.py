@@ -13,7 +13,7 @@ from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import consumer_group, dead_letter_stream, request_record, stage_stream
 from tests.redis_databases import STREAMS, emptied, on_database
 from workers.queue.credits import Credits
-from workers.queue.messages import Job, Stage
+from workers.queue.messages import MESSAGE_VERSION, Job, Stage
 from workers.queue.records import Records
 from workers.queue.runtime import Worker
 from workers.queue.schema import StageField, State
@@ -147,3 +147,53 @@ def test_a_batch_of_publishes_acknowledges_each_delivery_it_publishes(
         seconds = record.fields.get(StageField.SECONDS.of(Stage.ENCODE))
         assert (seconds is not None) is (state is State.ENCODED)
     worker.leases.close()
+
+
+def test_a_publish_takes_the_next_read_in_the_same_round_trip(quiet: redis.Redis) -> None:
+    """A busy worker publishes a batch and takes its next in one round trip: what ``process``
+    hands back is the next read, claimed as ``next`` would claim it, interactive work first,
+    and the published jobs' entries carry the header their claim reads (``add_job``)."""
+    worker = Worker(NoOp(Stage.ENCODE), quiet, WorkerSettings())
+    worker.queue.ensure_group()
+    worker.queue.next(block_ms=None, idle_timeout_ms=60_000, count=1)  # its look for stale work
+    for n, priority in enumerate([Priority.BATCH, Priority.BATCH, Priority.INTERACTIVE]):
+        submit(quiet, GenerationSpec.create(
+            request_id=f"ahead-{n}", tenant="acme", prompt="p", width=16, height=16,
+            num_frames=1, num_inference_steps=1, guidance_scale=1.0, seed=n,
+            output_format=OutputFormat.NPY, priority=priority))
+    first = worker.read(None, 60_000, 1)
+    assert [d.job.request_id for d in first if d.job] == ["ahead-2"]
+    ahead = worker.process(first, take=8)
+    assert [(d.job.request_id if d.job else None, d.claim) for d in ahead] == [
+        ("ahead-0", Result.OK), ("ahead-1", Result.OK)]
+    record = Records(quiet).get("acme", "ahead-0")
+    assert record is not None and record.state is State.ENCODING
+    assert worker.process(ahead, take=8) == []  # nothing left to take
+    entries = quiet.xrange(stage_stream(Stage.DENOISE.value, Priority.BATCH.value))
+    assert [(f[b"record"], f[b"gen"], f[b"v"]) for _, f in entries] == [
+        (request_record("acme", f"ahead-{n}").encode(), b"0", str(MESSAGE_VERSION).encode())
+        for n in (0, 1)]
+    worker.leases.close()
+
+
+def test_an_entry_whose_header_names_another_message_version_is_left_unclaimed(
+        quiet: redis.Redis) -> None:
+    """The claim trusts an entry's header over its JSON: one written by a release with another
+    message version is not claimed, whatever its job says."""
+    spec = GenerationSpec.create(
+        request_id="other-release", tenant="acme", prompt="p", width=16, height=16,
+        num_frames=1, num_inference_steps=1, guidance_scale=1.0, seed=0,
+        output_format=OutputFormat.NPY)
+    submit(quiet, spec)
+    stream = stage_stream(Stage.ENCODE.value, spec.priority.value)
+    quiet.delete(stream)  # its entry has this release's header: offer the other instead
+    queue = StageQueue(quiet, Stage.ENCODE, "tester")
+    queue.ensure_group()
+    job = Job("other-release", "acme", Stage.ENCODE)
+    quiet.xadd(stream, {"job": job.to_json(), "v": MESSAGE_VERSION + 1,
+                        "record": request_record("acme", "other-release"), "gen": 0})
+    taken = queue.next(block_ms=None, idle_timeout_ms=60_000, count=8,
+                       claim=RecordWrite({StageField.WORKER.of(Stage.ENCODE): "tester"}))
+    assert [d.claim for d in taken] == [None]
+    record = Records(quiet).get("acme", "other-release")
+    assert record is not None and record.state is State.QUEUED

@@ -11,6 +11,7 @@ import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -32,7 +33,7 @@ from workers.queue.script_args import (
     PublishArgs,
     UpdateArgs,
 )
-from workers.queue.scripts import RecordWrite, Result, Scripts
+from workers.queue.scripts import RecordWrite, Result, ScriptArgs, Scripts
 from workers.queue.spec_json import spec_to_json
 from workers.queue.streams import Delivery
 
@@ -100,8 +101,15 @@ class Records:
     def publish_many(self, results: Sequence[StageResult]) -> list[Result]:
         """Atomically per job: hand on the next job, record the state and latency, ack.
         All of them travel in one round trip."""
+        return self.publish_then(results, None)[0]
+
+    def publish_then(self, results: Sequence[StageResult],
+                     then: ScriptArgs | None) -> tuple[list[Result], Any]:
+        """``publish_many``, then the call ``then`` in the same round trip; its answer."""
         now = timestamp()
-        return self.scripts.results([self._publish_args(r, now) for r in results])
+        answers, following = self.scripts.answers_then(
+            [self._publish_args(r, now) for r in results], then)
+        return [Result(int(code)) for code in answers], following
 
     @staticmethod
     def _publish_args(r: StageResult, now: str) -> PublishArgs:

@@ -286,14 +286,19 @@ class StageWorker:
                 self.queue.ack(d)
         return owned
 
-    def settle(self, results: list[tuple[StageResult, Outcome]]) -> None:
+    def settle(self, results: list[tuple[StageResult, Outcome]],
+               take: int = 0) -> list[Delivery]:
         """Re-queue what stopped early and publish the rest in one round trip; a result that
-        lost its fence has what it wrote discarded."""
+        lost its fence has what it wrote discarded. With ``take``, the same round trip reads
+        up to that many new deliveries, claimed (``StageQueue.take_later``), and answers them;
+        none when the queue has none or wants a look for stale entries first."""
         finished = [(r, o) for r, o in results if o.preempted is None]
         for result, outcome in results:
             if outcome.preempted is not None:
                 self._requeue(result, outcome)
-        published = self.records.publish_many([r for r, _ in finished])
+        then = (self.queue.take_later(take, self._first_claim)
+                if take and not self.stop.is_set() else None)
+        published, taken = self.records.publish_then([r for r, _ in finished], then)
         for (result, outcome), status in zip(finished, published, strict=True):
             if status is Result.OK:
                 if self._after_publish is not None:
@@ -306,6 +311,7 @@ class StageWorker:
             # of a request that finished meanwhile, owns what it wrote.
             if status in (Result.STALE, Result.FINISHED):
                 self.handler.discard(outcome)
+        return self.queue.taken(taken) if then is not None else []
 
     def _requeue(self, result: StageResult, outcome: Outcome) -> None:
         assert outcome.preempted is not None
@@ -403,21 +409,31 @@ class Worker(StageWorker):
 
     def _loop(self, idle_ms: int) -> None:
         recovering = False
-        while not self.stop.is_set():
+        # What the last publish took with it (``settle``): a busy worker's next read costs
+        # no round trip of its own.
+        ahead: list[Delivery] = []
+        # A worker asked to stop still runs what it took: those jobs are claimed already.
+        while not self.stop.is_set() or ahead:
             try:
                 if recovering:
                     # What this worker had in hand when Redis went away is still pending
                     # under its name: take it up again now, not after the idle timeout.
                     deliveries = self.queue.own_pending(self.settings.batch_size)
                     recovering = bool(deliveries)
+                elif ahead:
+                    deliveries, ahead = ahead, []
                 else:
                     deliveries = self.read(self.settings.block_ms, idle_ms,
                                            self.settings.batch_size)
                 # One class at a time, interactive first: its results are published before
                 # any batch job of the same read starts. The whole read stays leased.
                 with self.leases.hold(*deliveries):
-                    for _, same_class in itertools.groupby(deliveries, key=lambda d: d.stream):
-                        self.process(list(same_class))
+                    groups = [list(same) for _, same in
+                              itertools.groupby(deliveries, key=lambda d: d.stream)]
+                    for i, same_class in enumerate(groups):
+                        last = i == len(groups) - 1
+                        ahead = self.process(same_class,
+                                             self.settings.batch_size if last else 0)
             except redis.RedisError as exc:
                 log.warning("Redis error in the %s loop (%s); retrying", self.handler.stage, exc)
                 recovering = True
@@ -425,12 +441,13 @@ class Worker(StageWorker):
                 with contextlib.suppress(redis.RedisError):  # logged above; retried next turn
                     self.queue.ensure_group()
 
-    def process(self, deliveries: list[Delivery]) -> None:
-        """Fence, run and publish a batch; one round trip to claim and one to publish it."""
+    def process(self, deliveries: list[Delivery], take: int = 0) -> list[Delivery]:
+        """Fence, run and publish a batch; one round trip to claim and one to publish it
+        (and, with ``take``, to read the next: ``settle``)."""
         owned = self.claim(deliveries)
         with self.leases.hold(*(d for _, d in owned)):
             results = [r for job, d in owned if (r := self._run(job, d)) is not None]
-        self.settle(results)
+        return self.settle(results, take)
 
     def _run(self, job: Job, delivery: Delivery) -> tuple[StageResult, Outcome] | None:
         """Run the stage for one job; None if it failed (it stays unacknowledged) or went

@@ -92,7 +92,7 @@ class StageQueue:
         # class with entries is read, never two (taking batch entries in the same read as
         # interactive ones would commit this worker to them). Only when every class is
         # empty, one blocking read over all of them, which wakes on whichever gets work.
-        ordered = (*self.streams[:-1], *([self.inbox] if self.inbox else []), self.streams[-1])
+        ordered = self._ordered()
         if claim is not None:
             if (taken := self._take(ordered, count, claim)) or block_ms is None:
                 return taken
@@ -116,13 +116,30 @@ class StageQueue:
         nothing (it never blocks)."""
         return self._take(self.streams[:1], count, claim)
 
+    def _ordered(self) -> tuple[str, ...]:
+        return (*self.streams[:-1], *([self.inbox] if self.inbox else []), self.streams[-1])
+
+    def take_later(self, count: int, claim: RecordWrite) -> TakeArgs | None:
+        """The call that takes up to ``count`` new entries as ``next`` would, for a caller to
+        send with other calls in one round trip (``taken`` reads its answer); None when a
+        look for stale entries is due, which only ``next`` makes."""
+        if time.monotonic() >= self._next_reclaim:
+            return None
+        return self._take_args(self._ordered(), count, claim)
+
+    def _take_args(self, ordered: tuple[str, ...], count: int,
+                   claim: RecordWrite) -> TakeArgs:
+        return TakeArgs(ordered, self.group, self.consumer, count, self.stage.value,
+                        State.running(self.stage), timestamp(), claim)
+
     def _take(self, ordered: tuple[str, ...], count: int,
               claim: RecordWrite) -> list[Delivery]:
         """New entries of the first of ``ordered`` that has any, each claimed as it is read
         (``lua/take.lua``): one round trip for a busy worker's read and its fences."""
-        answer: Any = self._scripts.run(TakeArgs(
-            ordered, self.group, self.consumer, count, self.stage.value,
-            State.running(self.stage), timestamp(), claim))
+        return self.taken(self._scripts.run(self._take_args(ordered, count, claim)))
+
+    def taken(self, answer: Any) -> list[Delivery]:
+        """The deliveries a take (``take_later``) answered, claimed."""
         if not answer:
             return []
         stream = _text(answer[0])

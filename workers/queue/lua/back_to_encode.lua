@@ -15,6 +15,6 @@ move(record, STATE.QUEUED, now)
 clear_fields(record, cleared)
 redis.call('HSET', record, F.GENERATION, generation)
 write_fields(record, fields, now)
-redis.call('XADD', encode_stream, '*', 'job', job)
+add_job(encode_stream, job, record, generation)
 notify(record)
 return R.OK

@@ -29,6 +29,14 @@ local function current(record, stage, token)
     and math.floor(tonumber(token) / ATTEMPTS_PER_GENERATION) >= generation_of(record)
 end
 
+-- Hand a job (its JSON) to ``stream``, with a header of what its claim decides on: the message
+-- version, the request's record and the job's generation. ``take.lua`` reads the header and
+-- leaves the JSON alone (decoding it was a tenth of a dispatch's time in Valkey).
+local function add_job(stream, job, record, generation)
+  redis.call('XADD', stream, '*', 'job', job, 'v', MESSAGE_VERSION, 'record', record,
+             'gen', generation)
+end
+
 local function notify(record)
   redis.call('PUBLISH', record .. EVENTS_SUFFIX, state_of(record) or '')
 end

@@ -19,7 +19,7 @@ if read.done or TERMINAL[read.state] then
   return R.FINISHED
 end
 check_move(record, read.state, finished)  -- before anything is written, as ``move`` does
-if next_job ~= '' then redis.call('XADD', next_stream, '*', 'job', next_job) end
+if next_job ~= '' then add_job(next_stream, next_job, record, read.generation) end
 -- A preemption asked too late has nothing to stop; an earlier attempt's error or wait is over.
 if read.preempt or read.error or read.waiting then
   redis.call('HDEL', record, F.PREEMPT, F.ERROR, F.WAITING)

@@ -18,7 +18,7 @@ if redis.call('HINCRBY', record, F.RECOMPUTES, 1) > tonumber(max_recomputes) the
 end
 move(record, waiting, now)
 clear_fields(record, cleared)
-redis.call('XADD', redo_stream, '*', 'job', job)
+add_job(redo_stream, job, record, generation)
 redis.call('HSET', record, F.GENERATION, generation)
 notify(record)
 return R.OK

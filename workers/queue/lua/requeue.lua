@@ -15,7 +15,7 @@ if TERMINAL[state_of(record)] then
 end
 if job ~= '' then
   move(record, waiting, now)
-  redis.call('XADD', requeue_stream, '*', 'job', job)
+  add_job(requeue_stream, job, record, generation)
 else
   move(record, STATE.PREEMPTED, now)
 end

@@ -21,6 +21,6 @@ redis.call('HSET', record, F.GENERATION, generation)
 redis.call('HINCRBY', record, F.RESCUES, 1)
 release_credit(credits, record)
 redis.call('HINCRBY', rescued, counter, 1)
-redis.call('XADD', encode_stream, '*', 'job', job)
+add_job(encode_stream, job, record, generation)
 notify(record)
 return R.OK

@@ -9,5 +9,5 @@ local admitted = admit(active, tenant_active, record, score, bound, tenant_bound
 if admitted ~= R.OK then return admitted end
 write_fields(record, fields, now)
 redis.call('ZADD', index, score, request_id)
-redis.call('XADD', encode_stream, '*', 'job', job)
+add_job(encode_stream, job, record, 0)
 return R.OK
