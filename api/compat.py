@@ -28,6 +28,7 @@ from api.service import (
     NotReadyError,
     Service,
     WaitTimeoutError,
+    reuse_status,
 )
 from keys import OutputFormat
 from workers.queue.schema import RequestRecord, State
@@ -59,7 +60,7 @@ def video_job(record: RequestRecord) -> VideoJob:
     return VideoJob(id=record.spec.request_id,
                     status=_VIDEO_STATUS.get(record.state, "in_progress"),
                     progress=progress, created_at=int(record.created_at),
-                    error=record.error)
+                    error=record.error, reuse=reuse_status(record))
 
 
 router = APIRouter()
@@ -87,7 +88,7 @@ def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request,
         prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
         height=height, num_frames=1, num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale, seed=body.seed,
-        output_format=OutputFormat.PNG, loras=body.loras)
+        output_format=OutputFormat.PNG, loras=body.loras, reuse=body.reuse)
     # The SDK sends no key: its retry is the same body, marked as a retry.
     call = idempotency_key or (
         f"openai-call:{xxhash.xxh3_128_hexdigest(body.model_dump_json().encode())}")
@@ -116,7 +117,9 @@ def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request,
     else:
         _, data = svc.result(who, request_id)
         item = {"b64_json": base64.b64encode(data).decode()}
-    return {"created": int(record.created_at), "data": [item]}
+    # Extension: what approximate reuse did, as the status reports it.
+    return {"created": int(record.created_at), "data": [item],
+            "reuse": reuse_status(record).model_dump(mode="json")}
 
 
 def model_ids(served: ServedModel) -> tuple[str, ...]:
@@ -161,7 +164,7 @@ def create_video(body: VideosBody, who: Tenant, svc: Svc) -> VideoJob:
         prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
         height=height, num_frames=_frames(body),
         num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
-        seed=body.seed, output_format=OutputFormat.MP4, loras=body.loras))
+        seed=body.seed, output_format=OutputFormat.MP4, loras=body.loras, reuse=body.reuse))
     return video_job(svc.record(who, request_id))
 
 @router.get("/v1/videos/{video_id}", response_model=VideoJob)

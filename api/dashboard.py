@@ -30,7 +30,7 @@ from workers.queue.watchdog import read_rescued
 WINDOW_MINUTES = 30
 RECENT = 15
 KINDS = [KeyKind.EMBEDDING, KeyKind.CFG, KeyKind.CHECKPOINT, KeyKind.OUTPUT, KeyKind.ADAPTER,
-         KeyKind.STEP]
+         KeyKind.STEP, KeyKind.APPROXIMATE]
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
 
 

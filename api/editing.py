@@ -11,13 +11,23 @@ from api.schemas import (
     CfgCacheBody,
     FieldError,
     Overrides,
+    ReuseBody,
     Segment,
     StepCacheBody,
     TextLimits,
     check_texts,
     segment_texts,
 )
-from keys import CfgCache, CfgMode, GenerationSpec, PromptSegment, StepCache, StepCachePolicy
+from keys import (
+    CfgCache,
+    CfgMode,
+    GenerationSpec,
+    PromptSegment,
+    Reuse,
+    ReuseMode,
+    StepCache,
+    StepCachePolicy,
+)
 from workers.queue.schema import RequestRecord
 
 
@@ -61,6 +71,18 @@ def step_cache_from(body: StepCacheBody | None, default: StepCachePolicy,
         raise FieldError("step_cache.policy", f"{cache.policy.value} cannot run on the served "
                          f"{family} model; it serves {sorted(p.value for p in served)}")
     return cache
+
+
+def reuse_from(body: ReuseBody | None, default: ReuseMode, schedule: bool) -> Reuse:
+    """The request's reuse mode (the tenant's ``default`` when it names none). A prompt
+    schedule says what each step conditions on, so it is never rewritten: approximate reuse
+    with one is refused when asked for, and a tenant default does not apply to it."""
+    if body is None:
+        return Reuse(ReuseMode.EXACT if schedule else default)
+    if schedule and body.mode is ReuseMode.APPROXIMATE:
+        raise FieldError("reuse.mode", "approximate reuse rewrites a request's prompt; a "
+                         "request with a schedule cannot use it (give prompt instead)")
+    return Reuse(body.mode, body.min_similarity, body.max_skip)
 
 
 def branch_point(record: RequestRecord, from_step: int | None) -> tuple[int, str]:

@@ -23,6 +23,7 @@ from keys import Priority
 from workers.queue import engine_metrics, stage_metrics
 from workers.queue.adapter_stats import WorkerAdapters, read_adapter_stats
 from workers.queue.messages import Stage
+from workers.queue.reuse_metrics import read_steps_reused
 from workers.queue.served_model import read_served
 from workers.queue.step_cache_metrics import read_step_cache
 from workers.queue.streams import oldest_waiting, queue_counts
@@ -56,6 +57,11 @@ class ClusterCollector(Collector):
             "diffcache_step_cache_forwards", "Denoiser forwards run under a step-cache "
             "policy: computed in full, or skipped (a hook stood in for part of them)",
             labels=["tenant", "policy", "outcome"])
+        # Its lookups, hits and seconds saved are the ``approx`` kind of the cache families.
+        steps_reused = CounterMetricFamily(
+            "diffcache_approximate_steps_reused", "Denoising steps approximate reuse took "
+            "from similar requests' checkpoints instead of computing them",
+            labels=["tenant"])
         for tenant in tenants(self._redis):
             totals = read_totals(self._redis, tenant)
             for field, value in totals.items():
@@ -64,8 +70,10 @@ class ClusterCollector(Collector):
                     families[Event(event)].add_metric([kind, self._label(tenant)], value)
             for policy, outcome, forwards in read_step_cache(totals):
                 step_cache.add_metric([self._label(tenant), policy, outcome], forwards)
+            steps_reused.add_metric([self._label(tenant)], read_steps_reused(totals))
         yield from families.values()
         yield step_cache
+        yield steps_reused
 
         yield from self._queue_families()
 

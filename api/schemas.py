@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cachesvc.settings import ApiSettings
-from keys import CfgMode, OutputFormat, Priority, StepCachePolicy
+from keys import CfgMode, OutputFormat, Priority, ReuseMode, StepCachePolicy
 from workers.queue.schema import PreemptMode
 from workers.queue.served_model import ServedModel
 
@@ -78,6 +78,20 @@ class StepCacheBody(BaseModel):
                 "warmup": self.warmup, "max_order": self.max_order, "max_skip": self.max_skip}
 
 
+class ReuseBody(BaseModel):
+    """Whether the request may start from a similar earlier request's checkpoint. In
+    ``approximate`` mode it may be rewritten into "that request's first steps (its prompt, its
+    seed), then this prompt", and the answer says so; ``exact`` never takes such a result."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: ReuseMode = ReuseMode.EXACT
+    min_similarity: float = Field(0.9, gt=0, le=1, description="least cosine similarity of "
+                                  "the pooled prompt embeddings")
+    max_skip: float = Field(0.5, ge=0, lt=1, description="largest fraction of the steps taken "
+                            "from the other request")
+
+
 class LoraBody(BaseModel):
     """One LoRA adapter a request applies, by the name it was uploaded under or its hash."""
 
@@ -123,6 +137,8 @@ class GenerateBody(BaseModel):
                                              "(api.step_cache_defaults), else off")
     loras: list[LoraBody] = Field(default_factory=list, description="LoRA adapters to apply "
                                   "(at most api.max_loras), uploaded with POST /v1/adapters")
+    reuse: ReuseBody | None = Field(None, description="default: the tenant's mode "
+                                    "(api.reuse_defaults), else exact")
 
 
 class Overrides(BaseModel):
@@ -259,6 +275,19 @@ class StepCacheStatus(BaseModel):
     skipped: int
 
 
+class ReuseStatus(BaseModel):
+    """What approximate reuse did to a request."""
+
+    mode: ReuseMode
+    approximate: bool = Field(description="rewritten to start from another request")
+    source_request_id: str | None = Field(None, description="the request (of this tenant) "
+                                          "whose first steps it reused")
+    steps_reused: int = 0
+    similarity: float | None = None
+    effective_seed: int = Field(description="the seed of the noise it started from: the "
+                                "source's when approximate")
+
+
 class RequestStatus(BaseModel):
     id: str
     state: str
@@ -280,6 +309,7 @@ class RequestStatus(BaseModel):
                                                 "adapters applied: hash and scale")
     warnings: list[str] = Field(default_factory=list, description="as in the 202 answer")
     step_cache: StepCacheStatus | None = Field(None, description="absent when off")
+    reuse: ReuseStatus
     rescues: int = Field(0, description="times the watchdog re-queued the request because "
                          "no live worker owned it (each one is a bug report)")
     late: dict[str, int] = Field(default_factory=dict, description="counter -> what attempts "
@@ -337,6 +367,8 @@ class ImagesBody(BaseModel):
     guidance_scale: float | None = Field(None, ge=0.0, le=30.0)
     loras: list[LoraBody] = Field(default_factory=list, description="extension: LoRA "
                                   "adapters, as in POST /v1/generate")
+    reuse: ReuseBody | None = Field(None, description="extension: approximate reuse, as in "
+                                    "POST /v1/generate")
     keep: bool = Field(False, description="extension: keep the request running when the "
                        "call is abandoned (the client goes away, or the wait times out); by "
                        "default it is cancelled, and a retry of the call resumes it")
@@ -384,6 +416,8 @@ class VideosBody(BaseModel):
     guidance_scale: float | None = Field(None, ge=0.0, le=30.0)
     loras: list[LoraBody] = Field(default_factory=list, description="extension: LoRA "
                                   "adapters, as in POST /v1/generate")
+    reuse: ReuseBody | None = Field(None, description="extension: approximate reuse, as in "
+                                    "POST /v1/generate")
 
 
 class VideoJob(BaseModel):
@@ -393,3 +427,5 @@ class VideoJob(BaseModel):
     progress: int
     created_at: int
     error: str | None = None
+    reuse: ReuseStatus | None = Field(None, description="extension: what approximate reuse "
+                                      "did, as in the request's status")

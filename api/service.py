@@ -21,6 +21,7 @@ from api.editing import (
     branch_point,
     branched_spec,
     cfg_cache_from,
+    reuse_from,
     segments_from,
     step_cache_from,
 )
@@ -32,6 +33,7 @@ from api.schemas import (
     Readiness,
     RequestStatus,
     ResumeBody,
+    ReuseStatus,
     StepCacheStatus,
     TextLimits,
     check_limits,
@@ -49,6 +51,7 @@ from keys import (
     LoraUse,
     OutputFormat,
     Priority,
+    ReuseMode,
     StepCachePolicy,
     StoreKey,
 )
@@ -154,7 +157,17 @@ def status_of(record: RequestRecord) -> RequestStatus:
             forwards=record.counter(KindField.LOOKUPS.of(KeyKind.STEP)),
             skipped=record.counter(KindField.HITS.of(KeyKind.STEP)))
         if spec.step_cache.on else None,
+        reuse=reuse_status(record),
         created_at=record.created_at, updated_at=record.updated_at)
+
+
+def reuse_status(record: RequestRecord) -> ReuseStatus:
+    hit = record.approximate
+    return ReuseStatus(mode=record.spec.reuse.mode, approximate=hit is not None,
+                       source_request_id=hit.source_request_id if hit else None,
+                       steps_reused=hit.step if hit else 0,
+                       similarity=hit.similarity if hit else None,
+                       effective_seed=record.spec.seed)
 
 
 @dataclass
@@ -220,7 +233,9 @@ class Service:
             step_cache=step_cache_from(
                 body.step_cache, self.settings.api.step_cache_defaults.get(tenant,
                                                                          StepCachePolicy.OFF),
-                served.step_caches, served.family))
+                served.step_caches, served.family),
+            reuse=reuse_from(body.reuse, self.settings.api.reuse_defaults.get(
+                tenant, ReuseMode.EXACT), body.schedule is not None))
         return self._within_cost(spec, served)
 
     def loras_for(self, tenant: str, loras: list[LoraBody]) -> tuple[LoraUse, ...]:

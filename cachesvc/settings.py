@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from keys import StepCachePolicy
+from keys import ReuseMode, StepCachePolicy
 
 ENV_PREFIX = "DIFFCACHE_"
 _NESTED = "__"
@@ -222,6 +222,9 @@ class ApiSettings(_Section):
     # Tenant -> the step-cache policy (at its default parameters) of its requests that name
     # none: a tenant may opt all its traffic into an approximate policy.
     step_cache_defaults: dict[str, StepCachePolicy] = Field(default_factory=dict)
+    # Tenant -> the reuse mode of its requests that name none: a tenant may opt all its
+    # traffic into approximate reuse (at the default similarity and skip).
+    reuse_defaults: dict[str, ReuseMode] = Field(default_factory=dict)
     max_queue_depth: int = Field(1000, ge=1, description="deeper than this answers 429")
     max_jobs_per_tenant: int = Field(200, ge=1, description="one tenant's queued plus running "
                                      "requests; more answers 429")

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from cachesvc.single_flight import Outcome
@@ -37,6 +38,10 @@ class TextModel(Protocol):
 
     def encode(self, tokens: TokenizedText) -> torch.Tensor: ...
 
+    def text_positions(self, tokens: TokenizedText, embedding: torch.Tensor) -> int:
+        """How many leading positions of ``embedding`` hold the text, not padding."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class EncodedText:
@@ -44,6 +49,15 @@ class EncodedText:
     key: StoreKey
     tensor: torch.Tensor
     hit: bool  # found in the cache (possibly after waiting for another encoder)
+    positions: int  # the leading positions of ``tensor`` that hold the text
+
+    def vector(self) -> np.ndarray:
+        """The embedding pooled over its text positions and normalised: what approximate
+        reuse compares prompts by (the served model's own encoder, no second model)."""
+        rows = self.tensor.reshape(-1, self.tensor.shape[-1])[:max(1, self.positions)]
+        pooled = rows.double().mean(dim=0).numpy().astype(np.float32)
+        norm = float(np.linalg.norm(pooled))
+        return pooled / norm if norm > 0 else pooled
 
 
 def encode_texts(cache: TensorCache, model: TextModel, tenant: str,
@@ -55,5 +69,6 @@ def encode_texts(cache: TensorCache, model: TextModel, tenant: str,
         key = embedding_key(tenant, model.fingerprint, tokens.ids, tokens.mask, model.max_length)
         cached = cache.get_or_compute(key, functools.partial(model.encode, tokens))
         hit = cached.outcome in (Outcome.HIT, Outcome.WAITED)
-        out[text] = EncodedText(text, key, cached.tensor, hit)
+        out[text] = EncodedText(text, key, cached.tensor, hit,
+                                model.text_positions(tokens, cached.tensor))
     return out

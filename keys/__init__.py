@@ -20,6 +20,7 @@ from keys.builders import (
     latents_key,
     model_fingerprint,
     output_key,
+    reuse_bucket,
     tensor_digest,
 )
 from keys.canonical import canonical_bytes, digest
@@ -32,6 +33,8 @@ from keys.spec import (
     OutputFormat,
     Priority,
     PromptSegment,
+    Reuse,
+    ReuseMode,
     StepCache,
     StepCachePolicy,
 )
@@ -51,6 +54,8 @@ __all__ = [
     "OutputFormat",
     "Priority",
     "PromptSegment",
+    "Reuse",
+    "ReuseMode",
     "StepCache",
     "StepCachePolicy",
     "StepInputs",
@@ -69,5 +74,6 @@ __all__ = [
     "latents_key",
     "model_fingerprint",
     "output_key",
+    "reuse_bucket",
     "tensor_digest",
 ]

@@ -39,6 +39,9 @@ class FieldPolicy:
 _ROUTING = {
     "request_id": "names one request, not its content",
     "priority": "changes when work runs, never its result",
+    # An approximate hit rewrites the spec itself (another seed, a schedule that starts with
+    # the other request's prompt): the rewritten fields are what every key holds.
+    "reuse": "decides whether the request may be rewritten, never what a spec computes",
 }
 
 EMBEDDING_FIELDS = FieldPolicy(
@@ -240,6 +243,17 @@ def chain_root(
             step_cache["mag_ratios"] = [float(r) for r in mag_ratios]
         payload["step_cache"] = step_cache
     return ChainLink(spec.tenant, 0, digest("chain-root", payload))
+
+
+def reuse_bucket(root: ChainLink, uncond: StoreKey | None, guidance_scale: float) -> str:
+    """The bucket of requests whose trajectories may share a prefix: everything that shapes
+    one but the prompt and the seed. ``root`` is the chain root of the request with its seed
+    set to 0 (model and adapters, scheduler, shape, steps, dtype, step and CFG caches);
+    ``uncond`` its negative prompt's embedding key and ``guidance_scale`` its guidance, the
+    other inputs of every chain link."""
+    return digest("reuse-bucket", {"root": root.hex, "tenant": root.tenant,
+                                   "uncond": None if uncond is None else str(uncond),
+                                   "guidance": float(guidance_scale)})
 
 
 def chain_next(link: ChainLink, step: StepInputs) -> ChainLink:

@@ -50,6 +50,9 @@ class KeyKind(StrEnum):
     # Denoiser forwards under a step-cache policy: counted (a hit is a forward the policy
     # skipped part of), never stored; its state travels inside checkpoints.
     STEP = "step"
+    # Approximate reuse lookups (a hit is a request rewritten to start from a similar
+    # request's checkpoint), never stored: the checkpoint it starts from is a CHECKPOINT hit.
+    APPROXIMATE = "approx"
     # Entries written by tests and benchmarks that do not belong to the pipeline.
     SCRATCH = "scratch"
 
@@ -122,6 +125,12 @@ def call_waiters(tenant: str, call: str) -> str:
 def adapter_index(tenant: str) -> str:
     """Hash: a tenant's LoRA adapters, name -> JSON (hash, size, rank, targets)."""
     return f"{KEY_VERSION}:{check_tenant(tenant)}:adapters"
+
+
+def reuse_vectors(tenant: str, bucket: str) -> str:
+    """Stream: the pooled prompt vector of every request in one reuse bucket (everything that
+    shapes a trajectory's prefix but its prompt and seed), in the order they registered."""
+    return f"{KEY_VERSION}:{check_tenant(tenant)}:reuse:{bucket}"
 
 
 def engine_rows() -> str:

@@ -162,6 +162,33 @@ class LoraUse:
             raise ValueError(f"lora hash {self.hash!r} must be 32 lowercase hex digits")
 
 
+class ReuseMode(StrEnum):
+    EXACT = "exact"  # only what this request computes, or an identical request computed
+    # May start from a similar prompt's checkpoint: the request is rewritten into "that
+    # request's first k steps (its prompt, its seed), then this prompt", keyed as such.
+    APPROXIMATE = "approximate"
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """Whether a request may be rewritten to start from a similar request's checkpoint, and
+    how similar that request must be and how many of the steps it may supply at most."""
+
+    mode: ReuseMode = ReuseMode.EXACT
+    min_similarity: float = 0.9  # cosine of the pooled prompt embeddings
+    max_skip: float = 0.5  # the largest fraction of the steps taken from the other request
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.min_similarity <= 1.0:
+            raise ValueError(f"reuse.min_similarity must be in (0, 1], got {self.min_similarity}")
+        if not 0.0 <= self.max_skip < 1.0:
+            raise ValueError(f"reuse.max_skip must be in [0, 1), got {self.max_skip}")
+
+    @property
+    def approximate(self) -> bool:
+        return self.mode is ReuseMode.APPROXIMATE
+
+
 @dataclass(frozen=True, slots=True)
 class PromptSegment:
     """Prompt, negative prompt and guidance in force for the steps before ``until_step``.
@@ -195,6 +222,7 @@ class GenerationSpec:
     # Applied to the denoiser, sorted by hash: the same set in any order is the same request.
     loras: tuple[LoraUse, ...] = ()
     step_cache: StepCache = StepCache()
+    reuse: Reuse = Reuse()
 
     def __post_init__(self) -> None:
         check_tenant(self.tenant)
@@ -237,6 +265,7 @@ class GenerationSpec:
         cfg_cache: CfgCache = CfgCache(),
         loras: tuple[LoraUse, ...] = (),
         step_cache: StepCache = StepCache(),
+        reuse: Reuse = Reuse(),
     ) -> GenerationSpec:
         """Build a spec; without ``schedule``, prompt and negative prompt hold for every step."""
         if schedule is None:
@@ -256,6 +285,7 @@ class GenerationSpec:
             cfg_cache=cfg_cache,
             loras=tuple(sorted(loras, key=lambda lora: lora.hash)),
             step_cache=step_cache,
+            reuse=reuse,
         )
 
     def segment_at(self, step: int) -> PromptSegment:

@@ -79,6 +79,10 @@ def test_generate_events_and_result_match_the_pipeline(http: TestClient, pipe: o
     status = http.get(f"/v1/requests/{request_id}").json()
     assert set(status["stage_seconds"]) == {"encode", "denoise", "decode"}
     assert status["steps"] == 4 and status["error"] is None
+    # Exact unless asked (or the tenant's default says otherwise), and said so on the result.
+    assert status["reuse"] == {"mode": "exact", "approximate": False, "source_request_id": None,
+                               "steps_reused": 0, "similarity": None, "effective_seed": 5}
+    assert result.headers["X-Diffcache-Reuse"] == "exact"
 
 
 @pytest.mark.parametrize("change, field, limit", [
@@ -110,6 +114,17 @@ def test_generate_events_and_result_match_the_pipeline(http: TestClient, pipe: o
      "less than or equal to 4"),
     ({"step_cache": {"policy": "magcache"}}, "step_cache.policy",
      "cannot run on the served wan model"),
+    ({"reuse": {"mode": "approximate", "min_similarity": 0}}, "reuse.min_similarity",
+     "greater than 0"),
+    ({"reuse": {"mode": "approximate", "min_similarity": 1.5}}, "reuse.min_similarity",
+     "less than or equal to 1"),
+    ({"reuse": {"mode": "approximate", "max_skip": 1}}, "reuse.max_skip", "less than 1"),
+    ({"reuse": {"mode": "approximate", "max_skip": -0.1}}, "reuse.max_skip",
+     "greater than or equal to 0"),
+    ({"reuse": {"mode": "nearby"}}, "reuse.mode", "'approximate'"),
+    ({"prompt": None, "schedule": [{"prompt": "a", "until_step": 4}],
+      "num_inference_steps": 4, "reuse": {"mode": "approximate"}}, "reuse.mode",
+     "cannot use it"),
 ])
 def test_bad_input_names_the_field_and_its_limit(http: TestClient, change: dict[str, object],
                                                  field: str, limit: str) -> None:

@@ -32,7 +32,7 @@ from keys import (
     model_fingerprint,
     output_key,
 )
-from keys.spec import SPEC_FIELDS
+from keys.spec import SPEC_FIELDS, Reuse, ReuseMode
 from workers.queue.messages import RefName, Role
 from workers.stages.trajectory import chain_head, chain_links
 
@@ -195,6 +195,8 @@ CHANGES = {
     "step_cache": st.one_of(
         st.floats(0.01, 1.0).map(lambda t: StepCache.create("first_block", threshold=t)),
         st.integers(1, 9).map(lambda k: StepCache.create("taylorseer", interval=k))),
+    "reuse": st.builds(Reuse, st.sampled_from(list(ReuseMode)), st.floats(0.01, 1.0),
+                       st.floats(0.0, 0.99)),
 }
 
 

@@ -4,11 +4,6 @@ bit-identical to the monolithic pipeline (one thread per op, CPU, float32)."""
 
 from __future__ import annotations
 
-import os
-import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import httpx
 import numpy as np
 import pytest
@@ -24,8 +19,10 @@ from keys.names import stage_stream
 from tests.test_preemption import LONG
 from tests.workers_harness import (
     make_spec,
+    paused,
     read_frames,
     reference,
+    running,
     serve_api,
     wait_done,
     wait_for,
@@ -54,33 +51,6 @@ def test_denoise_without_its_embeddings_sends_the_request_back_to_encode(
     assert record.error is None  # the miss was a recompute, not a failed attempt
     assert record.fields["attempt:denoise"] == "1"
     assert np.array_equal(read_frames(worker_settings, record), reference(pipe, spec))
-
-
-@contextmanager
-def paused(children: list[ChildProcess]) -> Iterator[None]:
-    """Every live worker of a stage held with SIGSTOP for the block: its stream waits."""
-    with signalled(children, signal.SIGSTOP, signal.SIGCONT):
-        yield
-
-
-@contextmanager
-def running(children: list[ChildProcess]) -> Iterator[None]:
-    """Workers held by ``paused`` let go for the block."""
-    with signalled(children, signal.SIGCONT, signal.SIGSTOP):
-        yield
-
-
-@contextmanager
-def signalled(children: list[ChildProcess], first: signal.Signals,
-              then: signal.Signals) -> Iterator[None]:
-    held = [c.pid for c in children if c.alive() and c.pid is not None]
-    for pid in held:
-        os.kill(pid, first)
-    try:
-        yield
-    finally:
-        for pid in held:
-            os.kill(pid, then)
 
 
 def lose(settings: Settings, keys: list[StoreKey]) -> None:

@@ -121,12 +121,15 @@ def test_wan_under_a_step_cache_matches_the_pipeline_with_the_same_hook(
 @pytest.mark.slow
 def test_a_tenant_default_applies_to_requests_that_name_no_policy_and_the_status_shows_it(
         worker_settings: Settings, client: redis.Redis, pool: object) -> None:
-    api = ApiSettings(step_cache_defaults={worker_settings.default_tenant: "first_block"})
+    # The tenant's approximate-reuse default rides along: a default the same way.
+    api = ApiSettings(step_cache_defaults={worker_settings.default_tenant: "first_block"},
+                      reuse_defaults={worker_settings.default_tenant: "approximate"})
     small = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 4,
              "output_format": "npy", "seed": 3}
     with serve_api(worker_settings, api) as url, httpx.Client(base_url=url) as http:
         named = http.post("/v1/generate", json={"prompt": "a fox", **small,
-                                                "step_cache": {"policy": "off"}})
+                                                "step_cache": {"policy": "off"},
+                                                "reuse": {"mode": "exact"}})
         default = http.post("/v1/generate", json={"prompt": "a fox", **small})
         assert named.status_code == default.status_code == 202, (named.text, default.text)
         statuses = {}
@@ -149,6 +152,8 @@ def test_a_tenant_default_applies_to_requests_that_name_no_policy_and_the_status
 
         shown_on_metrics = wait_until(per_policy, timeout_s=60, what="per-policy forwards")
     assert statuses["named"]["step_cache"] is None
+    assert statuses["named"]["reuse"]["mode"] == "exact"
+    assert statuses["default"]["reuse"]["mode"] == "approximate"
     shown = statuses["default"]["step_cache"]
     assert shown["policy"] == "first_block" and shown["params"] == {"threshold": 0.2}
     assert shown["forwards"] == 8  # 4 guided steps

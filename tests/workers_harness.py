@@ -214,3 +214,30 @@ def serve_api(settings: Settings, api: ApiSettings) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextmanager
+def paused(children: list[ChildProcess]) -> Iterator[None]:
+    """Every live worker of a stage held with SIGSTOP for the block: its stream waits."""
+    with signalled(children, signal.SIGSTOP, signal.SIGCONT):
+        yield
+
+
+@contextmanager
+def running(children: list[ChildProcess]) -> Iterator[None]:
+    """Workers held by ``paused`` let go for the block."""
+    with signalled(children, signal.SIGCONT, signal.SIGSTOP):
+        yield
+
+
+@contextmanager
+def signalled(children: list[ChildProcess], first: signal.Signals,
+              then: signal.Signals) -> Iterator[None]:
+    held = [c.pid for c in children if c.alive() and c.pid is not None]
+    for pid in held:
+        os.kill(pid, first)
+    try:
+        yield
+    finally:
+        for pid in held:
+            os.kill(pid, then)

@@ -59,10 +59,16 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
     files = (OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
              if settings.cache.durable_outputs else None)
     if stage is Stage.ENCODE:
+        from cachesvc.reuse_index import ReuseIndex
+        from workers.queue.records import Records
+        from workers.stages.approximate import ApproximateReuse, ReuseTable
         from workers.stages.encode import EncodeHandler
 
-        encode = EncodeHandler(cache, family.text_encoder(directory, placement),
-                               family.trajectory(directory, placement), files)
+        trajectory = family.trajectory(directory, placement)
+        reuse = ApproximateReuse(ReuseIndex(client), Records(client), cache, trajectory,
+                                 ReuseTable(model_card(directory).reuse_table))
+        encode = EncodeHandler(cache, family.text_encoder(directory, placement), trajectory,
+                               files, reuse)
         router = (AdapterRouter(client, settings.workers.idle_timeout_s)
                   if settings.workers.adapter_routing else None)
         return Worker(encode, client, settings.workers, router=router), encode

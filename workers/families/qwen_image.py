@@ -243,6 +243,10 @@ class QwenTextEncoder:
         embeds = selected.unsqueeze(0).to(self.model.dtype)
         return embeds[:, :MAX_SEQUENCE_LENGTH].contiguous()
 
+    def text_positions(self, tokens: Tokens, embedding: torch.Tensor) -> int:
+        """The embedding's positions that hold the text: all (``encode`` keeps no padding)."""
+        return int(embedding.shape[-2])
+
 
 # --- Denoise --------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ checkpoint such as ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` takes. The stage code he
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -170,6 +171,10 @@ class WanTextEncoder:
         out[:, :length] = hidden[:, :length]
         return out
 
+    def text_positions(self, tokens: Tokens, embedding: torch.Tensor) -> int:
+        """The embedding's positions that hold the text: those before the zeroed padding."""
+        return sum(1 for m in tokens.mask if m)
+
 
 # --- Denoise --------------------------------------------------------------------------------
 
@@ -311,7 +316,11 @@ class WanReference:
         self.mag_ratios = model_card(directory).magcache_ratios
 
     def __call__(self, spec: GenerationSpec) -> np.ndarray:
+        """The pipeline's frames for ``spec``; a schedule switches the prompt embeddings at
+        each segment's end through the pipeline's step-end callback (guidance stays one)."""
         segment = spec.schedule[0]
+        if any(spec.guidance_of(s) != spec.guidance_scale for s in spec.schedule):
+            raise ValueError("the reference switches prompts, not guidance, mid-schedule")
         config = (hook_config(spec.step_cache, spec.num_inference_steps, ATTENTION,
                               self.mag_ratios) if spec.step_cache.on else None)
         with hooks_enabled(self.pipe.transformer, config):
@@ -321,8 +330,32 @@ class WanReference:
                                num_inference_steps=spec.num_inference_steps,
                                guidance_scale=spec.guidance_scale,
                                generator=torch.Generator().manual_seed(spec.seed),
-                               output_type="np").frames
+                               output_type="np", **self._switches(spec)).frames
         return to_uint8(frames[0])
+
+    def _switches(self, spec: GenerationSpec) -> dict[str, Any]:
+        after = {s.until_step: nxt for s, nxt in itertools.pairwise(spec.schedule)}
+        if not after:
+            return {}
+        pipe, dtype = self.pipe, self.pipe.transformer.dtype
+
+        def switch(_: object, step: int, t: object, tensors: dict[str, Any]) -> dict[str, Any]:
+            segment = after.get(step + 1)
+            if segment is None:
+                return {}
+            # As the pipeline encodes its own prompt (its default length of 512 tokens).
+            cond, uncond = pipe.encode_prompt(
+                segment.prompt, segment.negative_prompt,
+                do_classifier_free_guidance=spec.guidance_scale > 1.0,
+                max_sequence_length=512, device=pipe._execution_device)
+            out = {"prompt_embeds": cond.to(dtype)}
+            if uncond is not None:
+                out["negative_prompt_embeds"] = uncond.to(dtype)
+            return out
+
+        return {"callback_on_step_end": switch,
+                "callback_on_step_end_tensor_inputs": ["prompt_embeds",
+                                                       "negative_prompt_embeds"]}
 
 
 def geometry(directory: Path) -> ModelGeometry:

@@ -113,6 +113,11 @@ class Field(StrEnum):
     CHECKPOINT_STEP = "checkpoint_step"  # the latest checkpoint written
     STOPPED_MID_STEP = "stopped_mid_step"
     WARNINGS = "warnings"  # JSON list: what the request asks outside what the model learnt
+    # An approximate hit (``ApproximateHit``): the request was rewritten at encode to start
+    # from another request's checkpoint; its spec is the rewritten one.
+    REUSED_FROM = "reused_from"
+    REUSED_STEP = "reused_step"
+    REUSED_SIMILARITY = "reused_similarity"
     # Followers of the record's events (``events.py``, through ``lua/watch.lua``): the hot
     # scripts announce a change only while it is above 0.
     WATCHERS = "watchers"
@@ -182,6 +187,20 @@ class PreemptMode(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class ApproximateHit:
+    """What approximate reuse did to a request: the request (of the same tenant) whose first
+    ``step`` steps it starts from, and how similar their prompts were."""
+
+    source_request_id: str
+    step: int
+    similarity: float
+
+    def fields(self) -> dict[str, str]:
+        return {Field.REUSED_FROM: self.source_request_id, Field.REUSED_STEP: str(self.step),
+                Field.REUSED_SIMILARITY: f"{self.similarity:.6f}"}
+
+
+@dataclass(frozen=True, slots=True)
 class RequestRecord:
     """A record as read: typed accessors over its fields, which stay available for status
     pages."""
@@ -218,6 +237,14 @@ class RequestRecord:
         raw = self.get(Field.WARNINGS)
         found: list[str] = json.loads(raw) if raw else []
         return found
+
+    @property
+    def approximate(self) -> ApproximateHit | None:
+        source = self.get(Field.REUSED_FROM)
+        if source is None:
+            return None
+        return ApproximateHit(source, self.counter(Field.REUSED_STEP),
+                              float(self.fields[Field.REUSED_SIMILARITY]))
 
     @property
     def output_key(self) -> str | None:

@@ -127,6 +127,9 @@ class ModelCard:
     # MagCache's calibrated ratios for the card's step count (``training.magcache``); none:
     # the model cannot run MagCache.
     magcache_ratios: tuple[float, ...] = ()
+    # Approximate reuse: (least similarity, fraction of the steps reused) rows, measured
+    # with the quality yardstick (``bench.reuse_calibrate``); none: the model reuses nothing.
+    reuse_table: tuple[tuple[float, float], ...] = ()
 
     def warnings(self, spec: GenerationSpec) -> list[str]:
         """What a request asks for outside what the model was trained on: it runs, and
@@ -158,7 +161,9 @@ def model_card(directory: Path) -> ModelCard:
     try:
         facts = json.loads(card.read_text()).get("model", {})
         return ModelCard(**{**facts, "vocabulary": tuple(facts.get("vocabulary", ())),
-                            "magcache_ratios": tuple(facts.get("magcache_ratios", ()))})
+                            "magcache_ratios": tuple(facts.get("magcache_ratios", ())),
+                            "reuse_table": tuple((float(s), float(f)) for s, f in
+                                                 facts.get("reuse_table", ()))})
     except (ValueError, TypeError, AttributeError) as error:
         raise ModelCardError(f"{card}: unreadable model facts ({error})") from error
 

@@ -13,6 +13,8 @@ from keys import (
     OutputFormat,
     Priority,
     PromptSegment,
+    Reuse,
+    ReuseMode,
     StepCache,
     StepCachePolicy,
 )
@@ -30,16 +32,18 @@ def spec_to_json(spec: GenerationSpec) -> str:
         "cfg_cache": [spec.cfg_cache.mode.value, spec.cfg_cache.interval],
         "loras": [[lora.hash, lora.scale] for lora in spec.loras],
         "step_cache": [spec.step_cache.policy.value, dict(spec.step_cache.params)],
+        "reuse": [spec.reuse.mode.value, spec.reuse.min_similarity, spec.reuse.max_skip],
     })
 
 
 def spec_from_json(raw: str | bytes) -> GenerationSpec:
     """The spec a record holds. Records written before per-segment guidance, the CFG cache,
-    LoRA adapters or step caches existed read with their defaults, so requests in flight
-    survive an upgrade."""
+    LoRA adapters, step caches or approximate reuse existed read with their defaults, so
+    requests in flight survive an upgrade."""
     d = json.loads(raw)
     mode, interval = d.get("cfg_cache", [CfgMode.EXACT.value, 1])
     policy, params = d.get("step_cache", [StepCachePolicy.OFF.value, {}])
+    reuse = d.get("reuse")
     return GenerationSpec(
         request_id=d["request_id"], tenant=d["tenant"],
         schedule=tuple(PromptSegment(p, n, int(u), None if not g or g[0] is None
@@ -51,4 +55,6 @@ def spec_from_json(raw: str | bytes) -> GenerationSpec:
         output_format=OutputFormat(d["output_format"]), priority=Priority(d["priority"]),
         cfg_cache=CfgCache(CfgMode(mode), int(interval)),
         loras=tuple(LoraUse(h, float(s)) for h, s in d.get("loras", [])),
-        step_cache=StepCache.create(policy, **params))
+        step_cache=StepCache.create(policy, **params),
+        reuse=Reuse() if reuse is None else Reuse(ReuseMode(reuse[0]), float(reuse[1]),
+                                                  float(reuse[2])))

@@ -5,7 +5,9 @@ Writes: one condition embedding per distinct prompt and negative prompt (``embed
 soft-pinned, shared by every request and tenant-namespaced).
 Feeds: the denoise stream, with a typed reference (``RefName``: role and segment) to each;
 or nothing, when the request's output is already cached: an identical request (same seed) is
-then DONE without denoising.
+then DONE without denoising. A request in approximate reuse mode may first be rewritten to
+start from a similar request's checkpoint (``approximate.py``); every request with one prompt
+offers its own to later ones.
 """
 
 from __future__ import annotations
@@ -13,15 +15,19 @@ from __future__ import annotations
 import torch
 
 from cachesvc.codec import TensorSpec
+from cachesvc.counters import Event
 from cachesvc.output_files import OutputFiles
 from cachesvc.tensor_cache import TensorCache
-from encoders.text import TextModel, encode_texts
+from encoders.text import EncodedText, TextModel, encode_texts
 from keys import GenerationSpec, KeyKind, StoreKey, adapted, output_key
 from workers.families.base import Trajectory
 from workers.queue.messages import RefName, Role, Stage, TensorRef
+from workers.queue.reuse_metrics import steps_reused
 from workers.queue.runtime import JobContext, Outcome
 from workers.queue.schema import Field, KindField, State
 from workers.queue.scripts import RecordWrite
+from workers.queue.spec_json import spec_to_json
+from workers.stages.approximate import ApproximateReuse, Rewrite, eligible
 from workers.stages.trajectory import chain_head
 
 
@@ -29,18 +35,25 @@ class EncodeHandler:
     stage = Stage.ENCODE
 
     def __init__(self, cache: TensorCache, model: TextModel, trajectory: Trajectory,
-                 files: OutputFiles | None = None) -> None:
+                 files: OutputFiles | None = None,
+                 reuse: ApproximateReuse | None = None) -> None:
         self.cache = cache
         self.model = model
         self.trajectory = trajectory
         self.files = files
+        self.reuse = reuse  # None: this worker neither offers nor takes approximate reuse
 
     def handle(self, ctx: JobContext) -> Outcome:
         job = ctx.job
         spec = ctx.spec()
-        texts = [s.prompt for s in spec.schedule]
-        texts += [s.negative_prompt for s in spec.schedule if spec.segment_uses_cfg(s)]
-        encoded = encode_texts(self.cache, self.model, spec.tenant, texts)
+        encoded = self._encode(spec)
+        rewrite, looked = None, False
+        if self.reuse is not None and eligible(spec):
+            looked = spec.reuse.approximate
+            rewrite = self._reuse(spec, encoded)
+            if rewrite is not None:
+                spec = rewrite.spec
+                encoded |= self._encode(spec)
         refs = []
         for i, segment in enumerate(spec.schedule):
             conditions = [(Role.PROMPT, segment.prompt)]
@@ -56,11 +69,41 @@ class EncodeHandler:
             KindField.HITS.of(KeyKind.EMBEDDING): sum(e.hit for e in encoded.values()),
             KindField.LOOKUPS.of(KeyKind.OUTPUT): lookups,
             KindField.HITS.of(KeyKind.OUTPUT): int(cached is not None)})
+        if rewrite is not None:  # the record holds what is computed from now on
+            counts = counts | RecordWrite({Field.SPEC: spec_to_json(spec),
+                                           **rewrite.hit.fields()})
+        if looked:
+            hit = int(rewrite is not None)
+            counts = counts | RecordWrite(add={KindField.LOOKUPS.of(KeyKind.APPROXIMATE): 1,
+                                               KindField.HITS.of(KeyKind.APPROXIMATE): hit})
         if cached is not None:
             return Outcome(None, State.DONE,
                            RecordWrite({Field.OUTPUT_KEY: str(cached)}) | counts)
         return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=counts,
                        affinity=tuple(lora.hash for lora in spec.loras))
+
+    def _encode(self, spec: GenerationSpec) -> dict[str, EncodedText]:
+        texts = [s.prompt for s in spec.schedule]
+        texts += [s.negative_prompt for s in spec.schedule if spec.segment_uses_cfg(s)]
+        return encode_texts(self.cache, self.model, spec.tenant, texts)
+
+    def _reuse(self, spec: GenerationSpec, encoded: dict[str, EncodedText]) -> Rewrite | None:
+        """Look for a similar request to start from (approximate mode), else offer this one
+        to later requests; counted as a lookup of its own kind."""
+        assert self.reuse is not None
+        bucket = self.reuse.bucket(spec, encoded)
+        vector = encoded[spec.schedule[0].prompt].vector()
+        rewrite = self.reuse.find(spec, bucket, vector) if spec.reuse.approximate else None
+        if rewrite is None:
+            self.reuse.register(spec, bucket, vector)
+        if spec.reuse.approximate:
+            hit = int(rewrite is not None)
+            self.cache.counters.add_many(spec.tenant, KeyKind.APPROXIMATE, {
+                Event.LOOKUPS: 1, Event.HITS: hit, Event.MISSES: 1 - hit,
+                Event.COMPUTE_SECONDS_SAVED: rewrite.saved_s if rewrite else 0.0})
+            if rewrite is not None:
+                self.cache.counters.add_fields(spec.tenant, steps_reused(rewrite.hit.step))
+        return rewrite
 
     def discard(self, outcome: Outcome) -> None:
         """Embeddings are content-addressed and shared: nothing belongs to one attempt."""

@@ -1,0 +1,133 @@
+"""Approximate reuse at encode: find an earlier request with a similar prompt in the same
+bucket and rewrite this one into "that request's first k steps (its prompt, its seed), then
+my prompt". The rewritten request has its own exact hash chain, so every key it reads or
+writes names what is really computed; denoise finds the other request's checkpoint at step k
+as it finds any shared prefix."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from cachesvc.reuse_index import ReuseIndex
+from cachesvc.tensor_cache import TensorCache
+from encoders.text import EncodedText
+from keys import (
+    GenerationSpec,
+    PromptSegment,
+    StoreKey,
+    adapted,
+    chain_root,
+    reuse_bucket,
+)
+from workers.families.base import Trajectory
+from workers.queue.messages import Stage
+from workers.queue.records import Records
+from workers.queue.schema import ApproximateHit
+
+CANDIDATES = 8  # nearest requests looked at, most similar first
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseTable:
+    """How many steps a similarity earns: rows of (least similarity, fraction of the steps),
+    measured per model with the quality yardstick and read from its card."""
+
+    rows: tuple[tuple[float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        similarities = [s for s, _ in self.rows]
+        if similarities != sorted(set(similarities)):
+            raise ValueError(f"reuse_table similarities must rise strictly: {similarities}")
+        if any(not 0.0 <= f < 1.0 for _, f in self.rows):
+            raise ValueError(f"reuse_table fractions must be in [0, 1): {self.rows}")
+
+    def fraction(self, similarity: float) -> float:
+        """The fraction of the steps a neighbour this similar may supply (0: none)."""
+        earned = [f for s, f in self.rows if similarity >= s]
+        return earned[-1] if earned else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Rewrite:
+    spec: GenerationSpec  # what the request now computes
+    hit: ApproximateHit
+    saved_s: float  # the source's denoise seconds for the steps reused (0: not known yet)
+
+
+def eligible(spec: GenerationSpec) -> bool:
+    """A request with one prompt for every step: a prompt schedule already says what each
+    step conditions on, so it is never rewritten (nor a source: see ``register``)."""
+    return len(spec.schedule) == 1
+
+
+class ApproximateReuse:
+    """The encode stage's side of approximate reuse: a request's bucket, its registration and
+    the search for a checkpoint to start from."""
+
+    def __init__(self, index: ReuseIndex, records: Records, cache: TensorCache,
+                 trajectory: Trajectory, table: ReuseTable) -> None:
+        self.index = index
+        self.records = records
+        self.cache = cache
+        self.trajectory = trajectory
+        self.table = table
+
+    def bucket(self, spec: GenerationSpec, encoded: dict[str, EncodedText]) -> str:
+        t = self.trajectory
+        segment = spec.schedule[0]
+        root = chain_root(dataclasses.replace(spec, seed=0), adapted(t.fingerprint, spec.loras),
+                          t.scheduler_config, "float32", t.mag_ratios)
+        uncond = encoded[segment.negative_prompt].key if spec.segment_uses_cfg(segment) else None
+        return reuse_bucket(root, uncond, spec.guidance_of(segment))
+
+    def register(self, spec: GenerationSpec, bucket: str, vector: np.ndarray) -> None:
+        """Offer this request's checkpoints to later similar ones, whatever its own mode."""
+        self.index.register(spec.tenant, bucket, spec.request_id, vector)
+
+    def find(self, spec: GenerationSpec, bucket: str, vector: np.ndarray) -> Rewrite | None:
+        """The rewrite onto the most similar request that still has a checkpoint in reach, or
+        None. A neighbour's checkpoints are a cache: one that is gone sends the search to an
+        earlier checkpoint, then to the next neighbour."""
+        steps = spec.num_inference_steps
+        cap = math.floor(spec.reuse.max_skip * steps)
+        for near in self.index.nearest(spec.tenant, bucket, vector, CANDIDATES + 1):
+            if near.request_id == spec.request_id:
+                continue
+            if near.similarity < spec.reuse.min_similarity:
+                break  # most similar first: the rest are further still
+            reach = min(cap, math.floor(self.table.fraction(near.similarity) * steps))
+            if reach < 1:
+                break  # a lower similarity never earns more steps
+            source = self.records.get(spec.tenant, near.request_id)
+            if source is None or not eligible(source.spec) or \
+                    source.spec.num_inference_steps != steps:
+                continue
+            step = self._furthest_stored(source.checkpoints(), reach)
+            if step is not None:
+                denoised = source.stage_seconds().get(Stage.DENOISE, 0.0)
+                return Rewrite(rewritten(spec, source.spec, step),
+                               ApproximateHit(near.request_id, step, near.similarity),
+                               denoised * step / steps)
+        return None
+
+    def _furthest_stored(self, checkpoints: dict[int, str], reach: int) -> int | None:
+        for step in sorted((s for s in checkpoints if 0 < s <= reach), reverse=True):
+            if self.cache.contains(StoreKey.parse(checkpoints[step])):
+                return step
+        return None
+
+
+def rewritten(spec: GenerationSpec, source: GenerationSpec, step: int) -> GenerationSpec:
+    """``source``'s first ``step`` steps (its prompt, its seed), then ``spec``'s prompt, as
+    ``spec``'s request: the monolithic pipeline with the source's seed and a prompt switch at
+    ``step`` computes the same."""
+    mine = spec.schedule[0]
+    tail = (PromptSegment(mine.prompt, mine.negative_prompt, spec.num_inference_steps,
+                          spec.guidance_of(mine)),)
+    branch = source.branch(spec.request_id, step, tail, output_format=spec.output_format,
+                           priority=spec.priority)
+    return dataclasses.replace(branch, reuse=spec.reuse)
