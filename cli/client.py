@@ -148,3 +148,8 @@ def _call_and_follow(api_url: str, api_key: str | None, path: str,
     timings = ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
     console.print(f"wrote {out} ({len(data)} bytes) for request {request_id}; {timings}; "
                   f"cache hits {status['cache_hits']}")
+    reuse = status.get("reuse")
+    if isinstance(reuse, dict) and reuse.get("approximate"):
+        console.print(f"approximate: the first {reuse['steps_reused']} steps are those of "
+                      f"request {reuse['source_request_id']} (prompt similarity "
+                      f"{reuse['similarity']:.3f}, seed {reuse['effective_seed']})")

@@ -254,6 +254,8 @@ def generate(
     steps: int | None = None,
     guidance_scale: float | None = None,
     priority: str = typer.Option("interactive", help="interactive or batch"),
+    reuse: str | None = typer.Option(None, help="exact or approximate: may start from a "
+                                     "similar earlier request's checkpoint (and says so)"),
     api_key: str | None = typer.Option(None, help="sent as X-API-Key"),
 ) -> None:
     """Generate through the REST API with a progress bar; prints cache hits and timings.
@@ -268,7 +270,8 @@ def generate(
         "prompt": prompt, "negative_prompt": negative_prompt, "seed": seed,
         "output_format": format_for(out, output_format), "width": width, "height": height,
         "num_frames": num_frames, "num_inference_steps": steps,
-        "guidance_scale": guidance_scale, "priority": priority}.items() if v is not None}
+        "guidance_scale": guidance_scale, "priority": priority,
+        "reuse": None if reuse is None else {"mode": reuse}}.items() if v is not None}
     call_and_follow(_api_base(), api_key, "/v1/generate", body, out, console)
 
 

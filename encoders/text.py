@@ -52,12 +52,23 @@ class EncodedText:
     positions: int  # the leading positions of ``tensor`` that hold the text
 
     def vector(self) -> np.ndarray:
-        """The embedding pooled over its text positions and normalised: what approximate
-        reuse compares prompts by (the served model's own encoder, no second model)."""
-        rows = self.tensor.reshape(-1, self.tensor.shape[-1])[:max(1, self.positions)]
-        pooled = rows.double().mean(dim=0).numpy().astype(np.float32)
-        norm = float(np.linalg.norm(pooled))
-        return pooled / norm if norm > 0 else pooled
+        return pooled(self.tensor, self.positions)
+
+
+def pooled(embedding: torch.Tensor, positions: int) -> np.ndarray:
+    """An embedding pooled over its text positions and normalised: what approximate reuse
+    compares prompts by (the served model's own encoder, no second model)."""
+    rows = embedding.reshape(-1, embedding.shape[-1])[:max(1, positions)]
+    mean = rows.double().mean(dim=0).numpy().astype(np.float32)
+    norm = float(np.linalg.norm(mean))
+    return mean / norm if norm > 0 else mean
+
+
+def prompt_vector(model: TextModel, text: str) -> np.ndarray:
+    """``pooled`` for a text encoded here, without the cache (benchmarks)."""
+    tokens = model.tokenize(text)
+    embedding = model.encode(tokens)
+    return pooled(embedding, model.text_positions(tokens, embedding))
 
 
 def encode_texts(cache: TensorCache, model: TextModel, tenant: str,

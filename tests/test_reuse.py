@@ -15,20 +15,27 @@ import numpy as np
 import pytest
 import redis
 
+from cachesvc.counters import read_totals
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings
+from cachesvc.waiting import wait_until
 from keys import Reuse, ReuseMode
 from tests.workers_harness import (
     make_spec,
     paused,
+    read_frames,
     reference,
     run_request,
     start_worker,
     wait_done,
+    wait_for,
 )
+from workers.queue.lifecycle import Lifecycle
 from workers.queue.messages import Stage
+from workers.queue.records import Records
+from workers.queue.schema import PreemptMode, State
 from workers.queue.served_model import MODEL_CARD
-from workers.queue.submit import new_request_id
+from workers.queue.submit import new_request_id, submit
 
 pytestmark = pytest.mark.slow  # starts a worker process of its own
 
@@ -99,6 +106,14 @@ def test_an_approximate_hit_is_the_sources_prefix_then_its_own_prompt_bit_for_bi
     assert np.array_equal(own, reference(pipe, exact))
     assert not np.array_equal(own, frames)
 
+    # One ledger: the records' lookups add up to the cache counters, the rewrite's second
+    # encode included (each text is looked up once per job).
+    records = [wait_done(client, s) for s in (source, asked, again, exact)]
+    for kind in ("embed", "approx"):
+        shown = sum(r.counter(f"lookups:{kind}") for r in records)
+        wait_until(lambda k=kind, n=shown: read_totals(client, "reuse").get(f"{k}.lookups")
+                   == n, timeout_s=90, what=f"{kind} lookups counted as the records show")
+
 
 def test_no_neighbour_similar_enough_leaves_the_request_as_asked(
         worker_settings: Settings, client: redis.Redis, reusing_encoder: None) -> None:
@@ -137,3 +152,25 @@ def test_a_source_whose_checkpoints_are_gone_is_a_miss(
     run_request(worker_settings, client, asked)
     record = wait_done(client, asked)
     assert record.approximate is None and record.counter("resumed_from") == 0
+
+
+def test_a_rewritten_request_parked_and_resumed_stays_bit_identical(
+        worker_settings: Settings, client: redis.Redis, reusing_encoder: None,
+        pipe: object) -> None:
+    long = {"num_inference_steps": 60, "width": 64, "height": 64}
+    source = make_spec(tenant="reuse-park", prompt="a red fox in the snow", seed=301, **long)
+    run_request(worker_settings, client, source)
+    asked = make_spec(tenant="reuse-park", prompt="a red fox asleep in the snow", seed=302,
+                      reuse=APPROXIMATE, **long)
+    submit(client, asked)
+    wait_for(client, asked, State.DENOISING, min_step=31)  # past the source's 30 steps
+    assert Lifecycle(client).ask_preempt(asked.tenant, asked.request_id, PreemptMode.PARK)
+    wait_for(client, asked, State.PREEMPTED)
+    parked = Records(client).get(asked.tenant, asked.request_id)
+    assert parked is not None and parked.approximate is not None
+    Lifecycle(client).resume(parked)
+    record = wait_done(client, asked)
+    assert record.counter("preemptions") == 1 and record.counter("resumes") == 1
+    assert record.counter("resumed_from") > 30  # from its own checkpoint, past the source's
+    assert record.spec == parked.spec  # still the rewritten request, not rewritten again
+    assert np.array_equal(read_frames(worker_settings, record), reference(pipe, record.spec))

@@ -53,7 +53,7 @@ class EncodeHandler:
             rewrite = self._reuse(spec, encoded)
             if rewrite is not None:
                 spec = rewrite.spec
-                encoded |= self._encode(spec)
+                encoded |= self._encode(spec, encoded)
         refs = []
         for i, segment in enumerate(spec.schedule):
             conditions = [(Role.PROMPT, segment.prompt)]
@@ -82,10 +82,14 @@ class EncodeHandler:
         return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=counts,
                        affinity=tuple(lora.hash for lora in spec.loras))
 
-    def _encode(self, spec: GenerationSpec) -> dict[str, EncodedText]:
+    def _encode(self, spec: GenerationSpec,
+                have: dict[str, EncodedText] | None = None) -> dict[str, EncodedText]:
+        """Embeddings of the spec's texts but those in ``have``: each text is looked up (and
+        counted) once per job, rewritten or not."""
         texts = [s.prompt for s in spec.schedule]
         texts += [s.negative_prompt for s in spec.schedule if spec.segment_uses_cfg(s)]
-        return encode_texts(self.cache, self.model, spec.tenant, texts)
+        return encode_texts(self.cache, self.model, spec.tenant,
+                            [t for t in texts if t not in (have or {})])
 
     def _reuse(self, spec: GenerationSpec, encoded: dict[str, EncodedText]) -> Rewrite | None:
         """Look for a similar request to start from (approximate mode), else offer this one

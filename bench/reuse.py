@@ -1,0 +1,118 @@
+"""Approximate reuse on a similarity-rich trace through the service, on the shipped shapes
+model: 40 scenes, each asked five ways (``bench.reuse_trace``), every request with its own
+seed, in five waves (the captions, then each other phrasing in turn, as similar prompts keep
+arriving). The trace runs twice in one stack, once per mode, each in a tenant of its own.
+
+Per mode: denoise forwards, throughput, and the classifier's accuracy on the attributes each
+prompt asks for; for the approximate run, the hit rate, the steps reused, and the hits whose
+output shows an attribute of the source's that the request did not ask for. A sample of the
+rewritten requests is computed again from scratch (another tenant: no shared checkpoint) and
+compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from bench.common import model_stack, report, serve, workers
+from bench.reuse_trace import TracePrompt, correct, variants
+from cachesvc.connect import open_cache, open_redis
+from keys import GenerationSpec, OutputFormat, Reuse, ReuseMode
+from training.classifier import load_classifier
+from workers.queue.records import Records
+from workers.queue.schema import RequestRecord
+from workers.queue.served_model import request_defaults
+from workers.queue.submit import new_request_id
+
+WAVES = 5
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--scenes", type=int, default=40)
+    parser.add_argument("--min-similarity", type=float, default=0.9)
+    parser.add_argument("--max-skip", type=float, default=0.5)
+    parser.add_argument("--verify", type=int, default=5, help="rewritten requests recomputed")
+    args = parser.parse_args()
+    classifier = load_classifier()
+    trace = [variants(i) for i in range(args.scenes)]
+    waves = [[prompts[w] for prompts in trace] for w in range(WAVES)]
+    modes = {"exact": Reuse(),
+             "approximate": Reuse(ReuseMode.APPROXIMATE, args.min_similarity, args.max_skip)}
+    runs: dict[str, tuple[float, list[RequestRecord], np.ndarray, list[TracePrompt]]] = {}
+    with model_stack(model={"preset": "shapes"}) as settings:
+        m = request_defaults(settings.model, settings.model_dir)
+        records, cache = Records(open_redis(settings)), open_cache(settings)
+        with workers(settings, settings.data_dir / "logs"):
+            for mode, reuse in modes.items():
+                done, frames, asked = [], [], []
+                start = time.perf_counter()
+                for w, wave in enumerate(waves):
+                    specs = [GenerationSpec.create(
+                        request_id=new_request_id(), tenant=f"trace-{mode}", prompt=p.prompt,
+                        width=m.width, height=m.height, num_frames=1,
+                        num_inference_steps=m.num_inference_steps,
+                        guidance_scale=m.guidance_scale, seed=30_000 + w * 1000 + n,
+                        output_format=OutputFormat.NPY, reuse=reuse)
+                        for n, p in enumerate(wave)]
+                    records_, frames_ = serve(records, cache, specs)
+                    done += records_
+                    frames += frames_
+                    asked += wave
+                runs[mode] = (time.perf_counter() - start, done, np.concatenate(frames), asked)
+            rewritten = [r for r in runs["approximate"][1] if r.approximate is not None]
+            sample = rewritten[:args.verify]
+            again = [GenerationSpec.create(
+                request_id=new_request_id(), tenant="trace-verify", prompt="",
+                width=r.spec.width, height=r.spec.height, num_frames=1,
+                num_inference_steps=r.spec.num_inference_steps,
+                guidance_scale=r.spec.guidance_scale, seed=r.spec.seed,
+                output_format=OutputFormat.NPY, schedule=r.spec.schedule) for r in sample]
+            _, recomputed = serve(records, cache, again)
+        cache.close()
+    by_id = {r.spec.request_id: p for r, p in zip(runs["approximate"][1],
+                                                  runs["approximate"][3], strict=True)}
+    approx_frames = dict(zip((r.spec.request_id for r in runs["approximate"][1]),
+                             runs["approximate"][2], strict=True))
+    identical = all(np.array_equal(approx_frames[r.spec.request_id], f)
+                    for r, f in zip(sample, recomputed, strict=True))
+    wrong = 0
+    for record in rewritten:
+        hit = record.approximate
+        assert hit is not None
+        source, target = by_id.get(hit.source_request_id), by_id[record.spec.request_id]
+        if source is None:
+            continue
+        read = classifier.read(approx_frames[record.spec.request_id][None])
+        got, theirs, mine = ({k: int(v[0]) for k, v in read.items()}, source.scene.labels(),
+                             target.scene.labels())
+        wrong += any(theirs[a] != mine[a] and got[a] == theirs[a] for a in got)
+    rows, acc, forwards, seconds = [], {}, {}, {}
+    for mode, (elapsed, done, frames, asked) in runs.items():
+        acc[mode] = float(correct(classifier, frames, [p.scene for p in asked]).mean())
+        forwards[mode] = sum(r.counter("forwards") for r in done)
+        seconds[mode] = elapsed
+        hits = [r for r in done if r.approximate is not None]
+        rows.append([mode, len(done), forwards[mode], len(done) / elapsed, acc[mode],
+                     len(hits) / len(done), sum(r.approximate.step for r in hits
+                                                if r.approximate is not None)])
+    hit_rate = len(rewritten) / len(runs["approximate"][1])
+    report(f"{len(runs['exact'][1])} requests ({args.scenes} scenes x {WAVES} phrasings, each "
+           f"its own seed) on the shapes model, per reuse mode (min_similarity "
+           f"{args.min_similarity}, max_skip {args.max_skip})",
+           ["mode", "requests", "forwards", "requests/s", "accuracy", "hit rate",
+            "steps reused"], rows,
+           {"bench": "reuse", "requests": len(runs["exact"][1]),
+            "forwards_saved": round(1 - forwards["approximate"] / forwards["exact"], 4),
+            "throughput_ratio": round(seconds["exact"] / seconds["approximate"], 3),
+            "acc_exact": round(acc["exact"], 4), "acc_approximate": round(acc["approximate"], 4),
+            "acc_delta": round(acc["approximate"] - acc["exact"], 4),
+            "hit_rate": round(hit_rate, 4), "wrong_attribute_hits": wrong,
+            "identical_rewrites": identical and bool(sample)})
+
+
+if __name__ == "__main__":
+    main()
