@@ -28,6 +28,7 @@ from api.service import (
     NotReadyError,
     Service,
     WaitTimeoutError,
+    reuse_headers,
     reuse_status,
 )
 from keys import OutputFormat
@@ -173,8 +174,8 @@ def get_video(video_id: str, who: Tenant, svc: Svc) -> VideoJob:
 
 @router.get("/v1/videos/{video_id}/content")
 def video_content(video_id: str, who: Tenant, svc: Svc) -> Response:
-    _, data = svc.result(who, video_id)
-    return Response(data, media_type="video/mp4")
+    record, data = svc.result(who, video_id)
+    return Response(data, media_type="video/mp4", headers=reuse_headers(record))
 
 
 POLL_S = 0.5  # how often an abandoned call is noticed

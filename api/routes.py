@@ -21,9 +21,8 @@ from api.schemas import (
     Readiness,
     RequestStatus,
     ResumeBody,
-    ReuseStatus,
 )
-from api.service import Service, reuse_status, status_of
+from api.service import Service, reuse_headers, status_of
 
 router = APIRouter()
 
@@ -54,19 +53,8 @@ def result(request_id: str, who: Tenant, svc: Svc) -> Response:
     fmt = record.spec.output_format
     return Response(data, media_type=fmt.content_type, headers={
         "Content-Disposition": f'inline; filename="{request_id}.{fmt.value}"',
-        **reuse_headers(reuse_status(record))})
+        **reuse_headers(record)})
 
-
-def reuse_headers(reuse: ReuseStatus) -> dict[str, str]:
-    """What approximate reuse did, on the result itself: a client that only downloads it
-    still learns it is not the exact output of what it asked for."""
-    if not reuse.approximate:
-        return {"X-Diffcache-Reuse": "exact"}
-    return {"X-Diffcache-Reuse": "approximate",
-            "X-Diffcache-Reuse-Source": str(reuse.source_request_id),
-            "X-Diffcache-Reuse-Step": str(reuse.steps_reused),
-            "X-Diffcache-Reuse-Similarity": f"{reuse.similarity:.4f}",
-            "X-Diffcache-Effective-Seed": str(reuse.effective_seed)}
 
 
 @router.delete("/v1/requests/{request_id}", status_code=202, response_model=RequestStatus)

@@ -161,6 +161,19 @@ def status_of(record: RequestRecord) -> RequestStatus:
         created_at=record.created_at, updated_at=record.updated_at)
 
 
+def reuse_headers(record: RequestRecord) -> dict[str, str]:
+    """What approximate reuse did, on the result itself: a client that only downloads it
+    still learns whether it is the exact output of what it asked for."""
+    reuse = reuse_status(record)
+    if not reuse.approximate:
+        return {"X-Diffcache-Reuse": "exact"}
+    return {"X-Diffcache-Reuse": "approximate",
+            "X-Diffcache-Reuse-Source": str(reuse.source_request_id),
+            "X-Diffcache-Reuse-Step": str(reuse.steps_reused),
+            "X-Diffcache-Reuse-Similarity": f"{reuse.similarity:.4f}",
+            "X-Diffcache-Effective-Seed": str(reuse.effective_seed)}
+
+
 def reuse_status(record: RequestRecord) -> ReuseStatus:
     hit = record.approximate
     return ReuseStatus(mode=record.spec.reuse.mode, approximate=hit is not None,

@@ -77,7 +77,8 @@ def main() -> None:
                                                   runs["approximate"][3], strict=True)}
     approx_frames = dict(zip((r.spec.request_id for r in runs["approximate"][1]),
                              runs["approximate"][2], strict=True))
-    identical = all(np.array_equal(approx_frames[r.spec.request_id], f)
+    # Each output of ``serve`` is one (1, H, W, 3) array; a run's are concatenated.
+    identical = all(np.array_equal(approx_frames[r.spec.request_id], f[0])
                     for r, f in zip(sample, recomputed, strict=True))
     wrong = 0
     for record in rewritten:
@@ -91,8 +92,8 @@ def main() -> None:
                              target.scene.labels())
         wrong += any(theirs[a] != mine[a] and got[a] == theirs[a] for a in got)
     rows, acc, forwards, seconds = [], {}, {}, {}
-    for mode, (elapsed, done, frames, asked) in runs.items():
-        acc[mode] = float(correct(classifier, frames, [p.scene for p in asked]).mean())
+    for mode, (elapsed, done, outputs, asked) in runs.items():
+        acc[mode] = float(correct(classifier, outputs, [p.scene for p in asked]).mean())
         forwards[mode] = sum(r.counter("forwards") for r in done)
         seconds[mode] = elapsed
         hits = [r for r in done if r.approximate is not None]

@@ -30,16 +30,9 @@ def unit(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
 
 def register(index: ReuseIndex, buckets: list[str], vectors: np.ndarray) -> None:
     """Vector i into bucket i mod len(buckets), pipelined as a bulk load would be."""
-    client = index.redis
     for start in range(0, len(vectors), REGISTER_BATCH):
-        pipe = client.pipeline(transaction=False)
-        index.redis = pipe  # type: ignore[assignment]  # register's XADD joins the pipeline
-        try:
-            for i in range(start, min(start + REGISTER_BATCH, len(vectors))):
-                index.register(TENANT, buckets[i % len(buckets)], f"r{i}", vectors[i])
-        finally:
-            index.redis = client
-        pipe.execute()
+        index.register_many([(TENANT, buckets[i % len(buckets)], f"r{i}", vectors[i])
+                             for i in range(start, min(start + REGISTER_BATCH, len(vectors)))])
 
 
 CHECKED = 200  # lookups whose answer is checked against an exact search, after the timing

@@ -4,8 +4,10 @@ it needs), searched in memory with faiss. Nothing is ever searched across bucket
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +16,8 @@ import numpy as np
 import redis
 
 from keys.names import reuse_vectors
+
+log = logging.getLogger(__name__)
 
 # A vector travels with an explicit header (magic, dimension) and never as a pickle.
 _MAGIC = b"DCV1"
@@ -41,8 +45,10 @@ def decode_vector(data: bytes, where: str) -> np.ndarray:
     if len(data) < _HEADER.size:
         raise ReuseIndexError(f"{where}: {len(data)} bytes hold no vector header")
     magic, dim = _HEADER.unpack_from(data)
-    if magic != _MAGIC or len(data) != _HEADER.size + 4 * dim:
-        raise ReuseIndexError(f"{where}: not a {dim}-float vector with header {_MAGIC!r}")
+    if magic != _MAGIC:
+        raise ReuseIndexError(f"{where}: header {magic!r}, not {_MAGIC!r}")
+    if len(data) != _HEADER.size + 4 * dim:
+        raise ReuseIndexError(f"{where}: {len(data)} bytes for a vector of {dim} floats")
     return np.frombuffer(data, dtype="<f4", offset=_HEADER.size).astype(np.float32)
 
 
@@ -106,9 +112,17 @@ class ReuseIndex:
     def register(self, tenant: str, bucket: str, request_id: str, vector: np.ndarray) -> None:
         """Durable at once; an index (this one or another worker's) reads it at its next
         lookup in the bucket. The oldest vectors of a full bucket are trimmed."""
-        self.redis.xadd(reuse_vectors(tenant, bucket),
-                        {"id": request_id, "vector": encode_vector(vector)},
-                        maxlen=self.max_per_bucket, approximate=True)
+        self.register_many([(tenant, bucket, request_id, vector)])
+
+    def register_many(self, entries: Sequence[tuple[str, str, str, np.ndarray]]) -> None:
+        """``register`` for (tenant, bucket, request id, vector) entries, in one round trip
+        (a bulk load)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for tenant, bucket, request_id, vector in entries:
+            pipe.xadd(reuse_vectors(tenant, bucket),
+                      {"id": request_id, "vector": encode_vector(vector)},
+                      maxlen=self.max_per_bucket, approximate=True)
+        pipe.execute()
 
     def nearest(self, tenant: str, bucket: str, vector: np.ndarray,
                 count: int) -> list[Neighbour]:
@@ -130,10 +144,17 @@ class ReuseIndex:
             ids, vectors = [], []
             for entry_id, fields in entries:
                 where = f"{key} entry {entry_id.decode()}"
-                v = decode_vector(fields[b"vector"], where)
-                if v.size != held.dim:  # a bucket names its model: one encoder, one size
-                    raise ReuseIndexError(f"{where}: {v.size} floats in a bucket of {held.dim}")
-                ids.append(fields[b"id"].decode())
+                try:
+                    v = decode_vector(fields[b"vector"], where)
+                    if v.size != held.dim:  # a bucket names its model: one encoder, one size
+                        raise ReuseIndexError(f"{where}: {v.size} floats in a bucket of "
+                                              f"{held.dim}")
+                    request_id = fields[b"id"].decode()
+                except (KeyError, UnicodeDecodeError, ReuseIndexError) as exc:
+                    # Passed over for good: one bad entry must not stop the bucket.
+                    log.warning("reuse index: %s skipped (%r)", where, exc)
+                    continue
+                ids.append(request_id)
                 vectors.append(v)
             if ids:
                 held.add(ids, np.stack(vectors))

@@ -59,7 +59,8 @@ def pooled(embedding: torch.Tensor, positions: int) -> np.ndarray:
     """An embedding pooled over its text positions and normalised: what approximate reuse
     compares prompts by (the served model's own encoder, no second model)."""
     rows = embedding.reshape(-1, embedding.shape[-1])[:max(1, positions)]
-    mean = rows.double().mean(dim=0).numpy().astype(np.float32)
+    # An encoder on a GPU hands back its tensors there.
+    mean = rows.detach().to("cpu", torch.float64).mean(dim=0).numpy().astype(np.float32)
     norm = float(np.linalg.norm(mean))
     return mean / norm if norm > 0 else mean
 

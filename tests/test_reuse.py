@@ -9,17 +9,17 @@ import dataclasses
 import json
 import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
 
+from cachesvc.connect import open_cache
 from cachesvc.counters import read_totals
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
-from keys import Reuse, ReuseMode
+from keys import Reuse, ReuseMode, StoreKey
 from tests.workers_harness import (
     make_spec,
     paused,
@@ -134,11 +134,7 @@ def test_no_neighbour_similar_enough_leaves_the_request_as_asked(
 
 
 def test_a_source_whose_checkpoints_are_gone_is_a_miss(
-        worker_settings: Settings, client: redis.Redis, reusing_encoder: None,
-        tmp_path: Path) -> None:
-    from cachesvc.connect import open_cache
-    from keys import StoreKey
-
+        worker_settings: Settings, client: redis.Redis, reusing_encoder: None) -> None:
     source = make_spec(tenant="reuse-gone", prompt="a red fox", seed=1, num_inference_steps=4)
     run_request(worker_settings, client, source)
     cache = open_cache(worker_settings)

@@ -24,7 +24,6 @@ from keys import (
     reuse_bucket,
 )
 from workers.families.base import Trajectory
-from workers.queue.messages import Stage
 from workers.queue.records import Records
 from workers.queue.schema import ApproximateHit
 
@@ -40,10 +39,13 @@ class ReuseTable:
 
     def __post_init__(self) -> None:
         similarities = [s for s, _ in self.rows]
+        fractions = [f for _, f in self.rows]
         if similarities != sorted(set(similarities)):
             raise ValueError(f"reuse_table similarities must rise strictly: {similarities}")
-        if any(not 0.0 <= f < 1.0 for _, f in self.rows):
-            raise ValueError(f"reuse_table fractions must be in [0, 1): {self.rows}")
+        # ``ApproximateReuse.find`` stops at the first neighbour too far to earn a step.
+        if fractions != sorted(fractions) or any(not 0.0 <= f < 1.0 for f in fractions):
+            raise ValueError(f"reuse_table fractions must be in [0, 1) and never fall as "
+                             f"the similarity rises: {self.rows}")
 
     def fraction(self, similarity: float) -> float:
         """The fraction of the steps a neighbour this similar may supply (0: none)."""
@@ -55,7 +57,6 @@ class ReuseTable:
 class Rewrite:
     spec: GenerationSpec  # what the request now computes
     hit: ApproximateHit
-    saved_s: float  # the source's denoise seconds for the steps reused (0: not known yet)
 
 
 def eligible(spec: GenerationSpec) -> bool:
@@ -91,34 +92,40 @@ class ApproximateReuse:
     def find(self, spec: GenerationSpec, bucket: str, vector: np.ndarray) -> Rewrite | None:
         """The rewrite onto the most similar request that still has a checkpoint in reach, or
         None. A neighbour's checkpoints are a cache: one that is gone sends the search to an
-        earlier checkpoint, then to the next neighbour."""
+        earlier checkpoint, then to the next neighbour. A neighbour with this very prompt is
+        passed over: its rewrite would be its own output, another seed's image."""
         steps = spec.num_inference_steps
-        cap = math.floor(spec.reuse.max_skip * steps)
+        cap = _steps(spec.reuse.max_skip, steps)
         for near in self.index.nearest(spec.tenant, bucket, vector, CANDIDATES + 1):
             if near.request_id == spec.request_id:
                 continue
             if near.similarity < spec.reuse.min_similarity:
                 break  # most similar first: the rest are further still
-            reach = min(cap, math.floor(self.table.fraction(near.similarity) * steps))
+            reach = min(cap, _steps(self.table.fraction(near.similarity), steps))
             if reach < 1:
                 break  # a lower similarity never earns more steps
             source = self.records.get(spec.tenant, near.request_id)
             if source is None or not eligible(source.spec) or \
-                    source.spec.num_inference_steps != steps:
+                    source.spec.num_inference_steps != steps or \
+                    source.spec.schedule[0].prompt == spec.schedule[0].prompt:
                 continue
             step = self._furthest_stored(source.checkpoints(), reach)
             if step is not None:
-                denoised = source.stage_seconds().get(Stage.DENOISE, 0.0)
                 return Rewrite(rewritten(spec, source.spec, step),
-                               ApproximateHit(near.request_id, step, near.similarity),
-                               denoised * step / steps)
+                               ApproximateHit(near.request_id, step, near.similarity))
         return None
 
     def _furthest_stored(self, checkpoints: dict[int, str], reach: int) -> int | None:
-        for step in sorted((s for s in checkpoints if 0 < s <= reach), reverse=True):
-            if self.cache.contains(StoreKey.parse(checkpoints[step])):
-                return step
-        return None
+        """Not counted as checkpoint lookups: denoise counts the one it starts from."""
+        steps = sorted((s for s in checkpoints if 0 < s <= reach), reverse=True)
+        present = self.cache.batch_exists([StoreKey.parse(checkpoints[s]) for s in steps])
+        return next((s for s, found in zip(steps, present, strict=True) if found), None)
+
+
+def _steps(fraction: float, steps: int) -> int:
+    # 0.3 * 20 is 6.000000000000001 and 0.7 * 10 is 7.000000000000001; never round a
+    # product just under an integer down past it.
+    return math.floor(fraction * steps + 1e-9)
 
 
 def rewritten(spec: GenerationSpec, source: GenerationSpec, step: int) -> GenerationSpec:

@@ -12,11 +12,15 @@ offers its own to later ones.
 
 from __future__ import annotations
 
+import logging
+
+import redis
 import torch
 
 from cachesvc.codec import TensorSpec
 from cachesvc.counters import Event
 from cachesvc.output_files import OutputFiles
+from cachesvc.reuse_index import ReuseIndexError
 from cachesvc.tensor_cache import TensorCache
 from encoders.text import EncodedText, TextModel, encode_texts
 from keys import GenerationSpec, KeyKind, StoreKey, adapted, output_key
@@ -29,6 +33,8 @@ from workers.queue.scripts import RecordWrite
 from workers.queue.spec_json import spec_to_json
 from workers.stages.approximate import ApproximateReuse, Rewrite, eligible
 from workers.stages.trajectory import chain_head
+
+log = logging.getLogger(__name__)
 
 
 class EncodeHandler:
@@ -47,23 +53,20 @@ class EncodeHandler:
         job = ctx.job
         spec = ctx.spec()
         encoded = self._encode(spec)
+        refs = self._refs(spec, encoded)
+        cached, lookups = self._cached_output(spec, refs)
         rewrite, looked = None, False
-        if self.reuse is not None and eligible(spec):
+        # A request whose own output is cached takes it: approximate reuse never stands in
+        # for an exact hit.
+        if cached is None and self.reuse is not None and eligible(spec):
             looked = spec.reuse.approximate
-            rewrite = self._reuse(spec, encoded)
+            rewrite = self._reuse(spec, encoded, first=job.generation == 0 and ctx.attempt == 1)
             if rewrite is not None:
                 spec = rewrite.spec
                 encoded |= self._encode(spec, encoded)
-        refs = []
-        for i, segment in enumerate(spec.schedule):
-            conditions = [(Role.PROMPT, segment.prompt)]
-            if spec.segment_uses_cfg(segment):
-                conditions.append((Role.NEGATIVE, segment.negative_prompt))
-            for role, text in conditions:
-                e = encoded[text]
-                spec_ = TensorSpec.of(e.tensor)
-                refs.append(TensorRef.of(RefName(role, i), str(e.key), spec_.dtype, spec_.shape))
-        cached, lookups = self._cached_output(spec, refs)
+                refs = self._refs(spec, encoded)
+                cached, more = self._cached_output(spec, refs)  # an identical rewrite's
+                lookups += more
         counts = RecordWrite(add={
             KindField.LOOKUPS.of(KeyKind.EMBEDDING): len(encoded),
             KindField.HITS.of(KeyKind.EMBEDDING): sum(e.hit for e in encoded.values()),
@@ -91,20 +94,41 @@ class EncodeHandler:
         return encode_texts(self.cache, self.model, spec.tenant,
                             [t for t in texts if t not in (have or {})])
 
-    def _reuse(self, spec: GenerationSpec, encoded: dict[str, EncodedText]) -> Rewrite | None:
+    @staticmethod
+    def _refs(spec: GenerationSpec, encoded: dict[str, EncodedText]) -> list[TensorRef]:
+        refs = []
+        for i, segment in enumerate(spec.schedule):
+            conditions = [(Role.PROMPT, segment.prompt)]
+            if spec.segment_uses_cfg(segment):
+                conditions.append((Role.NEGATIVE, segment.negative_prompt))
+            for role, text in conditions:
+                e = encoded[text]
+                shape = TensorSpec.of(e.tensor)
+                refs.append(TensorRef.of(RefName(role, i), str(e.key), shape.dtype, shape.shape))
+        return refs
+
+    def _reuse(self, spec: GenerationSpec, encoded: dict[str, EncodedText],
+               first: bool) -> Rewrite | None:
         """Look for a similar request to start from (approximate mode), else offer this one
-        to later requests; counted as a lookup of its own kind."""
-        assert self.reuse is not None
-        bucket = self.reuse.bucket(spec, encoded)
-        vector = encoded[spec.schedule[0].prompt].vector()
-        rewrite = self.reuse.find(spec, bucket, vector) if spec.reuse.approximate else None
-        if rewrite is None:
-            self.reuse.register(spec, bucket, vector)
+        to later requests (on its first delivery only: a retry offers nothing new). Counted
+        as a lookup of its own kind. The index is a cache too: when Redis or the index fails,
+        the request runs as written."""
+        reuse = self.reuse
+        if reuse is None or not reuse.table.rows:  # a model without a table reuses nothing
+            return None
+        try:
+            bucket = reuse.bucket(spec, encoded)
+            vector = encoded[spec.schedule[0].prompt].vector()
+            rewrite = reuse.find(spec, bucket, vector) if spec.reuse.approximate else None
+            if rewrite is None and first:
+                reuse.register(spec, bucket, vector)
+        except (redis.RedisError, ReuseIndexError) as exc:
+            log.warning("request %s: approximate reuse skipped (%s)", spec.request_id, exc)
+            rewrite = None
         if spec.reuse.approximate:
             hit = int(rewrite is not None)
             self.cache.counters.add_many(spec.tenant, KeyKind.APPROXIMATE, {
-                Event.LOOKUPS: 1, Event.HITS: hit, Event.MISSES: 1 - hit,
-                Event.COMPUTE_SECONDS_SAVED: rewrite.saved_s if rewrite else 0.0})
+                Event.LOOKUPS: 1, Event.HITS: hit, Event.MISSES: 1 - hit})
             if rewrite is not None:
                 self.cache.counters.add_fields(spec.tenant, steps_reused(rewrite.hit.step))
         return rewrite
