@@ -57,10 +57,12 @@ class EncodeHandler:
         cached, lookups = self._cached_output(spec, refs)
         rewrite, looked = None, False
         # A request whose own output is cached takes it: approximate reuse never stands in
-        # for an exact hit.
-        if cached is None and self.reuse is not None and eligible(spec):
+        # for an exact hit. A model without a table reuses nothing, and looks nothing up.
+        reuse = self.reuse
+        if cached is None and reuse is not None and reuse.table.rows and eligible(spec):
             looked = spec.reuse.approximate
-            rewrite = self._reuse(spec, encoded, first=job.generation == 0 and ctx.attempt == 1)
+            rewrite = self._reuse(reuse, spec, encoded,
+                                  first=job.generation == 0 and ctx.attempt == 1)
             if rewrite is not None:
                 spec = rewrite.spec
                 encoded |= self._encode(spec, encoded)
@@ -107,15 +109,12 @@ class EncodeHandler:
                 refs.append(TensorRef.of(RefName(role, i), str(e.key), shape.dtype, shape.shape))
         return refs
 
-    def _reuse(self, spec: GenerationSpec, encoded: dict[str, EncodedText],
-               first: bool) -> Rewrite | None:
+    def _reuse(self, reuse: ApproximateReuse, spec: GenerationSpec,
+               encoded: dict[str, EncodedText], first: bool) -> Rewrite | None:
         """Look for a similar request to start from (approximate mode), else offer this one
         to later requests (on its first delivery only: a retry offers nothing new). Counted
         as a lookup of its own kind. The index is a cache too: when Redis or the index fails,
         the request runs as written."""
-        reuse = self.reuse
-        if reuse is None or not reuse.table.rows:  # a model without a table reuses nothing
-            return None
         try:
             bucket = reuse.bucket(spec, encoded)
             vector = encoded[spec.schedule[0].prompt].vector()
