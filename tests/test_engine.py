@@ -330,22 +330,31 @@ def test_a_batch_whose_rows_differ_from_alone_is_refused_and_its_rows_run_alone(
 
 
 def test_a_batched_product_that_rounds_unlike_its_samples_is_not_batched_again() -> None:
-    """``rows_apart``'s own check, per shape: the first batched call of a shape is compared
-    with its samples alone; a shape that differed is computed one sample at a time."""
+    """``rows_apart``'s own check, per shape: the first batched call of a shape tries its ways
+    cheapest first against its samples alone and keeps the first that matched; a shape that
+    none matched is computed one sample at a time."""
     g = torch.Generator().manual_seed(0)
     x, weight = torch.randn(3, 5, 32, generator=g), torch.randn(24, 32, generator=g)
     alone = torch.cat([torch.nn.functional.linear(x[i:i + 1], weight) for i in range(3)])
     shape = ("linear", 5, 32, 24, 3, x.dtype, x.device, False)
     exact_rows._CHECKED.pop(shape, None)
     try:
-        # Equal to the samples alone whatever this CPU's verdict (README: equal on both
-        # machines measured so far).
+        # Equal to the samples alone whatever this CPU's verdict.
         assert torch.equal(exact_rows._linear_per_sample(x, weight, None), alone)
         assert shape in exact_rows._CHECKED
         exact_rows._CHECKED.pop(shape)
         drifted = alone + 1e-6
-        assert exact_rows._checked(shape, lambda: drifted, lambda: alone) is alone
-        assert exact_rows._CHECKED[shape] is False
-        assert torch.equal(exact_rows._linear_per_sample(x, weight, None), alone)
+
+        def never() -> torch.Tensor:
+            raise AssertionError("a way that was not chosen is tried again")
+
+        assert exact_rows._checked(shape, (lambda: drifted, alone.clone),
+                                   lambda: alone).equal(alone)
+        assert exact_rows._CHECKED[shape] == 1
+        assert exact_rows._checked(shape, (never, lambda: alone), never).equal(alone)
+        exact_rows._CHECKED.pop(shape)
+        assert exact_rows._checked(shape, (lambda: drifted,), lambda: alone) is alone
+        assert exact_rows._CHECKED[shape] == exact_rows.ALONE
+        assert exact_rows._checked(shape, (never,), lambda: alone) is alone
     finally:
         exact_rows._CHECKED.pop(shape, None)

@@ -13,15 +13,16 @@ attention under a padding mask over only the positions each row keeps (rows that
 same positions together).
 
 Which kernels round alike is a property of the device, so this is checked where it runs: the
-first batched call of each shape is compared with its samples one at a time (``_CHECKED``), and
-the engine compares its first batched forward of each geometry with the rows alone
-(``row_proof``).
+first batched call of each shape tries the ways of computing it, cheapest first (one product of
+every row; one of per-sample matrices), against its samples one at a time, and keeps the first
+that gave the same bits (``_CHECKED``); the engine compares its first batched forward of each
+geometry with the rows alone (``row_proof``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,10 +39,11 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask")
 # rounds unlike a lone multiply: such tiny layers run one sample at a time instead.
 _NAIVE_BMM_BELOW = 400
 # What this device answered when a batched call of a shape was first compared, bit for bit,
-# with the same samples computed one at a time: a batched product of per-sample matrices, or
-# attention over rows that keep the same positions. A shape that differed is computed one
-# sample at a time from then on. Keyed by everything that picks the kernel.
-_CHECKED: dict[tuple[object, ...], bool] = {}
+# with the same samples computed one at a time: the index of the cheapest way of computing it
+# batched that gave the same bits, or ALONE where none did (those samples are computed one at
+# a time from then on). Keyed by everything that picks the kernel.
+_CHECKED: dict[tuple[object, ...], int] = {}
+ALONE = -1
 
 
 class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, like no_grad
@@ -61,6 +63,7 @@ class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, 
         # The samples of each text length (``pad_texts`` pads at the end, so a text's
         # positions are a prefix), worked out once for the forward's every layer.
         self._texts: list[_Group] = []
+        self._kept = None if text_mask is None else text_mask.unsqueeze(-1)
         if text_mask is not None:
             lengths = text_mask.sum(dim=1).tolist()
             self._texts = [_Group(samples, length, text_mask.device)
@@ -74,8 +77,8 @@ class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, 
             if x.dim() >= 2 and x.shape[0] > 1:
                 weight = args[1] if len(args) > 1 else kwargs["weight"]
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                if self._texts and x.dim() == 3 and x.shape[1] == self._padded:
-                    return _linear_of_texts(x, weight, bias, self._texts)
+                if self._kept is not None and x.dim() == 3 and x.shape[1] == self._padded:
+                    return _linear_of_texts(x, weight, bias, self._texts, self._kept)
                 return _linear_per_sample(x, weight, bias)
             return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
@@ -122,7 +125,7 @@ def _linear_per_sample(x: torch.Tensor, weight: torch.Tensor,
     def one_at_a_time() -> torch.Tensor:
         return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(samples)])
 
-    def batched() -> torch.Tensor:
+    def per_sample_matrices() -> torch.Tensor:
         w = weight.t().expand(samples, inner, outer)
         out = (torch.bmm(x3, w) if bias is None
                else torch.baddbmm(bias.expand(samples, rows, outer), x3, w))
@@ -131,7 +134,10 @@ def _linear_per_sample(x: torch.Tensor, weight: torch.Tensor,
     if rows * inner * outer < _NAIVE_BMM_BELOW:
         return one_at_a_time()
     shape = ("linear", rows, inner, outer, samples, x.dtype, x.device, bias is not None)
-    return _checked(shape, batched, one_at_a_time)
+    # One product of every row is the cheapest, and on some CPUs a row of it rounds as the
+    # row's own sample does (README "The denoise engine").
+    return _checked(shape, (lambda: F.linear(x, weight, bias), per_sample_matrices),
+                    one_at_a_time)
 
 
 def checks_made() -> int:
@@ -140,38 +146,48 @@ def checks_made() -> int:
     return len(_CHECKED)
 
 
-def _checked(shape: tuple[object, ...], batched: Callable[[], torch.Tensor],
+def _checked(shape: tuple[object, ...], ways: Sequence[Callable[[], torch.Tensor]],
              one_at_a_time: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The batched call, once the first one of ``shape`` was shown equal to its samples
-    computed one at a time; where it was not, those samples, then and from then on."""
+    """``shape`` computed the cheapest of ``ways`` that the first call of ``shape`` showed
+    equal to its samples computed one at a time; where none was, those samples, then and from
+    then on."""
     verdict = _CHECKED.get(shape)
-    if verdict is False:
-        return one_at_a_time()
-    out = batched()
-    if verdict is None:
-        alone = one_at_a_time()
-        if not (_CHECKED.setdefault(shape, torch.equal(out, alone))):
-            log.warning("a batched %s of shape %s rounds unlike its samples alone on this "
-                        "device: computed one sample at a time from now on", shape[0], shape)
-            return alone
-    return out
+    if verdict is not None:
+        return one_at_a_time() if verdict == ALONE else ways[verdict]()
+    alone = one_at_a_time()
+    verdict = next((i for i, way in enumerate(ways) if torch.equal(way(), alone)), ALONE)
+    _CHECKED[shape] = verdict
+    if verdict == ALONE:
+        log.info("a batched %s of shape %s rounds unlike its samples alone on this device: "
+                 "computed one sample at a time from now on", shape[0], shape)
+    return alone
 
 
 def _linear_of_texts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     texts: list[_Group]) -> torch.Tensor:
-    """``F.linear`` of padded texts, each over only its own positions (texts of one length
-    in one batched multiply); padded positions get zeros (nothing reads them but the padding
-    itself: attention runs over kept positions only)."""
-    out = x.new_zeros((*x.shape[:-1], weight.shape[0]))
-    for group in texts:
-        length = group.keep
-        if len(group.samples) == 1:
-            i = group.samples[0]
-            out[i, :length] = F.linear(x[i:i + 1, :length], weight, bias)[0]
-        else:
-            out[group.index, :length] = _linear_per_sample(x[group.index, :length], weight,
-                                                           bias)
-    return out
+                     texts: list[_Group], kept: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` of padded texts (``kept``: (samples, length, 1), their real positions),
+    each over only its own positions; padded positions get zeros (nothing reads them but the
+    padding itself: attention runs over kept positions only). One product of the padded
+    batch where this device showed its kept rows equal to the texts' own products."""
+
+    def padded() -> torch.Tensor:
+        return F.linear(x, weight, bias).masked_fill_(~kept, 0)
+
+    def cut() -> torch.Tensor:
+        out = x.new_zeros((*x.shape[:-1], weight.shape[0]))
+        for group in texts:
+            length = group.keep
+            if len(group.samples) == 1:
+                i = group.samples[0]
+                out[i, :length] = F.linear(x[i:i + 1, :length], weight, bias)[0]
+            else:
+                out[group.index, :length] = _linear_per_sample(x[group.index, :length],
+                                                               weight, bias)
+        return out
+
+    shape = ("padded texts", x.shape[1], tuple((g.keep, len(g.samples)) for g in texts),
+             *weight.shape, x.dtype, x.device, bias is not None)
+    return _checked(shape, (padded,), cut)
 
 
 def _same(keys: list[Any]) -> dict[Any, list[int]]:
@@ -211,7 +227,7 @@ def _attention_of_groups(sdpa: Callable[..., Any], q: torch.Tensor, k: torch.Ten
 
         shape = ("attention", *gq.shape, *gk.shape[2:], gq.dtype, gq.device,
                  tuple(sorted(kwargs.items())))
-        rows = _checked(shape, together, one_at_a_time)
+        rows = _checked(shape, (together,), one_at_a_time)
         out[index.view(-1, 1), :, group.positions] = rows.transpose(1, 2)
     return out
 
