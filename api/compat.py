@@ -24,7 +24,6 @@ from api.schemas import (
 )
 from api.service import (
     ClientGoneError,
-    NotFoundError,
     NotReadyError,
     Service,
     WaitTimeoutError,
@@ -32,6 +31,7 @@ from api.service import (
     reuse_status,
 )
 from keys import OutputFormat
+from workers.queue.admission import check_model, model_ids
 from workers.queue.schema import RequestRecord, State
 from workers.queue.served_model import ServedModel
 
@@ -81,9 +81,7 @@ def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request,
     marks with ``X-Stainless-Retry-Count``) joins the request the first call made, resuming it
     from its checkpoint if the abandonment cancelled it, instead of queueing another."""
     served = svc.served()
-    if body.model is not None and body.model not in model_ids(served):
-        raise NotFoundError(f"model {body.model!r} is not served here; this deployment "
-                            f"serves {served.family}/{served.name}")
+    check_model(body.model, served)
     width, height = _size(body.size)
     generate = GenerateBody(
         prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
@@ -123,11 +121,6 @@ def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request,
             "reuse": reuse_status(record).model_dump(mode="json")}
 
 
-def model_ids(served: ServedModel) -> tuple[str, ...]:
-    """The names a client may give the served model: ``family/folder`` first."""
-    return (f"{served.family}/{served.name}", served.name, served.family)
-
-
 def _model(served: ServedModel) -> ModelObject:
     card = served.card
 
@@ -152,9 +145,7 @@ def models(_: Tenant, svc: Svc) -> ModelList:
 @router.get("/v1/models/{model_id:path}", response_model=ModelObject)
 def model(model_id: str, _: Tenant, svc: Svc) -> ModelObject:
     served = svc.served()
-    if model_id not in model_ids(served):
-        raise NotFoundError(f"model {model_id!r} is not served here; this deployment serves "
-                            f"{model_ids(served)[0]}")
+    check_model(model_id, served)
     return _model(served)
 
 @router.post("/v1/videos", response_model=VideoJob)

@@ -24,6 +24,7 @@ from keys.names import request_index
 from workers.queue import engine_metrics, stage_metrics
 from workers.queue.adapter_stats import read_adapter_stats
 from workers.queue.messages import Stage
+from workers.queue.served_model import read_served
 from workers.queue.streams import queue_counts
 from workers.queue.watchdog import read_rescued
 
@@ -92,7 +93,8 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
             "engine": engine_view(svc),
             "rescued": [{"stage": stage.value, "reason": reason.value, "count": count}
                         for (stage, reason), count in sorted(read_rescued(svc.redis).items())],
-            "model": asdict(svc.served()), "reuse": reuse, "recent": recent[:RECENT]}
+            "model": asdict(model) if (model := read_served(svc.redis)) else None,
+            "reuse": reuse, "recent": recent[:RECENT]}
 
 
 def engine_view(svc: Service) -> dict[str, Any]:

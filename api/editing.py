@@ -9,13 +9,10 @@ from __future__ import annotations
 from api.schemas import (
     PREFIX_FIELDS,
     CfgCacheBody,
-    FieldError,
     Overrides,
     ReuseBody,
     Segment,
     StepCacheBody,
-    TextLimits,
-    check_texts,
     segment_texts,
 )
 from keys import (
@@ -28,6 +25,7 @@ from keys import (
     StepCache,
     StepCachePolicy,
 )
+from workers.queue.admission import FieldError, TextLimits, check_texts
 from workers.queue.schema import RequestRecord
 
 
@@ -108,9 +106,9 @@ def branched_spec(spec: GenerationSpec, request_id: str, from_step: int, overrid
         if getattr(overrides, name) is not None:
             raise FieldError(f"overrides.{name}", "cannot change on resume: it shapes the "
                              "checkpointed steps; submit a new request instead")
-    check_texts([("overrides.prompt", overrides.prompt),
+    check_texts((("overrides.prompt", overrides.prompt),
                  ("overrides.negative_prompt", overrides.negative_prompt),
-                 *segment_texts("overrides.schedule", overrides.schedule)], limits)
+                 *segment_texts("overrides.schedule", overrides.schedule)), limits)
     at = spec.segment_at(from_step)
     negative = at.negative_prompt if overrides.negative_prompt is None \
         else overrides.negative_prompt

@@ -13,19 +13,19 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from api.schemas import FieldError
 from api.service import (
     ClientGoneError,
     GoneError,
     NoDenoiserError,
     NotFoundError,
     NotReadyError,
-    QueueFullError,
     RecomputingError,
     WaitTimeoutError,
 )
 from cachesvc.adapters import AdapterError
 from cachesvc.errors import StoreUnavailableError
+from workers.queue.admission import FieldError, QueueFullError, UnknownModelError
+from workers.queue.served_model import NotPublishedError
 from workers.queue.submit import DurabilityError
 
 # Routes that speak OpenAI's dialect answer errors in its shape, which its SDK turns into the
@@ -111,7 +111,8 @@ def install(app: FastAPI, retry_after_s: int) -> None:
     table: dict[type[Exception], tuple[int, bool]] = {
         QueueFullError: (429, True), NotFoundError: (404, False), NotReadyError: (409, False),
         ClientGoneError: (499, False),
-        NoDenoiserError: (503, True),
+        NoDenoiserError: (503, True), NotPublishedError: (503, True),
+        UnknownModelError: (404, False),
         GoneError: (410, False), WaitTimeoutError: (504, False), RecomputingError: (503, True),
         StoreUnavailableError: (503, True), DurabilityError: (503, True),
         redis.ConnectionError: (503, True), redis.TimeoutError: (503, True)}

@@ -6,23 +6,18 @@ every error names the field and the limit it broke.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cachesvc.settings import ApiSettings
 from keys import CfgMode, OutputFormat, Priority, ReuseMode, StepCachePolicy
 from workers.queue.schema import PreemptMode
-from workers.queue.served_model import ServedModel
 
 MAX_SEED = 2**63 - 1
 
 
 # Static bounds, published in the OpenAPI schema. A deployment's ApiSettings may only tighten
-# them, which ``check_limits`` does.
+# them, which admission's ``check_limits`` does.
 Spatial = Annotated[int, Field(ge=1, le=4096, description="a multiple of the served model's "
                                                   "size_multiple (GET /v1/models)")]
 Frames = Annotated[int, Field(ge=1, le=1025, description="4k+1")]
@@ -187,73 +182,16 @@ class PreemptBody(BaseModel):
                               "free worker; park: wait for POST /v1/resume")
 
 
-class FieldError(ValueError):
-    """A request field outside its limit."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+def segment_texts(prefix: str, segments: list[Segment] | None
+                  ) -> tuple[tuple[str, str | None], ...]:
+    return tuple((f"{prefix}.{i}.{role}", text) for i, s in enumerate(segments or [])
+                 for role, text in (("prompt", s.prompt), ("negative_prompt", s.negative_prompt)))
 
 
-@dataclass(frozen=True, slots=True)
-class TextLimits:
-    """How long a prompt may be: characters, and tokens as the served model counts them."""
-
-    max_chars: int
-    max_tokens: int
-    count: Callable[[str], int]
-
-
-def check_texts(texts: list[tuple[str, str | None]], limits: TextLimits) -> None:
-    """Raise FieldError for the first (field, text) longer than this deployment allows."""
-    for name, text in texts:
-        if text is None:
-            continue
-        if len(text) > limits.max_chars:
-            raise FieldError(name, f"must be at most {limits.max_chars} characters")
-        if (tokens := limits.count(text)) > limits.max_tokens:
-            raise FieldError(name, f"must be at most {limits.max_tokens} tokens of the served "
-                             f"model's tokenizer, got {tokens}")
-
-
-def segment_texts(prefix: str, segments: list[Segment] | None) -> list[tuple[str, str | None]]:
-    return [(f"{prefix}.{i}.{role}", text) for i, s in enumerate(segments or [])
-            for role, text in (("prompt", s.prompt), ("negative_prompt", s.negative_prompt))]
-
-
-def check_limits(body: GenerateBody, width: int, height: int, frames: int, steps: int,
-                 output_format: OutputFormat, limits: ApiSettings, model: ServedModel,
-                 texts: TextLimits) -> None:
-    """Raise FieldError for the first field outside the limits of this deployment and of the
-    model family it serves."""
-    check_texts([("prompt", body.prompt), ("negative_prompt", body.negative_prompt),
-                 *segment_texts("schedule", body.schedule)], texts)
-    m = math.lcm(limits.spatial_multiple, model.spatial_multiple)
-    card = model.card
-    for name, value, top, card_top in (("width", width, limits.max_width, card.max_width),
-                                       ("height", height, limits.max_height, card.max_height)):
-        if not m <= value <= top or value % m:
-            raise FieldError(name, f"must be a multiple of {m} from {m} to {top}, got {value}")
-        if limits.enforce_model_max and card_top is not None and value > card_top:
-            raise FieldError(name, f"must be at most {card_top} for {model.name}, which was "
-                             f"trained at {card.native_width}x{card.native_height} (its model "
-                             f"card; api.enforce_model_max), got {value}")
-    if not model.limits.video:
-        if frames != 1:
-            raise FieldError("num_frames", f"{model.family} makes images: num_frames must be "
-                             f"1, got {frames}")
-        if output_format is OutputFormat.MP4:
-            raise FieldError("output_format", f"{model.family} makes images: use png or npy")
-    k = model.limits.frame_multiple
-    if not 1 <= frames <= limits.max_frames or (frames - 1) % k:
-        raise FieldError("num_frames", f"must be {k}k+1 from 1 to {limits.max_frames}, "
-                         f"got {frames}")
-    if not 1 <= steps <= limits.max_steps:
-        raise FieldError("num_inference_steps", f"must be from 1 to {limits.max_steps}, "
-                         f"got {steps}")
-    if output_format is OutputFormat.PNG and frames != 1:
-        raise FieldError("output_format", f"png holds one frame; set num_frames=1 (got {frames})")
+def body_texts(body: GenerateBody) -> tuple[tuple[str, str | None], ...]:
+    """A generate body's texts, each with the field it came from."""
+    return (("prompt", body.prompt), ("negative_prompt", body.negative_prompt),
+            *segment_texts("schedule", body.schedule))
 
 
 class Accepted(BaseModel):

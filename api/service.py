@@ -6,8 +6,6 @@ It holds the Redis client and the store connection, and talks to workers only th
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -27,7 +25,6 @@ from api.editing import (
 )
 from api.schemas import (
     ChildState,
-    FieldError,
     GenerateBody,
     LoraBody,
     Readiness,
@@ -35,10 +32,8 @@ from api.schemas import (
     ResumeBody,
     ReuseStatus,
     StepCacheStatus,
-    TextLimits,
-    check_limits,
+    body_texts,
 )
-from api.tokens import token_counter
 from cachesvc.adapters import AdapterInfo, AdapterRegistry
 from cachesvc.cache_link import CacheLink
 from cachesvc.errors import CacheError, StoreUnavailableError
@@ -49,29 +44,21 @@ from keys import (
     GenerationSpec,
     KeyKind,
     LoraUse,
-    OutputFormat,
-    Priority,
     ReuseMode,
     StepCachePolicy,
     StoreKey,
 )
 from keys.names import KEY_VERSION, call_waiters, check_tenant
 from keys.spec import valid_request_id
+from workers.queue.admission import Admission, Asked, FieldError, QueueFullError
 from workers.queue.events import RecordEvents
 from workers.queue.heartbeats import live_workers
 from workers.queue.lifecycle import Lifecycle, LifecycleError
 from workers.queue.messages import Stage
 from workers.queue.records import Records
 from workers.queue.schema import Field, KindField, PreemptMode, RequestRecord, State
-from workers.queue.scripts import RecordWrite
-from workers.queue.served_model import (
-    ServedModel,
-    family_to_build,
-    read_lora_targets,
-    read_served,
-    request_defaults,
-)
-from workers.queue.submit import AdmissionError, Bounds, new_request_id, readmit, submit
+from workers.queue.served_model import ServedModel, read_lora_targets
+from workers.queue.submit import new_request_id
 
 if TYPE_CHECKING:
     from cachesvc.tensor_cache import TensorCache
@@ -84,18 +71,6 @@ _FORGET = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-
-
-class QueueFullError(RuntimeError):
-    """Admitting the request would exceed a bound; the client should retry later."""
-
-    def __init__(self, exc: AdmissionError) -> None:
-        setting = "api.max_jobs_per_tenant" if exc.bound == "tenant" else "api.max_queue_depth"
-        whose = f" for tenant {exc.tenant}" if exc.bound == "tenant" else ""
-        super().__init__(f"{exc.limit} or more jobs are queued or running{whose} "
-                         f"({setting}={exc.limit})")
-        self.setting = setting
-        self.limit = exc.limit
 
 
 class RecomputingError(RuntimeError):
@@ -192,7 +167,7 @@ class Service:
     lifecycle: Lifecycle = field(init=False)
     events: RecordEvents = field(init=False)
     adapters: AdapterRegistry = field(init=False)
-    bounds: Bounds = field(init=False)
+    admission: Admission = field(init=False)
     files: OutputFiles | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -202,10 +177,8 @@ class Service:
         self.events = RecordEvents(self.redis)
         self.adapters = AdapterRegistry(lambda: self.cache, self.redis,
                                         self.settings.data_dir / "adapters")
-        self.bounds = Bounds(self.settings.api.max_queue_depth,
-                             self.settings.api.max_jobs_per_tenant)
+        self.admission = Admission(self.redis, self.settings.api)
         self._forget = self.redis.register_script(_FORGET)
-        self._count_tokens = token_counter(self.settings.model_dir)
         cache = self.settings.cache
         self.files = (OutputFiles(self.settings.outputs_dir, cache.output_ttl_s)
                       if cache.durable_outputs else None)
@@ -216,32 +189,26 @@ class Service:
         return self.store.cache
 
     def spec_for(self, tenant: str, body: GenerateBody, served: ServedModel) -> GenerationSpec:
-        m = served.defaults
-
-        def given(value: int | None, default: int) -> int:
-            return default if value is None else value
-
         if (body.prompt is None) == (body.schedule is None):
             raise FieldError("prompt", "give either prompt or schedule (exactly one)")
-        video = served.limits.video
-        width, height = given(body.width, m.width), given(body.height, m.height)
-        frames = given(body.num_frames, m.num_frames if video else 1)
-        default_steps = body.schedule[-1].until_step if body.schedule else m.num_inference_steps
-        steps = given(body.num_inference_steps, default_steps)
-        output_format = body.output_format or (OutputFormat.MP4 if video else OutputFormat.PNG)
-        check_limits(body, width, height, frames, steps, output_format, self.settings.api,
-                     served, self.text_limits(served))
+        steps = body.num_inference_steps
+        if steps is None and body.schedule:
+            steps = body.schedule[-1].until_step
+        asked = Asked.of(served, body_texts(body), width=body.width, height=body.height,
+                         frames=body.num_frames, steps=steps, output_format=body.output_format)
+        self.admission.check(asked, served)
         schedule = None
         if body.schedule is not None:
-            schedule = segments_from(body.schedule, body.negative_prompt, "schedule", 0, steps)
+            schedule = segments_from(body.schedule, body.negative_prompt, "schedule", 0,
+                                     asked.steps)
         spec = GenerationSpec.create(
             request_id=new_request_id(), tenant=tenant, prompt=body.prompt or "",
-            negative_prompt=body.negative_prompt, schedule=schedule, width=width, height=height,
-            num_frames=frames, num_inference_steps=steps,
-            guidance_scale=m.guidance_scale if body.guidance_scale is None
+            negative_prompt=body.negative_prompt, schedule=schedule, width=asked.width,
+            height=asked.height, num_frames=asked.frames, num_inference_steps=asked.steps,
+            guidance_scale=served.defaults.guidance_scale if body.guidance_scale is None
             else body.guidance_scale,
             seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
-            output_format=output_format, priority=body.priority,
+            output_format=asked.output_format, priority=body.priority,
             cfg_cache=cfg_cache_from(body.cfg_cache), loras=self.loras_for(tenant, body.loras),
             step_cache=step_cache_from(
                 body.step_cache, self.settings.api.step_cache_defaults.get(tenant,
@@ -249,7 +216,7 @@ class Service:
                 served.step_caches, served.family),
             reuse=reuse_from(body.reuse, self.settings.api.reuse_defaults.get(
                 tenant, ReuseMode.EXACT), body.schedule is not None))
-        return self._within_cost(spec, served)
+        return self.admission.within_cost(spec, served)
 
     def loras_for(self, tenant: str, loras: list[LoraBody]) -> tuple[LoraUse, ...]:
         """The tenant's adapters a request names; another tenant's read as unknown (404)."""
@@ -278,36 +245,9 @@ class Service:
                                   "retry once one has started")
         return self.adapters.add(tenant, name, data, linears)
 
-    def _within_cost(self, spec: GenerationSpec, served: ServedModel) -> GenerationSpec:
-        """Refuse a request that would hold a worker too long; run a costly interactive one
-        as batch work, so it cannot hold up the small ones behind it."""
-        api = self.settings.api
-        cost = served.cost(spec)
-        if cost > api.max_cost:
-            raise FieldError("cost", f"estimated cost {cost:,} token-forwards (latent tokens x "
-                             f"steps x CFG branches) is above api.max_cost={api.max_cost:,}; "
-                             "ask for a smaller size, fewer frames or fewer steps")
-        if spec.priority is Priority.INTERACTIVE and cost > api.interactive_max_cost:
-            return dataclasses.replace(spec, priority=Priority.BATCH)
-        return spec
-
-    def text_limits(self, served: ServedModel) -> TextLimits:
-        """Prompt limits: the deployment's, tightened to what the served model keeps, with
-        tokens counted by its own tokenizer."""
-        api = self.settings.api
-        return TextLimits(api.max_prompt_chars,
-                          min(api.max_prompt_tokens, served.limits.max_prompt_tokens),
-                          self._count_tokens)
-
     def served(self) -> ServedModel:
-        """The model the workers said they serve, or, before any has started, the family the
-        settings name (the default family for ``auto``)."""
-        found = read_served(self.redis)
-        if found is not None:
-            return found
-        m = self.settings.model
-        return ServedModel(family_to_build(m.family, m.preset), self.settings.model_dir.name,
-                           request_defaults(m, self.settings.model_dir))
+        """The model the workers said they serve; NotPublishedError (503) before any has."""
+        return self.admission.served()
 
     def generate(self, tenant: str, body: GenerateBody, idem: str | None = None) -> str:
         """Admit and submit; with an idempotency key, a repeat returns the first request."""
@@ -362,13 +302,7 @@ class Service:
         return record.spec.request_id
 
     def submit(self, spec: GenerationSpec, served: ServedModel) -> str:
-        """Admit and submit in one script, so concurrent submits cannot overshoot a bound."""
-        try:
-            return submit(self.redis, spec, bounds=self.bounds, fields=RecordWrite({
-                Field.MODEL: f"{served.family}/{served.name}",
-                Field.WARNINGS: json.dumps(served.card.warnings(spec))}))
-        except AdmissionError as exc:
-            raise QueueFullError(exc) from exc
+        return self.admission.submit(spec, served)
 
     def record(self, tenant: str, request_id: str) -> RequestRecord:
         record = self.records.get(tenant, request_id) if valid_request_id(request_id) else None
@@ -427,17 +361,14 @@ class Service:
                                     "can be resumed")
             # Counted before the resume, so it is refused like a new request when over a bound.
             # Should the resume then fail, the next admission drops it again by its state.
-            try:
-                readmit(self.redis, record.spec, self.bounds)
-            except AdmissionError as exc:
-                raise QueueFullError(exc) from exc
+            self.admission.readmit(record.spec)
             try:
                 self.lifecycle.resume(record)
             except LifecycleError as exc:
                 raise NotReadyError(record, str(exc)) from exc
             # Until the resume, the request was PREEMPTED, FAILED or CANCELLED, and another
             # admission may have dropped it from the count meanwhile: count it once more.
-            readmit(self.redis, record.spec)
+            self.admission.readmit(record.spec, bounded=False)
             return record.spec.request_id
         from_step, key = branch_point(record, body.from_step)
         if not self.cache.exists(StoreKey.parse(key)):
@@ -445,7 +376,7 @@ class Service:
                             "expired from the cache; resume from another step")
         served = self.served()
         spec = branched_spec(record.spec, new_request_id(), from_step, body.overrides,
-                             self.text_limits(served))
+                             self.admission.text_limits(served))
         return self.submit(spec, served)
 
     def readiness(self) -> Readiness:

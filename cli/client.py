@@ -1,47 +1,85 @@
-"""The command line's requests: ``submit`` straight through the queue, and ``generate`` and
-``resume`` through the REST API, each with a progress bar."""
+"""The command line's requests: ``submit`` through the queue's admission, and ``generate``
+and ``resume`` through the REST API, each with a progress bar."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import redis
 from rich.console import Console
 from rich.progress import Progress
 
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings
-from keys import GenerationSpec, OutputFormat, StoreKey
+from keys import GenerationSpec, OutputFormat, Priority, StoreKey
+from workers.queue.admission import (
+    Admission,
+    Asked,
+    FieldError,
+    QueueFullError,
+    UnknownModelError,
+    check_model,
+)
 from workers.queue.events import RecordEvents
 from workers.queue.schema import RequestRecord, State
-from workers.queue.served_model import read_served
-from workers.queue.submit import new_request_id, submit
+from workers.queue.served_model import NotPublishedError
+from workers.queue.submit import new_request_id
 
 # How long ``diffcache submit`` follows a request by default (its --timeout).
 SUBMIT_TIMEOUT_S = 3600.0
 
 
-def submit_and_wait(settings: Settings, prompt: str, negative_prompt: str, seed: int,
-                    output_format: str | None, tenant: str, out: str, console: Console,
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What ``diffcache submit`` was asked for; None: the served model's default."""
+
+    prompt: str
+    negative_prompt: str = ""
+    seed: int = 0
+    output_format: str | None = None
+    width: int | None = None
+    height: int | None = None
+    num_frames: int | None = None
+    steps: int | None = None
+    guidance_scale: float | None = None
+    priority: Priority = Priority.INTERACTIVE
+    model: str | None = None
+
+
+def admitted(settings: Settings, client: redis.Redis, ask: Ask, tenant: str,
+             out: str) -> GenerationSpec:
+    """Check and submit ``ask`` through the same admission as the API: what the API refuses
+    is refused here, with its message and field."""
+    admission = Admission(client, settings.api)
+    try:
+        served = admission.served()
+        check_model(ask.model, served)
+        texts = (("prompt", ask.prompt), ("negative_prompt", ask.negative_prompt))
+        asked = Asked.of(served, texts, width=ask.width, height=ask.height, frames=ask.num_frames,
+                         steps=ask.steps, output_format=OutputFormat(
+                             format_for(out, ask.output_format, served.limits.video)))
+        admission.check(asked, served)
+        spec = admission.within_cost(GenerationSpec.create(
+            request_id=new_request_id(), tenant=tenant, prompt=ask.prompt,
+            negative_prompt=ask.negative_prompt, width=asked.width, height=asked.height,
+            num_frames=asked.frames, num_inference_steps=asked.steps,
+            guidance_scale=served.defaults.guidance_scale if ask.guidance_scale is None
+            else ask.guidance_scale,
+            seed=ask.seed, output_format=asked.output_format, priority=ask.priority), served)
+        admission.submit(spec, served)
+    except (FieldError, NotPublishedError, QueueFullError, UnknownModelError) as exc:
+        # The API's own message, which starts with the field a FieldError names.
+        raise SystemExit(f"error: refused: {exc}") from None
+    return spec
+
+
+def submit_and_wait(settings: Settings, ask: Ask, tenant: str, out: str, console: Console,
                     timeout_s: float = SUBMIT_TIMEOUT_S) -> None:
     client = open_redis(settings)
-    served = read_served(client)
-    if served is None:
-        raise SystemExit("error: no worker has said which model it serves yet; retry once "
-                         "`diffcache up` is ready")
-    chosen = OutputFormat(format_for(out, output_format, served.limits.video))
-    m = served.defaults
-    if chosen is OutputFormat.PNG and served.limits.video and m.num_frames != 1:
-        raise SystemExit(f"error: png holds one frame and this model makes {m.num_frames}; "
-                         f"name {out} .mp4 or .npy")
-    spec = GenerationSpec.create(
-        request_id=new_request_id(), tenant=tenant, prompt=prompt,
-        negative_prompt=negative_prompt, width=m.width, height=m.height,
-        num_frames=m.num_frames if served.limits.video else 1,
-        num_inference_steps=m.num_inference_steps, guidance_scale=m.guidance_scale,
-        seed=seed, output_format=chosen)
-    submit(client, spec)
+    spec = admitted(settings, client, ask, tenant, out)
     events = RecordEvents(client)
     # Woken by the record's notifications, not by polling it.
     with Progress(console=console, transient=True) as progress:

@@ -15,6 +15,7 @@ from cachesvc.stack import HEAD, NODE, ONE_MACHINE, Roles
 from cli import train
 from cli.console import detach_native_stderr, log_handlers
 from cli.up import ServiceTree, api_url, endpoints_path
+from keys import Priority
 
 app = typer.Typer(help="Cache-centric disaggregated diffusion serving.", no_args_is_help=True)
 console = Console(soft_wrap=True)
@@ -217,18 +218,29 @@ def submit(
     seed: int = 0,
     output_format: str | None = typer.Option(None, help="mp4, png or npy; default: from the "
                                              "--out file's extension"),
+    width: int | None = None,
+    height: int | None = None,
+    num_frames: int | None = None,
+    steps: int | None = None,
+    guidance_scale: float | None = None,
+    priority: Priority = Priority.INTERACTIVE,
+    model: str | None = typer.Option(None, help="refuse unless this names the served model "
+                                     "(family, folder or family/folder)"),
     tenant: str | None = None,
     timeout: float = typer.Option(3600.0, min=0, help="seconds to wait for the output before "
                                   "giving up (the request keeps running)"),
 ) -> None:
-    """Submit one request straight to the queue and wait for its output."""
-    from cli.client import submit_and_wait
+    """Submit one request through the queue, admitted as the API admits it, and wait for its
+    output. Unset sizes and steps are the served model's defaults."""
+    from cli.client import Ask, submit_and_wait
 
     settings = _client_settings()
     # The store client's own logging goes to a file, not between the progress bar's lines.
     terminal = detach_native_stderr(settings.logs_dir / "cli.log")
-    submit_and_wait(settings, prompt, negative_prompt, seed, output_format,
-                    tenant or settings.default_tenant, out, Console(file=terminal), timeout)
+    ask = Ask(prompt, negative_prompt, seed, output_format, width, height, num_frames, steps,
+              guidance_scale, priority, model)
+    submit_and_wait(settings, ask, tenant or settings.default_tenant, out,
+                    Console(file=terminal), timeout)
 
 
 def _api_base() -> str:

@@ -223,6 +223,12 @@ def served_model() -> str:
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:served-model"
 
 
+def served_tokenizer(digest: str) -> str:
+    """String: the served model's tokenizer (its ``tokenizer.json``), under its content hash,
+    so the API counts a prompt's tokens as the workers will without the model folder."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:tokenizer:{digest}"
+
+
 def worker_inbox(stage: str, consumer: str) -> str:
     """Stream: jobs routed to one worker (a denoise job to the worker that has its LoRA
     adapters loaded), read through the stage's consumer group like the shared streams."""

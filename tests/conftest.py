@@ -17,7 +17,7 @@ from cachesvc.settings import ModelSettings, Settings, WorkerSettings, load_sett
 from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
 from tests import redis_databases
-from tests.workers_harness import start_worker
+from tests.workers_harness import publish_as_workers, start_worker
 from workers.families import qwen_image, wan
 from workers.families.base import CPU
 from workers.queue.messages import Stage
@@ -107,6 +107,13 @@ def worker_settings(embedded_stack: EmbeddedStack, model_dir: Path) -> Settings:
 @pytest.fixture(scope="session")
 def client(worker_settings: Settings) -> redis.Redis:
     return open_redis(worker_settings)
+
+
+@pytest.fixture(scope="session")
+def served(worker_settings: Settings, client: redis.Redis) -> None:
+    """The test model published as served, as the pool's workers would: for API tests that
+    need no worker to run a request."""
+    publish_as_workers(client, worker_settings)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,14 +19,14 @@ from api.errors import OPENAI_PREFIXES
 from api.metrics import hashed_tenant, tenant_labeller
 from cachesvc.counters import CacheCounters, Event
 from cachesvc.processes import free_port
-from cachesvc.settings import ApiSettings, Settings, load_settings
+from cachesvc.settings import ApiSettings, ModelSettings, Settings, load_settings
 from cachesvc.stack import EmbeddedStack
 from cachesvc.waiting import wait_until
 from keys import KeyKind, StoreKey
 from keys.names import active_requests, request_record, stage_stream
 from tests.conftest import TEST_MODEL
 from tests.redis_databases import API_HARDENING, emptied, on_database
-from tests.workers_harness import serve_api
+from tests.workers_harness import publish_as_workers, serve_api
 
 BODY = {"prompt": "a lighthouse at dusk", "output_format": "npy", "width": 32, "height": 32,
         "num_frames": 5, "num_inference_steps": 4}
@@ -34,15 +35,20 @@ A, B, ADMIN = {"X-API-Key": "key-a"}, {"Authorization": "Bearer key-b"}, {"X-API
 
 
 @pytest.fixture(scope="module")
-def api_stack(workerless_stack: Settings) -> Settings:
-    """The workerless stack, with a Redis database that only this module uses."""
-    return on_database(workerless_stack, API_HARDENING)
+def api_stack(workerless_stack: Settings, model_dir: Path) -> Settings:
+    """The workerless stack, with a Redis database that only this module uses, serving the
+    tiny test model."""
+    return on_database(workerless_stack, API_HARDENING).model_copy(update={
+        "model": ModelSettings(dir=model_dir, preset="test")})
 
 
 @pytest.fixture
 def quiet(api_stack: Settings) -> redis.Redis:
-    """This module's Redis database, emptied: no request of another test counts as active."""
-    return emptied(api_stack)
+    """This module's Redis database, emptied (no request of another test counts as active),
+    with the served model published as its workers would."""
+    client = emptied(api_stack)
+    publish_as_workers(client, api_stack)
+    return client
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ from keys.names import request_index, stage_stream
 from tests.redis_databases import FIRST_DAY, emptied, on_database
 from tests.workers_harness import make_spec, serve_api, worker_named
 from workers.families import qwen_image
+from workers.families.base import tokenizer_json
 from workers.queue.messages import Stage
 from workers.queue.records import Records
 from workers.queue.schema import State
@@ -55,7 +56,7 @@ def shapes_api(workerless_stack: Settings) -> Iterator[tuple[str, redis.Redis]]:
     """An API over a database where the shipped model is published as served; no workers."""
     settings = on_database(workerless_stack, FIRST_DAY)
     client = emptied(settings)
-    publish_served(client, shipped_model())
+    publish_served(client, shipped_model(), tokenizer_json(SHIPPED))
     with serve_api(settings, ApiSettings(enforce_model_max=False)) as url:
         yield url, client
 
@@ -83,7 +84,7 @@ def test_the_shipped_models_cost_comes_from_its_geometry(
 def test_above_the_model_cards_maximum_is_a_422_naming_the_field(
         workerless_stack: Settings) -> None:
     settings = on_database(workerless_stack, FIRST_DAY)
-    publish_served(emptied(settings), shipped_model())
+    publish_served(emptied(settings), shipped_model(), tokenizer_json(SHIPPED))
     with serve_api(settings, ApiSettings()) as url:
         answer = httpx.post(f"{url}/v1/generate", json={"prompt": "a red circle",
                                                         "width": 1024, "height": 32})
@@ -207,17 +208,17 @@ def test_submit_writes_no_mp4_for_an_image_model(workerless_stack: Settings,
                                                  tmp_path: Path) -> None:
     from rich.console import Console
 
-    from cli.client import submit_and_wait
+    from cli.client import Ask, submit_and_wait
 
     settings = on_database(workerless_stack, FIRST_DAY)
     client = emptied(settings)
-    publish_served(client, shipped_model())
+    publish_served(client, shipped_model(), tokenizer_json(SHIPPED))
     quiet = Console(file=io.StringIO())
     with pytest.raises(SystemExit, match="makes images, not video"):
-        submit_and_wait(settings, "a red circle", "", 0, None, "default",
-                        str(tmp_path / "s.mp4"), quiet)
+        submit_and_wait(settings, Ask("a red circle"), "default", str(tmp_path / "s.mp4"),
+                        quiet)
     with pytest.raises(SystemExit, match="makes images, not video"):
-        submit_and_wait(settings, "a red circle", "", 0, "mp4", "default",
+        submit_and_wait(settings, Ask("a red circle", output_format="mp4"), "default",
                         str(tmp_path / "s"), quiet)
     assert client.xlen(stage_stream(Stage.ENCODE.value, "interactive")) == 0  # nothing queued
 

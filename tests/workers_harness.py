@@ -32,6 +32,16 @@ from workers.queue.submit import new_request_id, submit
 from workers.stages.media import decode_npy
 
 
+def publish_as_workers(client: redis.Redis, settings: Settings) -> None:
+    """Publish the served model of ``settings`` (its folder built) exactly as a worker does at
+    start: for an API tested without worker processes."""
+    from workers.families import resolve
+    from workers.main import publish_model
+
+    publish_model(client, settings, resolve(settings.model.family, settings.model_dir,
+                                            settings.model.preset))
+
+
 def start_worker(settings: Settings, stage: Stage, logs: Path, client: redis.Redis,
                  name: str) -> ChildProcess:
     child = ChildProcess(name, worker_argv(stage), logs / f"{name}.log",

@@ -6,13 +6,14 @@ import logging
 import signal
 from types import FrameType
 
+import redis
 import torch
 
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from workers.families import is_built, resolve
-from workers.families.base import Family, Placement
+from workers.families.base import Family, Placement, tokenizer_json
 from workers.queue.adapter_stats import WorkerAdapters, publish_adapter_stats
 from workers.queue.affinity import AdapterRouter
 from workers.queue.credits import Credits
@@ -42,6 +43,16 @@ def ensure_model(settings: Settings) -> Family:
     return family
 
 
+def publish_model(client: redis.Redis, settings: Settings, family: Family) -> None:
+    """Say which model this deployment serves (its defaults, geometry, card and tokenizer):
+    admission checks every request against it, wherever it runs."""
+    directory = settings.model_dir
+    publish_served(client, ServedModel(family.name, directory.resolve().name,
+                                       request_defaults(settings.model, directory),
+                                       family.geometry(directory), model_card(directory)),
+                   tokenizer_json(directory))
+
+
 def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHandler]:
     family = resolve(settings.model.family, settings.model_dir, settings.model.preset)
     placement = Placement.for_settings(settings.model.device, settings.model.dtype)
@@ -52,10 +63,8 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
         torch.set_num_threads(threads)
     client = open_redis(settings)
     cache = open_cache(settings, client)
+    publish_model(client, settings, family)
     directory = settings.model_dir
-    publish_served(client, ServedModel(family.name, directory.resolve().name,
-                                       request_defaults(settings.model, directory),
-                                       family.geometry(directory), model_card(directory)))
     files = (OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
              if settings.cache.durable_outputs else None)
     if stage is Stage.ENCODE:

@@ -140,6 +140,20 @@ def component_config(directory: Path, component: str) -> dict[str, Any]:
     return config
 
 
+def tokenizer_json(directory: Path) -> str:
+    """The text encoder's tokenizer as ``tokenizers`` serializes it, published with the served
+    model so that admission counts tokens as this folder does: its ``tokenizer.json`` where
+    it has one, else the fast tokenizer transformers builds from the folder's files."""
+    path = directory / "tokenizer" / "tokenizer.json"
+    if path.exists():
+        return path.read_text()
+    from transformers import AutoTokenizer
+
+    serialized: str = AutoTokenizer.from_pretrained(directory / "tokenizer").backend_tokenizer \
+        .to_str()
+    return serialized
+
+
 MANIFEST = "diffcache-fingerprints.json"
 
 

@@ -1,9 +1,10 @@
 """Which model a deployment serves, its request defaults and each family's request limits,
 as plain data.
 
-Workers publish the family they loaded, with the request defaults of its model folder, to
-Redis when they start; the API reads them from there (it never imports model code) to fill
-and check requests and to name the model in records, ``/metrics`` and the dashboard.
+Workers publish the family they loaded, with the request defaults of its model folder and its
+tokenizer, to Redis when they start; admission reads them from there (it never imports model
+code) to fill and check requests and to name the model in records, ``/metrics`` and the
+dashboard.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import redis
+import xxhash
 from pydantic import TypeAdapter, ValidationError
 
 from cachesvc.settings import ModelSettings
 from keys import GenerationSpec, StepCachePolicy
-from keys.names import lora_targets, served_model
+from keys.names import lora_targets, served_model, served_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +179,7 @@ class ServedModel:
     # when the API falls back to the family's table.
     geometry: ModelGeometry | None = None
     card: ModelCard = ModelCard()
+    tokenizer: str = ""  # the content hash its tokenizer is published under; set by publishing
 
     @property
     def limits(self) -> FamilyLimits:
@@ -204,8 +207,19 @@ class ServedModel:
 _SERVED: TypeAdapter[ServedModel] = TypeAdapter(ServedModel)
 
 
-def publish_served(client: redis.Redis, model: ServedModel) -> None:
-    client.set(served_model(), _SERVED.dump_json(model))
+class NotPublishedError(RuntimeError):
+    """No worker has published the served model (or its tokenizer) yet, so a request cannot
+    be checked: retry once a worker has started."""
+
+
+def publish_served(client: redis.Redis, model: ServedModel, tokenizer_json: str) -> None:
+    """Publish the model with its tokenizer (``tokenizer.json`` text): the tokenizer first,
+    under its content hash, so whoever reads the model finds its tokenizer there too. Workers
+    of one deployment publish the same tokenizer, which travels once."""
+    digest = xxhash.xxh3_128_hexdigest(tokenizer_json.encode())
+    if not client.exists(served_tokenizer(digest)):
+        client.set(served_tokenizer(digest), tokenizer_json)
+    client.set(served_model(), _SERVED.dump_json(replace(model, tokenizer=digest)))
 
 
 def read_served(client: redis.Redis) -> ServedModel | None:
@@ -219,6 +233,24 @@ def read_served(client: redis.Redis) -> ServedModel | None:
         log.warning("ignoring an unreadable served-model entry")
         return None
     return found if found.family in LIMITS else None
+
+
+def served(client: redis.Redis) -> ServedModel:
+    """What the workers serve, with a tokenizer published; NotPublishedError before then."""
+    found = read_served(client)
+    if found is None or not found.tokenizer:
+        raise NotPublishedError("no worker has said which model it serves yet; retry once a "
+                                "worker has started")
+    return found
+
+
+def read_tokenizer(client: redis.Redis, digest: str) -> str:
+    """The tokenizer published under ``digest``, as ``tokenizer.json`` text."""
+    raw = client.get(served_tokenizer(digest))
+    if raw is None:
+        raise NotPublishedError(f"the served model's tokenizer {digest} is not in Redis; "
+                                "retry once a worker has started (it publishes it again)")
+    return bytes(raw).decode()  # type: ignore[arg-type]
 
 
 def publish_lora_targets(client: redis.Redis, linears: Mapping[str, tuple[int, int]]) -> None:

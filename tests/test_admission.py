@@ -1,0 +1,132 @@
+"""One front door: ``diffcache submit`` refuses what the API refuses, with the same error and
+field; prompt tokens are counted with the tokenizer the workers published, exactly as the
+model folder counts them, on a machine without that folder; and before any worker has
+published its model, a request is told to come back (503) instead of being checked by a guess.
+
+Uses the workerless stack, so nothing drains the queue these tests fill."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from rich.console import Console
+
+from cachesvc.settings import ApiSettings, ModelSettings, Settings
+from cli.client import Ask, submit_and_wait
+from keys.names import active_requests
+from tests.redis_databases import ADMISSION, emptied, on_database
+from tests.test_api_hardening import error_body
+from tests.workers_harness import publish_as_workers, serve_api
+from workers.queue.admission import Admission
+
+PROMPT = "a lighthouse at dusk"
+
+
+def served_without_folder(workerless_stack: Settings, model_dir: Path,
+                          tmp_path: Path) -> tuple[Settings, redis.Redis]:
+    """An emptied database where ``model_dir`` is published as its workers would, and settings
+    for an API or CLI on a machine that has no model folder at all."""
+    workers = on_database(workerless_stack, ADMISSION).model_copy(update={
+        "model": ModelSettings(dir=model_dir, preset="test")})
+    client = emptied(workers)
+    publish_as_workers(client, workers)
+    elsewhere = workers.model_copy(update={
+        "model": ModelSettings(dir=tmp_path / "no-model-here", preset="test")})
+    assert not elsewhere.model_dir.exists()
+    return elsewhere, client
+
+
+@contextmanager
+def front_doors(settings: Settings, api: ApiSettings) -> Iterator[tuple[httpx.Client, Settings]]:
+    """The API and the CLI's settings, both under the deployment limits ``api``."""
+    with serve_api(settings, api) as url, httpx.Client(base_url=url, timeout=60) as http:
+        yield http, settings.model_copy(update={"api": api})
+
+
+def refusal(settings: Settings, ask: Ask, tmp_path: Path) -> str:
+    """What ``diffcache submit`` says when it refuses ``ask``."""
+    with pytest.raises(SystemExit) as refused:
+        submit_and_wait(settings, ask, "default", str(tmp_path / "out.npy"),
+                        Console(file=io.StringIO()))
+    return str(refused.value)
+
+
+def test_the_cli_refuses_what_the_api_refuses_with_the_same_error(
+        workerless_stack: Settings, model_dir: Path, tmp_path: Path) -> None:
+    settings, client = served_without_folder(workerless_stack, model_dir, tmp_path)
+    # Over the cost cap: 32x32 (4 patches) x 5 frames (2 latent) x 4 steps x 2 CFG = 64.
+    small = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 4}
+    with front_doors(settings, ApiSettings(max_cost=63, max_queue_depth=1)) as (http, cli):
+        api = error_body(http.post("/v1/generate", json={"prompt": PROMPT, **small}), 422)
+        said = refusal(cli, Ask(PROMPT, width=32, height=32, num_frames=5, steps=4), tmp_path)
+        assert api["field"] == "cost" and str(api["error"]).startswith("cost: ")
+        assert f"refused: {api['error']}" in said, (api, said)
+        # A wrong size names the same field in both.
+        api = error_body(http.post("/v1/generate", json={"prompt": PROMPT, **small,
+                                                          "width": 40}), 422)
+        said = refusal(cli, Ask(PROMPT, width=40, height=32, num_frames=5, steps=4), tmp_path)
+        assert api["field"] == "width" and f"refused: {api['error']}" in said, (api, said)
+        # The wrong model: the OpenAI route's 404, and the CLI's --model.
+        api = error_body(http.post("/v1/images/generations", json={
+            "prompt": PROMPT, "model": "qwen-image/elsewhere"}), 404)
+        said = refusal(cli, Ask(PROMPT, model="qwen-image/elsewhere"), tmp_path)
+        assert str(api["error"]) in said, (api, said)
+    # Over the queue bound: one request is in, the next is refused by both.
+    one = {"width": 32, "height": 32, "num_frames": 1, "num_inference_steps": 1,
+           "output_format": "npy"}
+    with front_doors(settings, ApiSettings(max_queue_depth=1)) as (http, cli):
+        assert http.post("/v1/generate", json={"prompt": PROMPT, **one}).status_code == 202
+        api = error_body(http.post("/v1/generate", json={"prompt": PROMPT, **one}), 429)
+        said = refusal(cli, Ask(PROMPT, width=32, height=32, num_frames=1, steps=1), tmp_path)
+        assert str(api["error"]) in said and "api.max_queue_depth=1" in said, (api, said)
+    assert client.zcard(active_requests()) == 1  # the CLI queued nothing
+
+
+def test_tokens_are_counted_as_the_model_folder_counts_them_without_the_folder(
+        workerless_stack: Settings, qwen_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    settings, client = served_without_folder(workerless_stack, qwen_model_dir, tmp_path)
+    folder = AutoTokenizer.from_pretrained(qwen_model_dir / "tokenizer")
+
+    def exact(text: str) -> int:
+        return len(folder(text, add_special_tokens=False).input_ids)
+
+    admission = Admission(client, settings.api)
+    served = admission.served()
+    count = admission.text_limits(served).count
+    texts = [PROMPT, "Zürich, 東京 & naïve café — 3.14159!", "  spaced\tout\n lines ",
+             "a" * 300, "xylophonic quizzical " * 40, ""]
+    assert [count(t) for t in texts] == [exact(t) for t in texts]
+    # A byte-level BPE splits rare words into many tokens: far under the limit in words,
+    # over it in tokens, so a word count would have let it through.
+    limit = served.limits.max_prompt_tokens
+    long = " ".join(["xylophonic quizzically"] * 60)
+    assert len(long.split()) < limit < exact(long)
+    with serve_api(settings, ApiSettings()) as url:
+        body = error_body(httpx.post(f"{url}/v1/generate", json={"prompt": long}), 422)
+        assert body["field"] == "prompt" and f"got {exact(long)}" in str(body["error"])
+        words = long.split()
+        while exact(fits := " ".join(words)) > limit:
+            words.pop()
+        answer = httpx.post(f"{url}/v1/generate", json={"prompt": fits, "output_format": "npy"})
+        assert answer.status_code == 202, answer.text
+
+
+def test_before_any_worker_has_published_a_request_is_told_to_retry(
+        workerless_stack: Settings, tmp_path: Path) -> None:
+    settings = on_database(workerless_stack, ADMISSION)
+    client = emptied(settings)
+    with serve_api(settings, ApiSettings()) as url:
+        answer = httpx.post(f"{url}/v1/generate", json={"prompt": PROMPT})
+        assert "no worker has said which model it serves" in str(error_body(answer, 503)["error"])
+        assert answer.headers["retry-after"]
+    said = refusal(settings, Ask(PROMPT), tmp_path)
+    assert "no worker has said which model it serves" in said
+    assert client.zcard(active_requests()) == 0
