@@ -29,10 +29,9 @@ from bench.running_service import RunningService
 from cachesvc.processes import free_port
 from keys import GenerationSpec, OutputFormat
 from keys.names import worker_inboxes
-from workers.families import family_named
+from workers.families import DEFAULT_FAMILY, family_named
 from workers.families.base import CPU
 from workers.queue.messages import Stage
-from workers.queue.served_model import DEFAULT_FAMILY
 from workers.queue.submit import new_request_id
 from workers.queue.watchdog import read_rescued
 from workers.stages.media import decode_npy

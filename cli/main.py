@@ -189,8 +189,7 @@ def model_init(
 ) -> None:
     """Install the trained shapes model, or build a tiny random model of a family, with
     save_pretrained."""
-    from workers.families import UnknownFamilyError, family_named, is_built
-    from workers.queue.served_model import family_to_build
+    from workers.families import UnknownFamilyError, family_named, family_to_build, is_built
 
     settings = _settings(model={k: v for k, v in {"dir": dir, "preset": preset,
                                                    "family": family}.items() if v})

@@ -23,6 +23,7 @@ from keys.names import active_requests
 from tests.redis_databases import ADMISSION, emptied, on_database
 from tests.test_api_hardening import error_body
 from tests.workers_harness import publish_as_workers, serve_api
+from workers.families import qwen_image
 from workers.queue.admission import Admission
 
 PROMPT = "a lighthouse at dusk"
@@ -100,6 +101,7 @@ def test_tokens_are_counted_as_the_model_folder_counts_them_without_the_folder(
 
     admission = Admission(client, settings.api)
     served = admission.served()
+    assert served.limits == qwen_image.LIMITS  # the family's own, published by its workers
     count = admission.text_limits(served).count
     texts = [PROMPT, "Zürich, 東京 & naïve café — 3.14159!", "  spaced\tout\n lines ",
              "a" * 300, "xylophonic quizzical " * 40, ""]

@@ -47,7 +47,8 @@ def shipped_model() -> ServedModel:
     """The shipped shapes model as its workers publish it."""
     from cachesvc.settings import ModelSettings
 
-    return ServedModel("qwen-image", SHIPPED.name, request_defaults(ModelSettings(), SHIPPED),
+    return ServedModel("qwen-image", SHIPPED.name, qwen_image.LIMITS,
+                       request_defaults(ModelSettings(), SHIPPED),
                        qwen_image.geometry(SHIPPED), model_card(SHIPPED))
 
 

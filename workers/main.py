@@ -47,7 +47,7 @@ def publish_model(client: redis.Redis, settings: Settings, family: Family) -> No
     """Say which model this deployment serves (its defaults, geometry, card and tokenizer):
     admission checks every request against it, wherever it runs."""
     directory = settings.model_dir
-    publish_served(client, ServedModel(family.name, directory.resolve().name,
+    publish_served(client, ServedModel(family.name, directory.resolve().name, family.limits,
                                        request_defaults(settings.model, directory),
                                        family.geometry(directory), model_card(directory)),
                    tokenizer_json(directory))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from workers.families import qwen_image, wan
 from workers.families.base import Family
-from workers.queue.served_model import family_to_build
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (wan.FAMILY, qwen_image.FAMILY)}
+DEFAULT_FAMILY = wan.FAMILY.name  # what a random preset builds when the settings name no family
 
 
 class UnknownFamilyError(ValueError):
@@ -40,6 +40,16 @@ def family_of(directory: Path) -> Family:
     raise UnknownFamilyError(
         f"{index} names pipeline class {class_name!r}, which no family serves; supported: "
         f"{sorted(f.pipeline_class for f in FAMILIES.values())}")
+
+
+def family_to_build(setting: str, preset: str) -> str:
+    """The family a folder still to be built gets: the one the setting names, else the only
+    family with that preset (the trained ``shapes`` model is Qwen-Image's), else the
+    default."""
+    if setting != "auto":
+        return setting
+    owners = [f.name for f in FAMILIES.values() if preset in f.presets]
+    return owners[0] if len(owners) == 1 else DEFAULT_FAMILY
 
 
 def resolve(setting: str, directory: Path, preset: str) -> Family:

@@ -31,7 +31,7 @@ from workers.families.base import (
     to_uint8,
 )
 from workers.families.step_cache import hook_config, hooks_enabled
-from workers.queue.served_model import LIMITS, ModelGeometry, model_card
+from workers.queue.served_model import FamilyLimits, ModelGeometry, model_card
 
 # QwenImagePipeline's prompt template; its first DROP_IDX tokens (the system prompt) are
 # dropped from the text encoder's hidden states.
@@ -413,8 +413,14 @@ def geometry(directory: Path) -> ModelGeometry:
                          width=dit["num_attention_heads"] * dit["attention_head_dim"])
 
 
+# What a request may ask of this family: the text encoder keeps 512 tokens after the template's
+# system prefix, which ends in five tokens of its own.
+LIMITS = FamilyLimits(video=False, frame_multiple=1, spatial_multiple=16,
+                      max_prompt_tokens=507)
+
+
 FAMILY = Family(name="qwen-image", pipeline_class="QwenImagePipeline",
-                limits=LIMITS["qwen-image"], presets=tuple(PRESETS), build=build,
+                limits=LIMITS, presets=tuple(PRESETS), build=build,
                 text_encoder=QwenTextEncoder, trajectory=QwenTrajectory,
                 denoiser=QwenDenoiser, decoder=QwenDecoder, reference=QwenReference,
                 geometry=geometry)

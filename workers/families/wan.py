@@ -30,7 +30,7 @@ from workers.families.base import (
     to_uint8,
 )
 from workers.families.step_cache import hook_config, hooks_enabled
-from workers.queue.served_model import LIMITS, ModelGeometry, model_card
+from workers.queue.served_model import FamilyLimits, ModelGeometry, model_card
 
 MAX_SEQUENCE_LENGTH = 512  # what WanPipeline.__call__ uses (encode_prompt defaults to 226)
 PRESET_FILE = "diffcache-preset.json"
@@ -366,7 +366,13 @@ def geometry(directory: Path) -> ModelGeometry:
                          width=dit["num_attention_heads"] * dit["attention_head_dim"])
 
 
-FAMILY = Family(name="wan", pipeline_class="WanPipeline", limits=LIMITS["wan"],
+# What a request may ask of this family: the text encoder keeps 512 tokens, with the EOS the
+# tokenizer appends.
+LIMITS = FamilyLimits(video=True, frame_multiple=4, spatial_multiple=16,
+                      max_prompt_tokens=511)
+
+
+FAMILY = Family(name="wan", pipeline_class="WanPipeline", limits=LIMITS,
                 presets=tuple(PRESETS), build=build, text_encoder=WanTextEncoder,
                 trajectory=WanTrajectory, denoiser=WanDenoiser, decoder=WanDecoder,
                 reference=WanReference, geometry=geometry)

@@ -1,10 +1,10 @@
-"""Which model a deployment serves, its request defaults and each family's request limits,
-as plain data.
+"""Which model a deployment serves, with its request defaults and its family's request
+limits, as plain data.
 
-Workers publish the family they loaded, with the request defaults of its model folder and its
-tokenizer, to Redis when they start; admission reads them from there (it never imports model
-code) to fill and check requests and to name the model in records, ``/metrics`` and the
-dashboard.
+Workers publish the family they loaded, with its limits, the request defaults of its model
+folder and its tokenizer, to Redis when they start; admission reads them from there (it never
+imports model code) to fill and check requests and to name the model in records, ``/metrics``
+and the dashboard.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class FamilyLimits:
-    """What a request to this family may ask for, beyond the deployment's own limits."""
+    """What a request to this family may ask for, beyond the deployment's own limits; each
+    family module states its own, and workers publish them with the served model."""
 
     video: bool  # False: one frame only, and no MP4
     frame_multiple: int  # num_frames must be frame_multiple * k + 1 (video families)
@@ -39,19 +40,6 @@ class FamilyLimits:
     # where the model's card ships calibrated ratios: ``ServedModel.step_caches``).
     step_caches: frozenset[StepCachePolicy] = frozenset(
         {StepCachePolicy.FIRST_BLOCK, StepCachePolicy.TAYLORSEER})
-
-
-# One entry per family module in workers/families/.
-DEFAULT_FAMILY = "wan"  # what a random preset builds when the settings name no family
-PRESET_FAMILY = {"shapes": "qwen-image"}  # presets that exist in one family only
-LIMITS = {
-    # 512 tokens with the EOS the tokenizer appends.
-    "wan": FamilyLimits(video=True, frame_multiple=4, spatial_multiple=16,
-                        max_prompt_tokens=511),
-    # 512 after the template's system prefix, which ends in five tokens of its own.
-    "qwen-image": FamilyLimits(video=False, frame_multiple=1, spatial_multiple=16,
-                               max_prompt_tokens=507),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +60,6 @@ class ModelGeometry:
         forwards = sum(2 if spec.segment_uses_cfg(spec.schedule[seg]) else 1
                        for seg in spec.step_segments())
         return frames * patches * forwards
-
-
-def family_to_build(family: str, preset: str) -> str:
-    """The family a folder still to be built gets: the one named, else the preset's."""
-    return family if family != "auto" else PRESET_FAMILY.get(preset, DEFAULT_FAMILY)
 
 
 # A model folder may carry this card; its "request_defaults" are what a request to that model
@@ -174,16 +157,13 @@ def model_card(directory: Path) -> ModelCard:
 class ServedModel:
     family: str
     name: str  # the model folder's name
+    limits: FamilyLimits
     defaults: RequestDefaults = RequestDefaults()
     # Published by the workers from the folder itself; None only before any worker started,
     # when the API falls back to the family's table.
     geometry: ModelGeometry | None = None
     card: ModelCard = ModelCard()
     tokenizer: str = ""  # the content hash its tokenizer is published under; set by publishing
-
-    @property
-    def limits(self) -> FamilyLimits:
-        return LIMITS[self.family]
 
     @property
     def step_caches(self) -> frozenset[StepCachePolicy]:
@@ -232,7 +212,7 @@ def read_served(client: redis.Redis) -> ServedModel | None:
     except ValidationError:
         log.warning("ignoring an unreadable served-model entry")
         return None
-    return found if found.family in LIMITS else None
+    return found
 
 
 def served(client: redis.Redis) -> ServedModel:
