@@ -55,22 +55,24 @@ def test_a_checkpoint_round_trips_the_whole_scheduler_state(
     halfway = advance(scheduler, torch.randn(1, 4, 2, 3, 3, generator=rng), range(3))
     hooks = {"cond": ({"head_block_residual": torch.full((1, 3), 2.0), "current_step": 2},
                       None)}
-    saved = Checkpoint.capture(3, halfway, scheduler, rng, torch.ones(2), 0.5,
+    fields = trajectory.scheduler_fields
+    saved = Checkpoint.capture(3, halfway, fields.capture(scheduler), rng, torch.ones(2), 0.5,
                                hooks).to_bytes()
     expected = advance(scheduler, halfway, range(3, 5))
 
     restored = Checkpoint.from_bytes(saved)
     fresh_scheduler, fresh_rng = trajectory.scheduler(spec), torch.Generator()
-    restored.restore(fresh_scheduler, fresh_rng)
+    fields.restore(fresh_scheduler, restored.scheduler, torch.device("cpu"))
+    fresh_rng.set_state(restored.rng)
     assert torch.equal(advance(fresh_scheduler, restored.latents, range(3, 5)), expected)
     assert torch.equal(fresh_rng.get_state(), rng.get_state())
     assert restored.cfg_residual is not None and torch.equal(restored.cfg_residual,
                                                              torch.ones(2))
     assert (restored.step, restored.compute_s) == (3, 0.5)
-    fields = restored.hooks["cond"][0]
-    assert restored.hooks["cond"][1] is None and fields is not None
-    assert fields["current_step"] == 2
-    assert torch.equal(fields["head_block_residual"], torch.full((1, 3), 2.0))
+    hook = restored.hooks["cond"][0]
+    assert restored.hooks["cond"][1] is None and hook is not None
+    assert hook["current_step"] == 2
+    assert torch.equal(hook["head_block_residual"], torch.full((1, 3), 2.0))
 
 
 def test_resuming_from_every_checkpoint_is_bit_identical(

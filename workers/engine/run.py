@@ -11,6 +11,7 @@ import torch
 
 from keys import ChainLink, GenerationSpec, LoraUse, StoreKey
 from workers.engine.step_cache import RunStepCache
+from workers.families.scheduler_state import SchedulerFields
 from workers.queue.messages import RefName, Role
 from workers.queue.runtime import JobContext
 from workers.queue.schema import Field
@@ -95,7 +96,9 @@ class DenoiseRun:
         last whole step."""
         self.ctx.progress(RecordWrite({Field.STOPPED_MID_STEP: self.step}))
 
-    def checkpoint(self) -> Checkpoint:
-        return Checkpoint.capture(self.step, self.latents, self.scheduler, self.rng,
+    def checkpoint(self, fields: SchedulerFields) -> Checkpoint:
+        """Where the run stands; ``fields``: what its family's scheduler keeps between steps."""
+        return Checkpoint.capture(self.step, self.latents, fields.capture(self.scheduler),
+                                  self.rng,
                                   self.guidance.residual, self.compute_s,
                                   {} if self.step_cache is None else self.step_cache.state)

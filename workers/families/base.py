@@ -21,6 +21,7 @@ from encoders.text import TextModel as TextEncoder
 from encoders.text import TokenizedText as Tokens
 from keys import Fingerprint, GenerationSpec, StepCache, file_digest, model_fingerprint
 from keys.canonical import Canonical
+from workers.families.scheduler_state import SchedulerFields
 from workers.queue.served_model import FamilyLimits, ModelGeometry
 
 __all__ = ["CPU", "Decoder", "Denoiser", "Family", "Placement", "PlacementError",
@@ -63,6 +64,9 @@ class Trajectory(Protocol):
     # MagCache's ratios from the model's card (none: it cannot run MagCache); they decide a
     # MagCache trajectory's skips, so its keys hold them.
     mag_ratios: tuple[float, ...]
+
+    # What its scheduler keeps between steps, which a checkpoint holds.
+    scheduler_fields: SchedulerFields
 
     @property
     def scheduler_config(self) -> Mapping[str, Canonical]:

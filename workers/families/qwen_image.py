@@ -30,6 +30,7 @@ from workers.families.base import (
     placed_pipeline,
     to_uint8,
 )
+from workers.families.scheduler_state import SchedulerFields
 from workers.families.step_cache import hook_config, hooks_enabled
 from workers.queue.served_model import FamilyLimits, ModelGeometry, model_card
 
@@ -261,6 +262,9 @@ def _calculate_shift(seq_len: int, config: dict[str, Any]) -> float:
 
 class QwenTrajectory:
     """What names a trajectory and its output, read from the model's files."""
+
+    # Flow-matching Euler is first-order: its step index is all it keeps between steps.
+    scheduler_fields = SchedulerFields(counters=("_step_index",))
 
     def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler

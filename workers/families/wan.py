@@ -29,6 +29,7 @@ from workers.families.base import (
     placed_pipeline,
     to_uint8,
 )
+from workers.families.scheduler_state import SchedulerFields
 from workers.families.step_cache import hook_config, hooks_enabled
 from workers.queue.served_model import FamilyLimits, ModelGeometry, model_card
 
@@ -182,6 +183,13 @@ class WanTextEncoder:
 class WanTrajectory:
     """What names a trajectory and its output, read from the model's files without loading
     any weights: scheduler config and timesteps, DiT and VAE fingerprints."""
+
+    # UniPC's stepping state: its last model outputs and their timesteps, the last sample, and
+    # its order counters (as diffusers 0.42 keeps them; tests/test_scheduler_state.py).
+    scheduler_fields = SchedulerFields(histories=("model_outputs", "timestep_list"),
+                                       samples=("last_sample",),
+                                       counters=("lower_order_nums", "this_order",
+                                                 "_step_index"))
 
     def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import UniPCMultistepScheduler

@@ -1,8 +1,9 @@
 """Step checkpoints: everything a denoising trajectory needs to continue bit-identically.
 
-A checkpoint after step k holds the latents, the scheduler's whole stepping state (a multistep
-scheduler keeps its last model outputs, their timesteps, the last sample and its order counters;
-a first-order one only its step index), the noise generator's state, for the approximate CFG
+A checkpoint after step k holds the latents, the scheduler's whole stepping state (what the
+family names: a multistep scheduler keeps its last model outputs, their timesteps, the last
+sample and its order counters; a first-order one only its step index), the noise generator's
+state, for the approximate CFG
 tier the guidance residual in use, and for a step cache its hooks' state per guidance branch.
 It is stored as safetensors (tensors plus string metadata, never pickle) under the chain link
 ``h(k)``.
@@ -22,13 +23,10 @@ from safetensors.torch import save as save_safetensors
 from workers.stages import hook_state
 from workers.stages.hook_state import HookStateError, RunHookState
 
-FORMAT = "diffcache-checkpoint-1"
+# 2: the scheduler's tensors are named in the metadata, which fields they are being the
+# family's to say (``SchedulerFields``).
+FORMAT = "diffcache-checkpoint-2"
 _CPU = torch.device("cpu")
-# The stepping state of a multistep scheduler, by kind. A scheduler without one of them simply
-# has nothing to save there (Euler keeps only its step index).
-_HISTORIES = ("model_outputs", "timestep_list")
-_COUNTERS = ("lower_order_nums", "this_order", "_step_index")
-_SAMPLES = ("last_sample",)
 
 
 class CheckpointError(ValueError):
@@ -39,43 +37,23 @@ class CheckpointError(ValueError):
 class Checkpoint:
     step: int
     latents: torch.Tensor
-    scheduler: dict[str, Any]  # attribute -> tensor, list of tensors or None, or int
+    scheduler: dict[str, Any]  # ``SchedulerFields.capture``: attribute -> tensor, list, int
     rng: torch.Tensor  # torch.Generator.get_state()
     cfg_residual: torch.Tensor | None
     compute_s: float  # denoising seconds from step 0 to here: what resuming here saves
     hooks: RunHookState  # the step cache's hook state; empty without a policy
 
     @staticmethod
-    def capture(step: int, latents: torch.Tensor, scheduler: Any, rng: torch.Generator,
-                cfg_residual: torch.Tensor | None, compute_s: float,
+    def capture(step: int, latents: torch.Tensor, scheduler: dict[str, Any],
+                rng: torch.Generator, cfg_residual: torch.Tensor | None, compute_s: float,
                 hooks: RunHookState) -> Checkpoint:
-        """A snapshot that later steps cannot change (the loop goes on while it is written)."""
-        state: dict[str, Any] = {}
-        for name in _HISTORIES:
-            if hasattr(scheduler, name):
-                state[name] = [None if t is None else _clone(t) for t in getattr(scheduler, name)]
-        for name in _SAMPLES:
-            if hasattr(scheduler, name):
-                value = getattr(scheduler, name)
-                state[name] = None if value is None else _clone(value)
-        for name in _COUNTERS:
-            if hasattr(scheduler, name):
-                state[name] = getattr(scheduler, name)
+        """A snapshot that later steps cannot change (the loop goes on while it is written);
+        ``scheduler`` is already a copy (``SchedulerFields.capture``)."""
         # A hook state is only ever replaced, never changed in place (``RunStepCache``), so
         # the dict of branches is all that must be copied.
-        return Checkpoint(step, latents.clone(), state, rng.get_state(),
+        return Checkpoint(step, latents.clone(), scheduler, rng.get_state(),
                           None if cfg_residual is None else cfg_residual.clone(), compute_s,
                           dict(hooks))
-
-    def restore(self, scheduler: Any, rng: torch.Generator,
-                device: torch.device = _CPU) -> None:
-        """Put the scheduler and generator back in the state they had after ``step``, with
-        the scheduler's tensors on ``device``, where its timesteps are."""
-        for name, value in self.scheduler.items():
-            if not hasattr(scheduler, name) and name != "this_order":
-                raise CheckpointError(f"scheduler {type(scheduler).__name__} has no {name}")
-            setattr(scheduler, name, _on(value, device))
-        rng.set_state(self.rng)
 
     def to_bytes(self) -> bytes:
         tensors: dict[str, torch.Tensor] = {"latents": self.latents, "rng": self.rng}
@@ -91,6 +69,7 @@ class Checkpoint:
                 meta[f"len:{name}"] = str(len(value))
                 tensors.update({f"{name}.{i}": t for i, t in enumerate(value) if t is not None})
             elif isinstance(value, torch.Tensor):
+                meta[f"tensor:{name}"] = ""
                 tensors[name] = value
             elif value is None:
                 meta[f"none:{name}"] = ""
@@ -117,7 +96,8 @@ class Checkpoint:
                 state[name] = None
             elif kind == "int":
                 state[name] = int(value)
-        state.update({n: tensors[n] for n in _SAMPLES if n in tensors})
+            elif kind == "tensor":
+                state[name] = tensors[name]
         try:
             hooks = (hook_state.decode(json.loads(meta["hooks"]), tensors, _CPU)
                      if "hooks" in meta else {})
@@ -125,17 +105,6 @@ class Checkpoint:
             raise CheckpointError(f"unreadable step-cache state: {exc}") from exc
         return Checkpoint(int(meta["step"]), tensors["latents"], state, tensors["rng"],
                           tensors.get("cfg_residual"), float(meta["compute_s"]), hooks)
-
-
-def _clone(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone()
-
-
-def _on(value: Any, device: torch.device) -> Any:
-    """A scheduler attribute's value with its tensors on ``device``."""
-    if isinstance(value, list):
-        return [None if t is None else t.to(device) for t in value]
-    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def _metadata(data: bytes) -> dict[str, str]:

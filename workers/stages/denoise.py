@@ -88,7 +88,8 @@ class DenoiseHandler:
         else:
             rng = torch.Generator(device="cpu")
             device = self.model.device
-            found.restore(scheduler, rng, device)
+            self.model.scheduler_fields.restore(scheduler, found.scheduler, device)
+            rng.set_state(found.rng)
             residual = None if found.cfg_residual is None else found.cfg_residual.to(device)
             run = DenoiseRun(ctx, delivery, spec, embeds, links, scheduler, rng,
                              found.latents.to(device), found.step, found.compute_s,
@@ -242,7 +243,8 @@ class DenoiseHandler:
         ``keep``, on disk too."""
         if not runs:
             return
-        taken = [(run.ctx, run.checkpoint()) for run in runs]  # now, before the next step
+        # Now, before the next step.
+        taken = [(run.ctx, run.checkpoint(self.model.scheduler_fields)) for run in runs]
         keys = [run.links[snapshot.step].checkpoint_key()
                 for run, (_, snapshot) in zip(runs, taken, strict=True)]
 
