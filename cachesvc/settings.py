@@ -105,8 +105,10 @@ class ModelSettings(_Section):
     """The model every worker loads: a local folder, built on first start if it is missing."""
 
     # "auto": the family whose pipeline class the model folder's model_index.json names (a
-    # folder still to be built gets the preset's family: qwen-image for "shapes").
-    family: Literal["auto", "wan", "qwen-image"] = "auto"
+    # folder still to be built gets the preset's family: qwen-image for "shapes"). Otherwise a
+    # name in the family registry (``workers.families``), which checks it: `diffcache up`
+    # before it starts anything, and every worker.
+    family: str = "auto"
     # "auto": CUDA when there is a GPU, else the CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # The DiT's and the text encoder's dtype; "auto": bfloat16 on CUDA and float32 on the CPU,

@@ -125,7 +125,20 @@ def _cluster_settings(data_dir: str | None, bind_host: str | None,
     return settings.model_copy(update={"store": settings.store.model_copy(update=store)})
 
 
+def _check_family(settings: Settings) -> None:
+    """Refuse a ``model.family`` the registry does not know before anything is started."""
+    from workers.families import UnknownFamilyError, family_named
+
+    if settings.model.family != "auto":
+        try:
+            family_named(settings.model.family)
+        except UnknownFamilyError as exc:
+            errors.print(f"[red]error:[/red] model.family: {exc}")
+            raise typer.Exit(2) from exc
+
+
 def _serve(settings: Settings, roles: Roles, command: str) -> None:
+    _check_family(settings)
     log_path = settings.logs_dir / f"{command}.log"
     terminal = detach_native_stderr(log_path)
     console = Console(file=terminal, soft_wrap=True)
@@ -193,6 +206,7 @@ def model_init(
 
     settings = _settings(model={k: v for k, v in {"dir": dir, "preset": preset,
                                                    "family": family}.items() if v})
+    _check_family(settings)
     if is_built(settings.model_dir):
         console.print(f"a model is already built in {settings.model_dir}")
         return

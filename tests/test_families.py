@@ -84,6 +84,14 @@ def test_model_init_builds_a_qwen_image_folder(tmp_path: Path) -> None:
                           str(tmp_path / "f")], capture_output=True, text=True, env=environ,
                          timeout=300, check=False)
     assert bad.returncode == 2 and "model.family" in bad.stderr
+    # `diffcache up` refuses it before it starts anything, naming the registry's families.
+    up = subprocess.run([*DIFFCACHE, "up"], capture_output=True, text=True,
+                        env={**environ, "DIFFCACHE_MODEL__FAMILY": "flux",
+                             "DIFFCACHE_DATA_DIR": str(tmp_path / "up")},
+                        timeout=300, check=False)
+    assert up.returncode == 2 and "model.family" in up.stderr, up.stderr[-2000:]
+    assert all(name in up.stderr for name in FAMILIES)
+    assert not (tmp_path / "up" / "logs").exists()  # nothing was started
 
 
 @pytest.mark.slow  # builds the test models: seconds
