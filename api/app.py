@@ -99,7 +99,7 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             yield
         finally:
-            service.events.close()
+            service.queue.close()
             store.close()
 
     app = FastAPI(title="diffcache", version="0.1.0", lifespan=lifespan, responses=ERRORS)

@@ -24,7 +24,6 @@ from api.schemas import (
 )
 from api.service import (
     ClientGoneError,
-    NotReadyError,
     Service,
     WaitTimeoutError,
     reuse_headers,
@@ -32,6 +31,7 @@ from api.service import (
 )
 from keys import OutputFormat
 from workers.queue.admission import check_model, model_ids
+from workers.queue.client import NotReadyError
 from workers.queue.schema import RequestRecord, State
 from workers.queue.served_model import ServedModel
 
@@ -179,7 +179,7 @@ def _wait(svc: Service, tenant: str, request_id: str, timeout_s: float,
     of the same call still waits on it (a retry that joined it)."""
     abandoned = False
     try:
-        for record in svc.events.follow(tenant, request_id, timeout_s, reread_s=POLL_S):
+        for record in svc.queue.follow(tenant, request_id, timeout_s, reread_s=POLL_S):
             if not record.state.terminal and gone():
                 abandoned = True
                 raise ClientGoneError(f"the client of request {request_id} went away")
@@ -191,7 +191,7 @@ def _wait(svc: Service, tenant: str, request_id: str, timeout_s: float,
                "let it run on); a retry of this call resumes it")) from exc
     finally:
         if svc.leave_call(tenant, call) <= 0 and abandoned and not keep:
-            svc.records.cancel(tenant, request_id)
+            svc.queue.records.cancel(tenant, request_id)
     if record.state is not State.DONE:
         raise NotReadyError(record)
     return record

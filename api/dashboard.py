@@ -49,7 +49,7 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
         ids: list[bytes] = svc.redis.zrevrange(  # type: ignore[assignment]
             request_index(tenant), 0, RECENT - 1)
         for raw in ids:
-            record = svc.records.get(tenant, raw.decode())
+            record = svc.queue.records.get(tenant, raw.decode())
             if record is not None:
                 recent.append({"tenant": tenant, **status_of(record).model_dump()})
 

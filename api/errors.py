@@ -18,13 +18,13 @@ from api.service import (
     GoneError,
     NoDenoiserError,
     NotFoundError,
-    NotReadyError,
     RecomputingError,
     WaitTimeoutError,
 )
 from cachesvc.adapters import AdapterError
 from cachesvc.errors import StoreUnavailableError
 from workers.queue.admission import FieldError, QueueFullError, UnknownModelError
+from workers.queue.client import NotReadyError, UnknownRequestError
 from workers.queue.served_model import NotPublishedError
 from workers.queue.submit import DurabilityError
 
@@ -112,7 +112,7 @@ def install(app: FastAPI, retry_after_s: int) -> None:
         QueueFullError: (429, True), NotFoundError: (404, False), NotReadyError: (409, False),
         ClientGoneError: (499, False),
         NoDenoiserError: (503, True), NotPublishedError: (503, True),
-        UnknownModelError: (404, False),
+        UnknownModelError: (404, False), UnknownRequestError: (404, False),
         GoneError: (410, False), WaitTimeoutError: (504, False), RecomputingError: (503, True),
         StoreUnavailableError: (503, True), DurabilityError: (503, True),
         redis.ConnectionError: (503, True), redis.TimeoutError: (503, True)}

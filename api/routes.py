@@ -88,7 +88,8 @@ async def events(request_id: str, who: Tenant, svc: Svc) -> StreamingResponse:
         # costs, and what an idle stream costs Redis.
         loop = asyncio.get_running_loop()
         changed = asyncio.Event()
-        with svc.events.watching(who, request_id, lambda: loop.call_soon_threadsafe(changed.set)):
+        events = svc.queue.events
+        with events.watching(who, request_id, lambda: loop.call_soon_threadsafe(changed.set)):
             last = None
             while True:
                 changed.clear()
@@ -101,7 +102,7 @@ async def events(request_id: str, who: Tenant, svc: Svc) -> StreamingResponse:
                     yield f"event: end\ndata: {json.dumps({'state': now.state})}\n\n"
                     return
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), svc.events.fallback_s)
+                    await asyncio.wait_for(changed.wait(), events.fallback_s)
 
     return StreamingResponse(stream(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})

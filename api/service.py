@@ -49,13 +49,9 @@ from keys import (
     StoreKey,
 )
 from keys.names import KEY_VERSION, call_waiters, check_tenant
-from keys.spec import valid_request_id
-from workers.queue.admission import Admission, Asked, FieldError, QueueFullError
-from workers.queue.events import RecordEvents
-from workers.queue.heartbeats import live_workers
-from workers.queue.lifecycle import Lifecycle, LifecycleError
+from workers.queue.admission import Asked, FieldError, QueueFullError
+from workers.queue.client import HEARTBEAT_WITHIN_S, NotReadyError, QueueClient
 from workers.queue.messages import Stage
-from workers.queue.records import Records
 from workers.queue.schema import Field, KindField, PreemptMode, RequestRecord, State
 from workers.queue.served_model import ServedModel, read_lora_targets
 from workers.queue.submit import new_request_id
@@ -63,8 +59,6 @@ from workers.queue.submit import new_request_id
 if TYPE_CHECKING:
     from cachesvc.tensor_cache import TensorCache
 
-# A worker beats every workers.heartbeat_s; one silent for this long is taken for gone.
-HEARTBEAT_WITHIN_S = 5.0
 # Drops an idempotency key only while it still names the request that was refused, so a
 # concurrent duplicate that won meanwhile keeps its key.
 _FORGET = """
@@ -83,15 +77,6 @@ class NoDenoiserError(RuntimeError):
 
 class NotFoundError(LookupError):
     pass
-
-
-class NotReadyError(RuntimeError):
-    """The request is in a state that does not allow what was asked."""
-
-    def __init__(self, record: RequestRecord, why: str = "") -> None:
-        super().__init__(f"request {record.spec.request_id} is {record.state.value}"
-                         + (f": {why}" if why else ""))
-        self.record = record
 
 
 class GoneError(RuntimeError):
@@ -163,21 +148,14 @@ class Service:
     settings: Settings
     redis: redis.Redis
     store: CacheLink  # the store client, connected in the background
-    records: Records = field(init=False)
-    lifecycle: Lifecycle = field(init=False)
-    events: RecordEvents = field(init=False)
+    queue: QueueClient = field(init=False)
     adapters: AdapterRegistry = field(init=False)
-    admission: Admission = field(init=False)
     files: OutputFiles | None = field(init=False)
 
     def __post_init__(self) -> None:
-        # Built once: both register their Lua scripts with the client.
-        self.records = Records(self.redis)
-        self.lifecycle = Lifecycle(self.redis)
-        self.events = RecordEvents(self.redis)
+        self.queue = QueueClient(self.redis, self.settings.api)
         self.adapters = AdapterRegistry(lambda: self.cache, self.redis,
                                         self.settings.data_dir / "adapters")
-        self.admission = Admission(self.redis, self.settings.api)
         self._forget = self.redis.register_script(_FORGET)
         cache = self.settings.cache
         self.files = (OutputFiles(self.settings.outputs_dir, cache.output_ttl_s)
@@ -196,7 +174,7 @@ class Service:
             steps = body.schedule[-1].until_step
         asked = Asked.of(served, body_texts(body), width=body.width, height=body.height,
                          frames=body.num_frames, steps=steps, output_format=body.output_format)
-        self.admission.check(asked, served)
+        self.queue.admission.check(asked, served)
         schedule = None
         if body.schedule is not None:
             schedule = segments_from(body.schedule, body.negative_prompt, "schedule", 0,
@@ -216,7 +194,7 @@ class Service:
                 served.step_caches, served.family),
             reuse=reuse_from(body.reuse, self.settings.api.reuse_defaults.get(
                 tenant, ReuseMode.EXACT), body.schedule is not None))
-        return self.admission.within_cost(spec, served)
+        return self.queue.admission.within_cost(spec, served)
 
     def loras_for(self, tenant: str, loras: list[LoraBody]) -> tuple[LoraUse, ...]:
         """The tenant's adapters a request names; another tenant's read as unknown (404)."""
@@ -247,7 +225,7 @@ class Service:
 
     def served(self) -> ServedModel:
         """The model the workers said they serve; NotPublishedError (503) before any has."""
-        return self.admission.served()
+        return self.queue.served()
 
     def generate(self, tenant: str, body: GenerateBody, idem: str | None = None) -> str:
         """Admit and submit; with an idempotency key, a repeat returns the first request."""
@@ -294,7 +272,7 @@ class Service:
         found = self.redis.get(idempotency_key(tenant, call))
         if found is None:
             return None
-        record = self.records.get(tenant, found.decode())  # type: ignore[union-attr]
+        record = self.queue.records.get(tenant, found.decode())  # type: ignore[union-attr]
         if record is None or record.state is State.FAILED:
             return None
         if record.state is State.CANCELLED:
@@ -302,13 +280,10 @@ class Service:
         return record.spec.request_id
 
     def submit(self, spec: GenerationSpec, served: ServedModel) -> str:
-        return self.admission.submit(spec, served)
+        return self.queue.submit(spec, served)
 
     def record(self, tenant: str, request_id: str) -> RequestRecord:
-        record = self.records.get(tenant, request_id) if valid_request_id(request_id) else None
-        if record is None:
-            raise NotFoundError(f"no request {request_id}")
-        return record
+        return self.queue.get(tenant, request_id)
 
     def result(self, tenant: str, request_id: str) -> tuple[RequestRecord, bytes]:
         record = self.record(tenant, request_id)
@@ -331,23 +306,16 @@ class Service:
             raise GoneError(f"the output of {request_id} has expired (cache.output_ttl_s)")
         # Lost before its time, with the store or its file: the request is seeded, so running
         # it again gives the same output.
-        if not self.lifecycle.recompute_output(record):
-            raise NotReadyError(self.record(tenant, request_id))
+        self.queue.recompute_output(record)
         raise RecomputingError(f"the output of {request_id} was lost from the cache and is "
                                "being made again from the request; retry shortly")
 
     def cancel(self, tenant: str, request_id: str) -> RequestRecord:
-        record = self.record(tenant, request_id)
-        if not self.records.cancel(tenant, request_id):
-            raise NotReadyError(record)
-        return self.record(tenant, request_id)
+        return self.queue.cancel(tenant, request_id)
 
     def preempt(self, tenant: str, request_id: str, mode: PreemptMode) -> RequestRecord:
         """Ask the denoise worker to checkpoint and step aside; 409 unless denoising."""
-        record = self.record(tenant, request_id)
-        if not self.lifecycle.ask_preempt(tenant, request_id, mode):
-            raise NotReadyError(record, "only a DENOISING request can be preempted")
-        return self.record(tenant, request_id)
+        return self.queue.preempt(tenant, request_id, mode)
 
     def resume(self, tenant: str, body: ResumeBody) -> str:
         """Resume in place (no overrides), or branch a new request from a checkpoint."""
@@ -356,27 +324,14 @@ class Service:
             if body.from_step is not None:
                 raise FieldError("from_step", "applies with overrides only: a plain resume "
                                  "continues from the latest checkpoint")
-            if not record.state.resumable:
-                raise NotReadyError(record, "only a PREEMPTED, FAILED or CANCELLED request "
-                                    "can be resumed")
-            # Counted before the resume, so it is refused like a new request when over a bound.
-            # Should the resume then fail, the next admission drops it again by its state.
-            self.admission.readmit(record.spec)
-            try:
-                self.lifecycle.resume(record)
-            except LifecycleError as exc:
-                raise NotReadyError(record, str(exc)) from exc
-            # Until the resume, the request was PREEMPTED, FAILED or CANCELLED, and another
-            # admission may have dropped it from the count meanwhile: count it once more.
-            self.admission.readmit(record.spec, bounded=False)
-            return record.spec.request_id
+            return self.queue.resume(record)
         from_step, key = branch_point(record, body.from_step)
         if not self.cache.exists(StoreKey.parse(key)):
             raise GoneError(f"the checkpoint of {body.request_id} at step {from_step} has "
                             "expired from the cache; resume from another step")
         served = self.served()
         spec = branched_spec(record.spec, new_request_id(), from_step, body.overrides,
-                             self.admission.text_limits(served))
+                             self.queue.admission.text_limits(served))
         return self.submit(spec, served)
 
     def readiness(self) -> Readiness:
@@ -388,9 +343,9 @@ class Service:
         except redis.RedisError:
             checks["redis"] = False
         checks["store"] = self._store_round_trip()
+        live = self.queue.stages_live() if checks["redis"] else {}
         for stage in Stage:
-            checks[f"{stage.value}_workers"] = checks["redis"] and bool(
-                live_workers(self.redis, stage, within_s=HEARTBEAT_WITHIN_S))
+            checks[f"{stage.value}_workers"] = live.get(stage, False)
         looping = any(c.crash_looping for c in children)
         why = {"redis": "Redis does not answer",
                "store": self.store.status if not self.store.connected

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import redis
 from rich.console import Console
 from rich.progress import Progress
 
@@ -16,14 +15,13 @@ from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, Priority, StoreKey
 from workers.queue.admission import (
-    Admission,
     Asked,
     FieldError,
     QueueFullError,
     UnknownModelError,
     check_model,
 )
-from workers.queue.events import RecordEvents
+from workers.queue.client import QueueClient
 from workers.queue.schema import RequestRecord, State
 from workers.queue.served_model import NotPublishedError
 from workers.queue.submit import new_request_id
@@ -49,13 +47,12 @@ class Ask:
     model: str | None = None
 
 
-def admitted(settings: Settings, client: redis.Redis, ask: Ask, tenant: str,
-             out: str) -> GenerationSpec:
+def admitted(queue: QueueClient, ask: Ask, tenant: str, out: str) -> GenerationSpec:
     """Check and submit ``ask`` through the same admission as the API: what the API refuses
     is refused here, with its message and field."""
-    admission = Admission(client, settings.api)
+    admission = queue.admission
     try:
-        served = admission.served()
+        served = queue.served()
         check_model(ask.model, served)
         texts = (("prompt", ask.prompt), ("negative_prompt", ask.negative_prompt))
         asked = Asked.of(served, texts, width=ask.width, height=ask.height, frames=ask.num_frames,
@@ -69,7 +66,7 @@ def admitted(settings: Settings, client: redis.Redis, ask: Ask, tenant: str,
             guidance_scale=served.defaults.guidance_scale if ask.guidance_scale is None
             else ask.guidance_scale,
             seed=ask.seed, output_format=asked.output_format, priority=ask.priority), served)
-        admission.submit(spec, served)
+        queue.submit(spec, served)
     except (FieldError, NotPublishedError, QueueFullError, UnknownModelError) as exc:
         # The API's own message, which starts with the field a FieldError names.
         raise SystemExit(f"error: refused: {exc}") from None
@@ -79,24 +76,12 @@ def admitted(settings: Settings, client: redis.Redis, ask: Ask, tenant: str,
 def submit_and_wait(settings: Settings, ask: Ask, tenant: str, out: str, console: Console,
                     timeout_s: float = SUBMIT_TIMEOUT_S) -> None:
     client = open_redis(settings)
-    spec = admitted(settings, client, ask, tenant, out)
-    events = RecordEvents(client)
-    # Woken by the record's notifications, not by polling it.
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("queued", total=spec.num_inference_steps)
-        record: RequestRecord | None = None
-        try:
-            for record in events.follow(tenant, spec.request_id, timeout_s):
-                progress.update(task, completed=record.step,
-                                description=record.state.value.lower())
-        except TimeoutError as exc:
-            state = record.state.value if record is not None else "unknown"
-            raise SystemExit(f"gave up waiting ({exc}); the request is {state} and keeps "
-                             "running") from None
-        except KeyError as exc:
-            raise SystemExit(f"request {spec.request_id} has no record any more") from exc
-        finally:
-            events.close()
+    queue = QueueClient(client, settings.api)
+    try:
+        spec = admitted(queue, ask, tenant, out)
+        record = followed(queue, spec, console, timeout_s)
+    finally:
+        queue.close()
     if record is None:  # ``follow`` yields at least once or raises: unreachable
         raise SystemExit(f"request {spec.request_id} was never read")
     if record.state is not State.DONE or record.output_key is None:
@@ -109,6 +94,26 @@ def submit_and_wait(settings: Settings, ask: Ask, tenant: str, out: str, console
     Path(out).write_bytes(data.numpy().tobytes())
     timings = ", ".join(f"{k} {v:.2f}s" for k, v in record.stage_seconds().items())
     console.print(f"wrote {out} ({len(data)} bytes); {timings}; cache hits {record.hits()}")
+
+
+def followed(queue: QueueClient, spec: GenerationSpec, console: Console,
+             timeout_s: float) -> RequestRecord | None:
+    """Follow the request with a progress bar, woken by its record's notifications (not by
+    polling it); its last record."""
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("queued", total=spec.num_inference_steps)
+        record: RequestRecord | None = None
+        try:
+            for record in queue.follow(spec.tenant, spec.request_id, timeout_s):
+                progress.update(task, completed=record.step,
+                                description=record.state.value.lower())
+        except TimeoutError as exc:
+            state = record.state.value if record is not None else "unknown"
+            raise SystemExit(f"gave up waiting ({exc}); the request is {state} and keeps "
+                             "running") from None
+        except KeyError as exc:
+            raise SystemExit(f"request {spec.request_id} has no record any more") from exc
+    return record
 
 
 def format_for(out: str, asked: str | None, video: bool | None = None) -> str:
