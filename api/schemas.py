@@ -11,10 +11,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from keys import CfgMode, OutputFormat, Priority, ReuseMode, StepCachePolicy
+from workers.queue.admission import MAX_GUIDANCE, MAX_SEED
 from workers.queue.schema import PreemptMode
-
-MAX_SEED = 2**63 - 1
-
 
 # Static bounds, published in the OpenAPI schema. A deployment's ApiSettings may only tighten
 # them, which admission's ``check_limits`` does.
@@ -22,7 +20,7 @@ Spatial = Annotated[int, Field(ge=1, le=4096, description="a multiple of the ser
                                                   "size_multiple (GET /v1/models)")]
 Frames = Annotated[int, Field(ge=1, le=1025, description="4k+1")]
 Steps = Annotated[int, Field(ge=1, le=1000)]
-Guidance = Annotated[float, Field(ge=0.0, le=30.0)]
+Guidance = Annotated[float, Field(ge=0.0, le=MAX_GUIDANCE)]
 Prompt = Annotated[str, Field(min_length=1, max_length=20000)]
 Negative = Annotated[str, Field(max_length=20000)]
 MAX_SEGMENTS = 32
@@ -302,7 +300,7 @@ class ImagesBody(BaseModel):
     negative_prompt: str = ""
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     num_inference_steps: Steps | None = None
-    guidance_scale: float | None = Field(None, ge=0.0, le=30.0)
+    guidance_scale: float | None = Field(None, ge=0.0, le=MAX_GUIDANCE)
     loras: list[LoraBody] = Field(default_factory=list, description="extension: LoRA "
                                   "adapters, as in POST /v1/generate")
     reuse: ReuseBody | None = Field(None, description="extension: approximate reuse, as in "
@@ -351,7 +349,7 @@ class VideosBody(BaseModel):
     fps: int | None = Field(None, ge=1, le=60)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     num_inference_steps: Steps | None = None
-    guidance_scale: float | None = Field(None, ge=0.0, le=30.0)
+    guidance_scale: float | None = Field(None, ge=0.0, le=MAX_GUIDANCE)
     loras: list[LoraBody] = Field(default_factory=list, description="extension: LoRA "
                                   "adapters, as in POST /v1/generate")
     reuse: ReuseBody | None = Field(None, description="extension: approximate reuse, as in "

@@ -49,7 +49,7 @@ from keys import (
     StoreKey,
 )
 from keys.names import KEY_VERSION, call_waiters, check_tenant
-from workers.queue.admission import Asked, FieldError, QueueFullError
+from workers.queue.admission import Asked, FieldError, Limits, QueueFullError, publish_limits
 from workers.queue.client import HEARTBEAT_WITHIN_S, NotReadyError, QueueClient
 from workers.queue.messages import Stage
 from workers.queue.schema import Field, KindField, PreemptMode, RequestRecord, State
@@ -153,7 +153,8 @@ class Service:
     files: OutputFiles | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.queue = QueueClient(self.redis, self.settings.api)
+        self.queue = QueueClient(self.redis, Limits.of(self.settings.api))
+        self._limits_published = False
         self.adapters = AdapterRegistry(lambda: self.cache, self.redis,
                                         self.settings.data_dir / "adapters")
         self._forget = self.redis.register_script(_FORGET)
@@ -173,7 +174,8 @@ class Service:
         if steps is None and body.schedule:
             steps = body.schedule[-1].until_step
         asked = Asked.of(served, body_texts(body), width=body.width, height=body.height,
-                         frames=body.num_frames, steps=steps, output_format=body.output_format)
+                         frames=body.num_frames, steps=steps, output_format=body.output_format,
+                         guidance_scale=body.guidance_scale, seed=body.seed)
         self.queue.admission.check(asked, served)
         schedule = None
         if body.schedule is not None:
@@ -225,6 +227,11 @@ class Service:
 
     def served(self) -> ServedModel:
         """The model the workers said they serve; NotPublishedError (503) before any has."""
+        if not self._limits_published:
+            # Read by `diffcache submit`, so it admits under this deployment's limits too;
+            # published with the first admission, as Redis may not answer at start.
+            publish_limits(self.redis, Limits.of(self.settings.api))
+            self._limits_published = True
         return self.queue.served()
 
     def generate(self, tenant: str, body: GenerateBody, idem: str | None = None) -> str:

@@ -17,9 +17,11 @@ from keys import GenerationSpec, OutputFormat, Priority, StoreKey
 from workers.queue.admission import (
     Asked,
     FieldError,
+    Limits,
     QueueFullError,
     UnknownModelError,
     check_model,
+    published_limits,
 )
 from workers.queue.client import QueueClient
 from workers.queue.schema import RequestRecord, State
@@ -57,7 +59,8 @@ def admitted(queue: QueueClient, ask: Ask, tenant: str, out: str) -> GenerationS
         texts = (("prompt", ask.prompt), ("negative_prompt", ask.negative_prompt))
         asked = Asked.of(served, texts, width=ask.width, height=ask.height, frames=ask.num_frames,
                          steps=ask.steps, output_format=OutputFormat(
-                             format_for(out, ask.output_format, served.limits.video)))
+                             format_for(out, ask.output_format, served.limits.video)),
+                         guidance_scale=ask.guidance_scale, seed=ask.seed)
         admission.check(asked, served)
         spec = admission.within_cost(GenerationSpec.create(
             request_id=new_request_id(), tenant=tenant, prompt=ask.prompt,
@@ -76,7 +79,8 @@ def admitted(queue: QueueClient, ask: Ask, tenant: str, out: str) -> GenerationS
 def submit_and_wait(settings: Settings, ask: Ask, tenant: str, out: str, console: Console,
                     timeout_s: float = SUBMIT_TIMEOUT_S) -> None:
     client = open_redis(settings)
-    queue = QueueClient(client, settings.api)
+    # The limits the API admits under; this machine's settings where no API has said.
+    queue = QueueClient(client, published_limits(client) or Limits.of(settings.api))
     try:
         spec = admitted(queue, ask, tenant, out)
         record = followed(queue, spec, console, timeout_s)

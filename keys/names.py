@@ -223,6 +223,12 @@ def served_model() -> str:
     return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:served-model"
 
 
+def admission_limits() -> str:
+    """String: JSON of the limits the API admits requests under, which it publishes at start,
+    so ``diffcache submit`` on any machine admits under the same ones."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:admission-limits"
+
+
 def served_tokenizer(digest: str) -> str:
     """String: the served model's tokenizer (its ``tokenizer.json``), under its content hash,
     so the API counts a prompt's tokens as the workers will without the model folder."""

@@ -45,9 +45,11 @@ def served_without_folder(workerless_stack: Settings, model_dir: Path,
 
 @contextmanager
 def front_doors(settings: Settings, api: ApiSettings) -> Iterator[tuple[httpx.Client, Settings]]:
-    """The API and the CLI's settings, both under the deployment limits ``api``."""
+    """The API under the deployment limits ``api``, and the settings of a CLI on another
+    machine, which has the default limits: it must admit under those the API published."""
+    assert settings.api == ApiSettings()
     with serve_api(settings, api) as url, httpx.Client(base_url=url, timeout=60) as http:
-        yield http, settings.model_copy(update={"api": api})
+        yield http, settings
 
 
 def refusal(settings: Settings, ask: Ask, tmp_path: Path) -> str:
@@ -78,6 +80,11 @@ def test_the_cli_refuses_what_the_api_refuses_with_the_same_error(
             "prompt": PROMPT, "model": "qwen-image/elsewhere"}), 404)
         said = refusal(cli, Ask(PROMPT, model="qwen-image/elsewhere"), tmp_path)
         assert str(api["error"]) in said, (api, said)
+        # Bounds of the API's schema hold at the CLI too, naming the same field.
+        api = error_body(http.post("/v1/generate", json={"prompt": PROMPT,
+                                                          "guidance_scale": 31}), 422)
+        said = refusal(cli, Ask(PROMPT, guidance_scale=31), tmp_path)
+        assert api["field"] == "guidance_scale" and "refused: guidance_scale: " in said, said
     # Over the queue bound: one request is in, the next is refused by both.
     one = {"width": 32, "height": 32, "num_frames": 1, "num_inference_steps": 1,
            "output_format": "npy"}

@@ -6,16 +6,19 @@ depends on the CPU (on an AVX2 machine, only the per-sample layers differed; on 
 with AMX, every linear layer did, the sequence-sized ones included). A convolution depends on
 the batch it sees, and attention over texts padded to a common length under a key mask is not
 inert (the kernel sums a longer row in another order). Inside ``rows_apart`` each of those
-computes every sample on its own: a linear layer as one batched multiply of per-sample
-matrices (``baddbmm``: each sample's product is the very product it makes alone, with its own
-row count), padded texts cut back to their own tokens, a convolution one sample at a time, and
-attention under a padding mask over only the positions each row keeps (rows that keep the
-same positions together).
+computes every sample as it is computed on its own: a linear layer as one product of every
+row where the device rounds that as the samples alone (on an AMD EPYC, for samples of four
+rows or more), else as one batched multiply of per-sample matrices (``baddbmm``: each sample's
+product with its own row count), padded texts likewise in one product or cut back to their
+own tokens, a convolution one sample at a time, and attention under a padding mask over only
+the positions each row keeps (rows that keep the same positions together).
 
 Which kernels round alike is a property of the device, so this is checked where it runs: the
 first batched call of each shape tries the ways of computing it, cheapest first (one product of
 every row; one of per-sample matrices), against its samples one at a time, and keeps the first
-that gave the same bits (``_CHECKED``); the engine compares its first batched forward of each
+that gave the same bits (``_CHECKED``, keyed by everything that picks the kernel: shapes,
+strides, dtype, device, and for padded texts each sample's length in order); the engine
+compares its first batched forward of each
 geometry with the rows alone (``row_proof``).
 """
 
@@ -63,11 +66,16 @@ class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, 
         # The samples of each text length (``pad_texts`` pads at the end, so a text's
         # positions are a prefix), worked out once for the forward's every layer.
         self._texts: list[_Group] = []
+        self._lengths: tuple[int, ...] = ()
         self._kept = None if text_mask is None else text_mask.unsqueeze(-1)
         if text_mask is not None:
             lengths = text_mask.sum(dim=1).tolist()
+            self._lengths = tuple(lengths)
             self._texts = [_Group(samples, length, text_mask.device)
                            for length, samples in _same(lengths).items()]
+        # Each layer builds its own attention mask, of the same contents: its groups are
+        # worked out once, keyed by those contents.
+        self._mask_groups: dict[tuple[torch.device, tuple[int, ...], bytes], list[_Group]] = {}
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -78,7 +86,8 @@ class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, 
                 weight = args[1] if len(args) > 1 else kwargs["weight"]
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 if self._kept is not None and x.dim() == 3 and x.shape[1] == self._padded:
-                    return _linear_of_texts(x, weight, bias, self._texts, self._kept)
+                    return _linear_of_texts(x, weight, bias, self._texts, self._kept,
+                                            self._lengths)
                 return _linear_per_sample(x, weight, bias)
             return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
@@ -86,7 +95,7 @@ class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, 
             mask = named.pop("attn_mask", None)
             if mask is not None and mask.dtype == torch.bool and mask.shape[1:3] == (1, 1):
                 return _attention_of_groups(func, named.pop("query"), named.pop("key"),
-                                            named.pop("value"), self._groups(mask), named)
+                                            named.pop("value"), self._groups_of(mask), named)
         rank = _CONV_RANK.get(func)
         if rank is not None:
             x = args[0]
@@ -95,12 +104,17 @@ class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, 
                                   for i in range(x.shape[0])])
         return func(*args, **kwargs)
 
-    @staticmethod
-    def _groups(mask: torch.Tensor) -> list[_Group]:
+    def _groups_of(self, mask: torch.Tensor) -> list[_Group]:
         """The rows of a key mask (samples, 1, 1, keys) that keep the same positions."""
-        keeps = mask[:, 0, 0]
-        same = _same([bytes(keep.cpu().numpy()) for keep in keeps])
-        return [_Group(samples, keeps[samples[0]], mask.device) for samples in same.values()]
+        keeps = mask[:, 0, 0].cpu().numpy()
+        key = (mask.device, keeps.shape, keeps.tobytes())
+        groups = self._mask_groups.get(key)
+        if groups is None:
+            same = _same([row.tobytes() for row in keeps])
+            groups = [_Group(samples, mask[samples[0], 0, 0].clone(), mask.device)
+                      for samples in same.values()]
+            self._mask_groups[key] = groups
+        return groups
 
 
 class _Group:
@@ -110,14 +124,20 @@ class _Group:
         self.samples = samples
         self.keep = keep  # a length (a prefix), or a boolean mask of positions
         self.index = torch.tensor(samples, device=device)
+        # Samples next to each other are taken as a view, not gathered.
+        first = samples[0]
+        self.rows: slice | torch.Tensor = (
+            slice(first, first + len(samples))
+            if samples == list(range(first, first + len(samples))) else self.index)
         if isinstance(keep, torch.Tensor):
             self.positions = keep.nonzero().view(1, -1)
 
 
 def _linear_per_sample(x: torch.Tensor, weight: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` of each sample of ``x`` as it is computed alone: a (rows, in) by (in, out)
-    product per sample, all in one batched multiply."""
+    """``F.linear`` of each sample of ``x`` as it is computed alone: one product of every row,
+    or a (rows, in) by (in, out) product per sample in one batched multiply, whichever this
+    device showed exact first."""
     samples = x.shape[0]
     x3 = x.reshape(samples, -1, x.shape[-1])
     rows, inner, outer = x3.shape[1], weight.shape[1], weight.shape[0]
@@ -133,11 +153,18 @@ def _linear_per_sample(x: torch.Tensor, weight: torch.Tensor,
 
     if rows * inner * outer < _NAIVE_BMM_BELOW:
         return one_at_a_time()
-    shape = ("linear", rows, inner, outer, samples, x.dtype, x.device, bias is not None)
+    shape = ("linear", rows, inner, outer, samples, x.stride(), x.dtype, x.device,
+             bias is not None)
     # One product of every row is the cheapest, and on some CPUs a row of it rounds as the
     # row's own sample does (README "The denoise engine").
     return _checked(shape, (lambda: F.linear(x, weight, bias), per_sample_matrices),
                     one_at_a_time)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit: ``torch.equal`` takes -0.0 for 0.0 and never a NaN for itself."""
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
 
 
 def checks_made() -> int:
@@ -155,7 +182,7 @@ def _checked(shape: tuple[object, ...], ways: Sequence[Callable[[], torch.Tensor
     if verdict is not None:
         return one_at_a_time() if verdict == ALONE else ways[verdict]()
     alone = one_at_a_time()
-    verdict = next((i for i, way in enumerate(ways) if torch.equal(way(), alone)), ALONE)
+    verdict = next((i for i, way in enumerate(ways) if same_bits(way(), alone)), ALONE)
     _CHECKED[shape] = verdict
     if verdict == ALONE:
         log.info("a batched %s of shape %s rounds unlike its samples alone on this device: "
@@ -164,7 +191,8 @@ def _checked(shape: tuple[object, ...], ways: Sequence[Callable[[], torch.Tensor
 
 
 def _linear_of_texts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     texts: list[_Group], kept: torch.Tensor) -> torch.Tensor:
+                     texts: list[_Group], kept: torch.Tensor,
+                     lengths: tuple[int, ...]) -> torch.Tensor:
     """``F.linear`` of padded texts (``kept``: (samples, length, 1), their real positions),
     each over only its own positions; padded positions get zeros (nothing reads them but the
     padding itself: attention runs over kept positions only). One product of the padded
@@ -185,8 +213,9 @@ def _linear_of_texts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                                                                weight, bias)
         return out
 
-    shape = ("padded texts", x.shape[1], tuple((g.keep, len(g.samples)) for g in texts),
-             *weight.shape, x.dtype, x.device, bias is not None)
+    # Each sample's length in order: where a text's rows sit in the product may matter.
+    shape = ("padded texts", x.shape, x.stride(), lengths, *weight.shape, x.dtype, x.device,
+             bias is not None)
     return _checked(shape, (padded,), cut)
 
 
@@ -213,8 +242,8 @@ def _attention_of_groups(sdpa: Callable[..., Any], q: torch.Tensor, k: torch.Ten
             out[i:i + 1, :, keep] = sdpa(q[i:i + 1, :, keep], k[i:i + 1, :, keep],
                                          v[i:i + 1, :, keep], **kwargs)
             continue
-        index = group.index
-        gq, gk, gv = q[index][:, :, keep], k[index][:, :, keep], v[index][:, :, keep]
+        rows = group.rows
+        gq, gk, gv = q[rows][:, :, keep], k[rows][:, :, keep], v[rows][:, :, keep]
 
         def one_at_a_time(gq: torch.Tensor = gq, gk: torch.Tensor = gk,
                           gv: torch.Tensor = gv) -> torch.Tensor:
@@ -225,10 +254,13 @@ def _attention_of_groups(sdpa: Callable[..., Any], q: torch.Tensor, k: torch.Ten
                      gv: torch.Tensor = gv) -> torch.Tensor:
             return sdpa(gq, gk, gv, **kwargs)
 
-        shape = ("attention", *gq.shape, *gk.shape[2:], gq.dtype, gq.device,
-                 tuple(sorted(kwargs.items())))
-        rows = _checked(shape, (together,), one_at_a_time)
-        out[index.view(-1, 1), :, group.positions] = rows.transpose(1, 2)
+        shape = ("attention", gq.shape, gq.stride(), gk.shape, gk.stride(), gq.dtype,
+                 gq.device, tuple(sorted(kwargs.items())))
+        found = _checked(shape, (together,), one_at_a_time)
+        if isinstance(rows, slice):
+            out[rows, :, keep] = found
+        else:
+            out[rows.view(-1, 1), :, group.positions] = found.transpose(1, 2)
     return out
 
 

@@ -14,9 +14,11 @@ import math
 from dataclasses import dataclass
 
 import redis
+from pydantic import TypeAdapter, ValidationError
 
 from cachesvc.settings import ApiSettings
 from keys import GenerationSpec, OutputFormat, Priority
+from keys.names import admission_limits
 from workers.queue.schema import Field
 from workers.queue.scripts import RecordWrite
 from workers.queue.served_model import ServedModel, served
@@ -49,6 +51,52 @@ class UnknownModelError(LookupError):
     """A request names a model this deployment does not serve."""
 
 
+# Bounds no deployment setting moves (the API's schema states them too).
+MAX_GUIDANCE = 30.0
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The deployment's limits on a request (``api.*`` settings), which the API publishes so
+    that every door admits under the same ones; the API's keys stay out of it."""
+
+    max_prompt_chars: int
+    max_prompt_tokens: int
+    spatial_multiple: int
+    max_width: int
+    max_height: int
+    enforce_model_max: bool
+    max_frames: int
+    max_steps: int
+    max_cost: int
+    interactive_max_cost: int
+    max_queue_depth: int
+    max_jobs_per_tenant: int
+
+    @classmethod
+    def of(cls, api: ApiSettings) -> Limits:
+        return cls(**{f.name: getattr(api, f.name) for f in dataclasses.fields(cls)})
+
+
+_LIMITS: TypeAdapter[Limits] = TypeAdapter(Limits)
+
+
+def publish_limits(client: redis.Redis, limits: Limits) -> None:
+    client.set(admission_limits(), _LIMITS.dump_json(limits))
+
+
+def published_limits(client: redis.Redis) -> Limits | None:
+    """The limits the API last published; None before one started (or unreadable)."""
+    raw = client.get(admission_limits())
+    if raw is None:
+        return None
+    try:
+        return _LIMITS.validate_json(raw)
+    except ValidationError:
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class TextLimits:
     """How long a prompt may be: characters, and tokens as the served model counts them."""
@@ -63,6 +111,8 @@ def check_texts(texts: tuple[tuple[str, str | None], ...], limits: TextLimits) -
     for name, text in texts:
         if text is None:
             continue
+        if text == "" and not name.endswith("negative_prompt"):
+            raise FieldError(name, "must not be empty")
         if len(text) > limits.max_chars:
             raise FieldError(name, f"must be at most {limits.max_chars} characters")
         if (tokens := limits.count(text)) > limits.max_tokens:
@@ -81,11 +131,14 @@ class Asked:
     frames: int
     steps: int
     output_format: OutputFormat
+    guidance_scale: float | None = None  # None: the model's default
+    seed: int | None = None  # None: a random one
 
     @classmethod
     def of(cls, model: ServedModel, texts: tuple[tuple[str, str | None], ...], *,
            width: int | None, height: int | None, frames: int | None, steps: int | None,
-           output_format: OutputFormat | None) -> Asked:
+           output_format: OutputFormat | None, guidance_scale: float | None = None,
+           seed: int | None = None) -> Asked:
         """What is asked, each field left out (None) taken from the served model's defaults:
         one frame and PNG for an image family, MP4 for a video one."""
         m, video = model.defaults, model.limits.video
@@ -96,11 +149,11 @@ class Asked:
         return cls(texts, given(width, m.width), given(height, m.height),
                    given(frames, m.num_frames if video else 1),
                    given(steps, m.num_inference_steps),
-                   output_format or (OutputFormat.MP4 if video else OutputFormat.PNG))
+                   output_format or (OutputFormat.MP4 if video else OutputFormat.PNG),
+                   guidance_scale, seed)
 
 
-def check_limits(asked: Asked, limits: ApiSettings, model: ServedModel,
-                 texts: TextLimits) -> None:
+def check_limits(asked: Asked, limits: Limits, model: ServedModel, texts: TextLimits) -> None:
     """Raise FieldError for the first field outside the limits of this deployment and of the
     model family it serves."""
     check_texts(asked.texts, texts)
@@ -131,6 +184,15 @@ def check_limits(asked: Asked, limits: ApiSettings, model: ServedModel,
                          f"got {asked.steps}")
     if output_format is OutputFormat.PNG and frames != 1:
         raise FieldError("output_format", f"png holds one frame; set num_frames=1 (got {frames})")
+    _check_sampling(asked)
+
+
+def _check_sampling(asked: Asked) -> None:
+    if asked.guidance_scale is not None and not 0 <= asked.guidance_scale <= MAX_GUIDANCE:
+        raise FieldError("guidance_scale", f"must be from 0 to {MAX_GUIDANCE:g}, got "
+                         f"{asked.guidance_scale}")
+    if asked.seed is not None and not 0 <= asked.seed <= MAX_SEED:
+        raise FieldError("seed", f"must be from 0 to {MAX_SEED}, got {asked.seed}")
 
 
 def model_ids(model: ServedModel) -> tuple[str, ...]:
@@ -148,7 +210,7 @@ def check_model(name: str | None, model: ServedModel) -> None:
 class Admission:
     """Checks and submits new requests against one deployment's limits and bounds."""
 
-    def __init__(self, client: redis.Redis, limits: ApiSettings) -> None:
+    def __init__(self, client: redis.Redis, limits: Limits) -> None:
         self._client = client
         self._limits = limits
         self._bounds = Bounds(limits.max_queue_depth, limits.max_jobs_per_tenant)

@@ -11,10 +11,9 @@ from collections.abc import Iterator
 
 import redis
 
-from cachesvc.settings import ApiSettings
 from keys import GenerationSpec
 from keys.spec import valid_request_id
-from workers.queue.admission import Admission
+from workers.queue.admission import Admission, Limits
 from workers.queue.events import RecordEvents
 from workers.queue.heartbeats import live_workers
 from workers.queue.lifecycle import Lifecycle, LifecycleError
@@ -43,7 +42,7 @@ class NotReadyError(RuntimeError):
 class QueueClient:
     """Requests in the queue, for one deployment's limits."""
 
-    def __init__(self, client: redis.Redis, limits: ApiSettings) -> None:
+    def __init__(self, client: redis.Redis, limits: Limits) -> None:
         # Built once: they register their Lua scripts with the client.
         self.redis = client
         self.admission = Admission(client, limits)

@@ -159,8 +159,8 @@ class ServedModel:
     name: str  # the model folder's name
     limits: FamilyLimits
     defaults: RequestDefaults = RequestDefaults()
-    # Published by the workers from the folder itself; None only before any worker started,
-    # when the API falls back to the family's table.
+    # Read by the workers from the folder itself; None where it is not known, when the
+    # family's limits stand in for the size rule and the cost.
     geometry: ModelGeometry | None = None
     card: ModelCard = ModelCard()
     tokenizer: str = ""  # the content hash its tokenizer is published under; set by publishing

@@ -203,7 +203,7 @@ class DenoiseHandler:
                 continue  # evicted or expired since the existence check
             hits += 1
             try:
-                found = Checkpoint.from_bytes(entry.numpy().tobytes())
+                found = self._readable(entry.numpy().tobytes())
                 break
             except CheckpointError:
                 # Written by an incompatible release: drop it so nobody trips on it again.
@@ -212,6 +212,16 @@ class DenoiseHandler:
                 self.cache.remove(key)
         return found, RecordWrite(add={KindField.LOOKUPS.of(KeyKind.CHECKPOINT): lookups,
                                        KindField.HITS.of(KeyKind.CHECKPOINT): hits})
+
+    def _readable(self, data: bytes) -> Checkpoint:
+        """A stored checkpoint, CheckpointError unless this model's scheduler keeps what it
+        holds (one written under another scheduler or diffusers is dropped, not retried)."""
+        found = Checkpoint.from_bytes(data)
+        extra = set(found.scheduler) - set(self.model.scheduler_fields.names)
+        if extra:
+            raise CheckpointError(f"scheduler state {sorted(extra)} is not what this model's "
+                                  "scheduler keeps")
+        return found
 
     def _kept_checkpoint(self, ctx: JobContext, keys: list[StoreKey]) -> Checkpoint | None:
         """The furthest checkpoint a stop kept on disk, put back in the store; None if there
@@ -223,7 +233,7 @@ class DenoiseHandler:
             if data is None:
                 continue
             try:
-                found = Checkpoint.from_bytes(data)
+                found = self._readable(data)
             except CheckpointError:
                 log.warning("request %s: unreadable kept checkpoint %s removed",
                             ctx.job.request_id, key, exc_info=True)
