@@ -22,6 +22,7 @@ from tests.workers_harness import (
     make_spec,
     read_frames,
     reference,
+    rewind,
     run_request,
     start_worker,
     stop_owner_when,
@@ -99,6 +100,32 @@ def test_resuming_from_every_checkpoint_is_bit_identical(
             # Steps k..6 ran before on the same latents: the exact CFG tier serves them all.
             assert resumed.counter("hits:cfg") == resumed.counter("lookups:cfg") == 6 - k
             assert np.array_equal(frames, expected), f"resumed from step {k}"
+    finally:
+        cache.close()
+
+
+def test_a_checkpoint_holding_state_its_scheduler_does_not_keep_is_passed_over(
+        worker_settings: Settings, client: redis.Redis, pool: object, pipe: object) -> None:
+    """As one written under another scheduler or diffusers would: dropped, and the request
+    resumes from the checkpoint before it, bit-identical, instead of failing on every try."""
+    spec = make_spec(seed=23, num_inference_steps=4)
+    expected = reference(pipe, spec)
+    run_request(worker_settings, client, spec)
+    record = wait_done(client, spec)
+    cache = open_cache(worker_settings)
+    try:
+        rewind(worker_settings, cache, record, 3)
+        key = StoreKey.parse(record.checkpoints()[3])
+        stored = cache.get(key, lookup=False)
+        assert stored is not None
+        found = Checkpoint.from_bytes(stored.numpy().tobytes())
+        foreign = dataclasses.replace(found, scheduler={**found.scheduler, "sigma_cache": 1})
+        cache.remove(key)
+        cache.put(key, torch.frombuffer(bytearray(foreign.to_bytes()), dtype=torch.uint8))
+        again = make_spec(seed=23, num_inference_steps=4)
+        frames = run_request(worker_settings, client, again)
+        assert wait_done(client, again).counter("resumed_from") == 2
+        assert np.array_equal(frames, expected)
     finally:
         cache.close()
 
