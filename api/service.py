@@ -185,8 +185,7 @@ class Service:
             request_id=new_request_id(), tenant=tenant, prompt=body.prompt or "",
             negative_prompt=body.negative_prompt, schedule=schedule, width=asked.width,
             height=asked.height, num_frames=asked.frames, num_inference_steps=asked.steps,
-            guidance_scale=served.defaults.guidance_scale if body.guidance_scale is None
-            else body.guidance_scale,
+            guidance_scale=asked.guidance_scale,
             seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
             output_format=asked.output_format, priority=body.priority,
             cfg_cache=cfg_cache_from(body.cfg_cache), loras=self.loras_for(tenant, body.loras),

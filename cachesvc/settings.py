@@ -105,7 +105,7 @@ class ModelSettings(_Section):
     """The model every worker loads: a local folder, built on first start if it is missing."""
 
     # "auto": the family whose pipeline class the model folder's model_index.json names (a
-    # folder still to be built gets the preset's family: qwen-image for "shapes"). Otherwise a
+    # folder still to be built gets the family whose preset it names). Otherwise a
     # name in the family registry (``workers.families``), which checks it: `diffcache up`
     # before it starts anything, and every worker.
     family: str = "auto"

@@ -66,8 +66,7 @@ def admitted(queue: QueueClient, ask: Ask, tenant: str, out: str) -> GenerationS
             request_id=new_request_id(), tenant=tenant, prompt=ask.prompt,
             negative_prompt=ask.negative_prompt, width=asked.width, height=asked.height,
             num_frames=asked.frames, num_inference_steps=asked.steps,
-            guidance_scale=served.defaults.guidance_scale if ask.guidance_scale is None
-            else ask.guidance_scale,
+            guidance_scale=asked.guidance_scale,
             seed=ask.seed, output_format=asked.output_format, priority=ask.priority), served)
         queue.submit(spec, served)
     except (FieldError, NotPublishedError, QueueFullError, UnknownModelError) as exc:

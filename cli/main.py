@@ -197,8 +197,8 @@ def model_init(
     dir: str | None = typer.Option(None, "--dir", help="default: <data_dir>/model"),
     preset: str | None = typer.Option(None, help="shapes (trained), default or test "
                                       "(random); default: shapes"),
-    family: str | None = typer.Option(None, help="a model family, e.g. qwen-image; default: "
-                                      "the preset's (wan for the random ones)"),
+    family: str | None = typer.Option(None, help="a registered model family; default: the "
+                                      "preset's family"),
 ) -> None:
     """Install the trained shapes model, or build a tiny random model of a family, with
     save_pretrained."""

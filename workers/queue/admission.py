@@ -131,7 +131,7 @@ class Asked:
     frames: int
     steps: int
     output_format: OutputFormat
-    guidance_scale: float | None = None  # None: the model's default
+    guidance_scale: float
     seed: int | None = None  # None: a random one
 
     @classmethod
@@ -150,7 +150,7 @@ class Asked:
                    given(frames, m.num_frames if video else 1),
                    given(steps, m.num_inference_steps),
                    output_format or (OutputFormat.MP4 if video else OutputFormat.PNG),
-                   guidance_scale, seed)
+                   m.guidance_scale if guidance_scale is None else guidance_scale, seed)
 
 
 def check_limits(asked: Asked, limits: Limits, model: ServedModel, texts: TextLimits) -> None:
@@ -188,7 +188,7 @@ def check_limits(asked: Asked, limits: Limits, model: ServedModel, texts: TextLi
 
 
 def _check_sampling(asked: Asked) -> None:
-    if asked.guidance_scale is not None and not 0 <= asked.guidance_scale <= MAX_GUIDANCE:
+    if not 0 <= asked.guidance_scale <= MAX_GUIDANCE:
         raise FieldError("guidance_scale", f"must be from 0 to {MAX_GUIDANCE:g}, got "
                          f"{asked.guidance_scale}")
     if asked.seed is not None and not 0 <= asked.seed <= MAX_SEED:
