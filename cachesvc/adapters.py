@@ -17,6 +17,7 @@ import xxhash
 from pydantic import TypeAdapter
 
 from cachesvc.output_files import OutputFiles
+from cachesvc.wire import UNVERSIONED, Wire
 from keys import adapter_key
 from keys.names import adapter_index
 
@@ -46,7 +47,9 @@ class AdapterInfo:
     targets: int  # linear layers it adapts
 
 
-_INFO: TypeAdapter[AdapterInfo] = TypeAdapter(AdapterInfo)
+# Names outlive releases: those written before the envelope hold the same fields, bare.
+_INFO: Wire[AdapterInfo] = Wire("adapter", AdapterInfo, older={
+    UNVERSIONED: TypeAdapter(AdapterInfo).validate_python})
 
 
 def _header(data: bytes) -> dict[str, dict[str, object]]:
@@ -118,12 +121,12 @@ class AdapterRegistry:
         info = AdapterInfo(name, xxhash.xxh3_128_hexdigest(data), len(data), rank, targets)
         self.files.write(adapter_key(tenant, info.hash), data)
         self._store(tenant, info.hash, data)
-        self.redis.hset(adapter_index(tenant), name, _INFO.dump_json(info))
+        self.redis.hset(adapter_index(tenant), name, _INFO.encode(info))
         return info
 
     def list(self, tenant: str) -> list[AdapterInfo]:
         raw: dict[bytes, bytes] = self.redis.hgetall(adapter_index(tenant))  # type: ignore[assignment]
-        return sorted((_INFO.validate_json(v) for v in raw.values()), key=lambda a: a.name)
+        return sorted((_INFO.decode(v) for v in raw.values()), key=lambda a: a.name)
 
     def find(self, tenant: str, name: str | None = None,
              content_hash: str | None = None) -> AdapterInfo | None:

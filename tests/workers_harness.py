@@ -251,3 +251,20 @@ def signalled(children: list[ChildProcess], first: signal.Signals,
     finally:
         for pid in held:
             os.kill(pid, then)
+
+
+def version_0(spec: GenerationSpec) -> dict[str, object]:
+    """The layout records had before payloads carried an envelope, as that release wrote it."""
+    return {
+        "request_id": spec.request_id, "tenant": spec.tenant,
+        "schedule": [[s.prompt, s.negative_prompt, s.until_step, s.guidance_scale]
+                     for s in spec.schedule],
+        "width": spec.width, "height": spec.height, "num_frames": spec.num_frames,
+        "num_inference_steps": spec.num_inference_steps,
+        "guidance_scale": spec.guidance_scale, "seed": spec.seed,
+        "output_format": spec.output_format.value, "priority": spec.priority.value,
+        "cfg_cache": [spec.cfg_cache.mode.value, spec.cfg_cache.interval],
+        "loras": [[lora.hash, lora.scale] for lora in spec.loras],
+        "step_cache": [spec.step_cache.policy.value, dict(spec.step_cache.params)],
+        "reuse": [spec.reuse.mode.value, spec.reuse.min_similarity, spec.reuse.max_skip],
+    }

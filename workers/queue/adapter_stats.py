@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 
 import redis
-from pydantic import TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
+from cachesvc.wire import Wire, WireError
 from keys.names import adapter_stats
 
 log = logging.getLogger(__name__)
@@ -24,13 +24,13 @@ class WorkerAdapters:
     active: tuple[str, ...] = ()  # the hashes it runs with now
 
 
-_STATS: TypeAdapter[WorkerAdapters] = TypeAdapter(WorkerAdapters)
+_STATS: Wire[WorkerAdapters] = Wire("worker adapters", WorkerAdapters)
 
 
 def publish_adapter_stats(client: redis.Redis, stats: WorkerAdapters) -> None:
     """Best effort: a failed write is logged, and the next load or swap writes again."""
     try:
-        client.hset(adapter_stats(), stats.consumer, _STATS.dump_json(stats))
+        client.hset(adapter_stats(), stats.consumer, _STATS.encode(stats))
     except redis.RedisError as exc:
         log.warning("adapter stats of %s not published (%s)", stats.consumer, exc)
 
@@ -40,7 +40,7 @@ def read_adapter_stats(client: redis.Redis) -> list[WorkerAdapters]:
     out = []
     for field, value in sorted(raw.items()):
         try:
-            out.append(_STATS.validate_json(value))
-        except ValidationError:
-            log.warning("ignoring unreadable adapter stats of %r", field)
+            out.append(_STATS.decode(value))
+        except WireError as exc:
+            log.warning("ignoring unreadable adapter stats of %r (%s)", field, exc)
     return out

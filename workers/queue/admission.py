@@ -9,21 +9,23 @@ the same requests with the same error, naming the same field.
 from __future__ import annotations
 
 import dataclasses
-import json
+import logging
 import math
 from dataclasses import dataclass
 
 import redis
-from pydantic import TypeAdapter, ValidationError
 
 from cachesvc.settings import ApiSettings
+from cachesvc.wire import Wire, WireError
 from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import admission_limits
-from workers.queue.schema import Field
+from workers.queue.schema import WARNINGS, Field
 from workers.queue.scripts import RecordWrite
 from workers.queue.served_model import ServedModel, served
 from workers.queue.submit import AdmissionError, Bounds, readmit, submit
 from workers.queue.token_count import TokenCounter, TokenCounters
+
+log = logging.getLogger(__name__)
 
 
 class FieldError(ValueError):
@@ -79,11 +81,11 @@ class Limits:
         return cls(**{f.name: getattr(api, f.name) for f in dataclasses.fields(cls)})
 
 
-_LIMITS: TypeAdapter[Limits] = TypeAdapter(Limits)
+_LIMITS: Wire[Limits] = Wire("admission limits", Limits)
 
 
 def publish_limits(client: redis.Redis, limits: Limits) -> None:
-    client.set(admission_limits(), _LIMITS.dump_json(limits))
+    client.set(admission_limits(), _LIMITS.encode(limits))
 
 
 def published_limits(client: redis.Redis) -> Limits | None:
@@ -92,8 +94,9 @@ def published_limits(client: redis.Redis) -> Limits | None:
     if raw is None:
         return None
     try:
-        return _LIMITS.validate_json(raw)
-    except ValidationError:
+        return _LIMITS.decode(raw)
+    except WireError as exc:
+        log.warning("ignoring unreadable admission limits (%s)", exc)
         return None
 
 
@@ -250,7 +253,7 @@ class Admission:
         try:
             return submit(self._client, spec, bounds=self._bounds, fields=RecordWrite({
                 Field.MODEL: f"{model.family}/{model.name}",
-                Field.WARNINGS: json.dumps(model.card.warnings(spec))}))
+                Field.WARNINGS: WARNINGS.encode_str(tuple(model.card.warnings(spec)))}))
         except AdmissionError as exc:
             raise QueueFullError(exc) from exc
 

@@ -4,15 +4,19 @@ each worker's engine is."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis
 
+from cachesvc.wire import Wire, WireError
 from keys.names import engine_join_wait, engine_occupancy, engine_rows
 from workers.queue import stage_metrics
 from workers.queue.stage_metrics import Histogram
+
+log = logging.getLogger(__name__)
 
 # Upper bounds of the rows-per-forward histogram.
 ROW_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -23,6 +27,10 @@ class Occupancy:
     worker: str
     runs: int
     capacity: int
+
+
+# Each worker's (runs held, capacity), under its consumer name.
+_LOAD: Wire[tuple[int, int]] = Wire("engine occupancy", tuple[int, int])
 
 
 class EngineMetrics:
@@ -43,7 +51,7 @@ class EngineMetrics:
             pipe.hincrby(engine_join_wait(), stage_metrics.bucket_field(seconds), 1)
             pipe.hincrbyfloat(engine_join_wait(), "sum", seconds)
             pipe.hincrby(engine_join_wait(), "count", 1)
-        pipe.hset(engine_occupancy(), self._consumer, f"{runs} {self._capacity}")
+        pipe.hset(engine_occupancy(), self._consumer, _LOAD.encode((runs, self._capacity)))
         pipe.execute()
 
     def close(self) -> None:
@@ -64,6 +72,10 @@ def read_occupancy(client: redis.Redis) -> list[Occupancy]:
     raw: dict[bytes, bytes] = client.hgetall(engine_occupancy())  # type: ignore[assignment]
     out = []
     for worker, value in sorted(raw.items()):
-        runs, _, capacity = value.decode().partition(" ")
-        out.append(Occupancy(worker.decode(), int(runs), int(capacity)))
+        try:
+            runs, capacity = _LOAD.decode(value)
+        except WireError as exc:  # an older worker's; it is rewritten at its next step
+            log.warning("ignoring unreadable engine occupancy of %r (%s)", worker, exc)
+            continue
+        out.append(Occupancy(worker.decode(), runs, capacity))
     return out

@@ -11,6 +11,7 @@ from enum import StrEnum
 
 from pydantic import TypeAdapter
 
+from cachesvc.wire import UnknownVersionError
 from keys import Priority
 
 MESSAGE_VERSION = 1
@@ -130,7 +131,7 @@ class Job:
     def from_json(raw: str | bytes) -> Job:
         job = _JOB.validate_json(raw)
         if job.v != MESSAGE_VERSION:
-            raise ValueError(f"job message version {job.v} is not {MESSAGE_VERSION}")
+            raise UnknownVersionError("job", job.v, (MESSAGE_VERSION,))
         return job
 
 

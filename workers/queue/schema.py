@@ -4,15 +4,22 @@ names, state sets and field names generated from here (``scripts.py``), never ty
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from pydantic import TypeAdapter
+
+from cachesvc.wire import UNVERSIONED, Wire
 from keys import GenerationSpec, KeyKind
 from workers.queue.messages import Stage
 from workers.queue.spec_json import spec_from_json
+
+# What the model card warns of a request (``Field.WARNINGS``); records from before the
+# envelope hold the bare list.
+WARNINGS: Wire[tuple[str, ...]] = Wire("warnings", tuple[str, ...], older={
+    UNVERSIONED: TypeAdapter(tuple[str, ...]).validate_python})
 
 
 def timestamp() -> str:
@@ -235,8 +242,7 @@ class RequestRecord:
     @property
     def warnings(self) -> list[str]:
         raw = self.get(Field.WARNINGS)
-        found: list[str] = json.loads(raw) if raw else []
-        return found
+        return list(WARNINGS.decode(raw)) if raw else []
 
     @property
     def approximate(self) -> ApproximateHit | None:

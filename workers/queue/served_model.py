@@ -18,9 +18,9 @@ from pathlib import Path
 
 import redis
 import xxhash
-from pydantic import TypeAdapter, ValidationError
 
 from cachesvc.settings import ModelSettings
+from cachesvc.wire import Wire, WireError
 from keys import GenerationSpec, StepCachePolicy
 from keys.names import lora_targets, served_model, served_tokenizer
 
@@ -184,7 +184,7 @@ class ServedModel:
         return geometry.cost(spec)
 
 
-_SERVED: TypeAdapter[ServedModel] = TypeAdapter(ServedModel)
+_SERVED: Wire[ServedModel] = Wire("served model", ServedModel)
 
 
 class NotPublishedError(RuntimeError):
@@ -199,7 +199,7 @@ def publish_served(client: redis.Redis, model: ServedModel, tokenizer_json: str)
     digest = xxhash.xxh3_128_hexdigest(tokenizer_json.encode())
     if not client.exists(served_tokenizer(digest)):
         client.set(served_tokenizer(digest), tokenizer_json)
-    client.set(served_model(), _SERVED.dump_json(replace(model, tokenizer=digest)))
+    client.set(served_model(), _SERVED.encode(replace(model, tokenizer=digest)))
 
 
 def read_served(client: redis.Redis) -> ServedModel | None:
@@ -208,9 +208,9 @@ def read_served(client: redis.Redis) -> ServedModel | None:
     if raw is None:
         return None
     try:
-        found = _SERVED.validate_json(raw)
-    except ValidationError:
-        log.warning("ignoring an unreadable served-model entry")
+        found = _SERVED.decode(raw)
+    except WireError as exc:
+        log.warning("ignoring an unreadable served-model entry (%s)", exc)
         return None
     return found
 
@@ -233,12 +233,16 @@ def read_tokenizer(client: redis.Redis, digest: str) -> str:
     return bytes(raw).decode()  # type: ignore[arg-type]
 
 
+_TARGET: Wire[tuple[int, int]] = Wire("lora target", tuple[int, int])  # (out, in)
+
+
 def publish_lora_targets(client: redis.Redis, linears: Mapping[str, tuple[int, int]]) -> None:
     """The served denoiser's linear layers (name -> (out, in)), which adapters must fit."""
     pipe = client.pipeline()
     pipe.delete(lora_targets())
     if linears:
-        pipe.hset(lora_targets(), mapping={k: f"{o},{i}" for k, (o, i) in linears.items()})
+        pipe.hset(lora_targets(), mapping={k: _TARGET.encode(shape)
+                                           for k, shape in linears.items()})
     pipe.execute()
 
 
@@ -247,6 +251,8 @@ def read_lora_targets(client: redis.Redis) -> dict[str, tuple[int, int]]:
     raw: dict[bytes, bytes] = client.hgetall(lora_targets())  # type: ignore[assignment]
     out: dict[str, tuple[int, int]] = {}
     for name, value in raw.items():
-        o, _, i = value.decode().partition(",")
-        out[name.decode()] = (int(o), int(i))
+        try:
+            out[name.decode()] = _TARGET.decode(value)
+        except WireError as exc:  # an older worker's; the next to start publishes again
+            log.warning("ignoring an unreadable LoRA target %r (%s)", name, exc)
     return out

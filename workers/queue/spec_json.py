@@ -1,10 +1,12 @@
-"""The canonical request as a record holds it: JSON, read back with validation, never
-unpickled. Records written by older versions read with today's defaults."""
+"""The canonical request as a record holds it: a ``request`` payload of the one wire style,
+read back with validation, never unpickled. Records written before the envelope (version 0,
+a hand-written layout) still read, with today's defaults for what they predate."""
 
 from __future__ import annotations
 
-import json
+from typing import Any
 
+from cachesvc.wire import UNVERSIONED, Wire
 from keys import (
     CfgCache,
     CfgMode,
@@ -20,27 +22,10 @@ from keys import (
 )
 
 
-def spec_to_json(spec: GenerationSpec) -> str:
-    return json.dumps({
-        "request_id": spec.request_id, "tenant": spec.tenant,
-        "schedule": [[s.prompt, s.negative_prompt, s.until_step, s.guidance_scale]
-                     for s in spec.schedule],
-        "width": spec.width, "height": spec.height, "num_frames": spec.num_frames,
-        "num_inference_steps": spec.num_inference_steps,
-        "guidance_scale": spec.guidance_scale, "seed": spec.seed,
-        "output_format": spec.output_format.value, "priority": spec.priority.value,
-        "cfg_cache": [spec.cfg_cache.mode.value, spec.cfg_cache.interval],
-        "loras": [[lora.hash, lora.scale] for lora in spec.loras],
-        "step_cache": [spec.step_cache.policy.value, dict(spec.step_cache.params)],
-        "reuse": [spec.reuse.mode.value, spec.reuse.min_similarity, spec.reuse.max_skip],
-    })
-
-
-def spec_from_json(raw: str | bytes) -> GenerationSpec:
-    """The spec a record holds. Records written before per-segment guidance, the CFG cache,
-    LoRA adapters, step caches or approximate reuse existed read with their defaults, so
-    requests in flight survive an upgrade."""
-    d = json.loads(raw)
+def _unversioned(d: Any) -> GenerationSpec:
+    """Version 0. Records written before per-segment guidance, the CFG cache, LoRA
+    adapters, step caches or approximate reuse existed read with their defaults, so requests
+    in flight survive an upgrade."""
     mode, interval = d.get("cfg_cache", [CfgMode.EXACT.value, 1])
     policy, params = d.get("step_cache", [StepCachePolicy.OFF.value, {}])
     reuse = d.get("reuse")
@@ -58,3 +43,15 @@ def spec_from_json(raw: str | bytes) -> GenerationSpec:
         step_cache=StepCache.create(policy, **params),
         reuse=Reuse() if reuse is None else Reuse(ReuseMode(reuse[0]), float(reuse[1]),
                                                   float(reuse[2])))
+
+
+SPEC: Wire[GenerationSpec] = Wire("request", GenerationSpec, version=1,
+                                  older={UNVERSIONED: _unversioned})
+
+
+def spec_to_json(spec: GenerationSpec) -> str:
+    return SPEC.encode_str(spec)
+
+
+def spec_from_json(raw: str | bytes) -> GenerationSpec:
+    return SPEC.decode(raw)

@@ -1,0 +1,94 @@
+"""The one wire style on a real Redis: what processes publish reads back as it was written;
+a payload of a version this release does not read is a typed error naming the kind and the
+version, which a reader of published facts passes over with a warning (the next publish
+writes it again); names written before the envelope still read."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import redis
+from pydantic_core import to_json
+
+from cachesvc.adapters import AdapterInfo, AdapterRegistry
+from cachesvc.supervisor import ChildStatus, publish, read_published
+from cachesvc.wire import UnknownVersionError, Wire, WireError
+from keys.names import adapter_index, served_model, supervised_children
+from workers.queue.adapter_stats import (
+    WorkerAdapters,
+    publish_adapter_stats,
+    read_adapter_stats,
+)
+from workers.queue.messages import Job, Stage
+from workers.queue.served_model import FamilyLimits, ServedModel, publish_served, read_served
+
+
+def newer(raw: bytes) -> bytes:
+    """``raw`` as a release one version ahead would have written it."""
+    found = json.loads(raw)
+    return json.dumps(dict(found, v=found["v"] + 1)).encode()
+
+
+def test_published_facts_round_trip_and_a_newer_version_is_passed_over(
+        redis_client: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    status = ChildStatus("worker-encode-0", "worker-encode", 7, True, 0, None, "", False)
+    stats = WorkerAdapters("denoise-1", 2, 1, 0.5, ("a" * 32,), ("a" * 32,))
+    model = ServedModel("qwen-image", "shapes", FamilyLimits(False, 1, 16, 507))
+    try:
+        publish(redis_client, [status])
+        publish_adapter_stats(redis_client, stats)
+        publish_served(redis_client, model, '{"tokenizer": 1}')
+        assert read_published(redis_client) == [status]
+        assert read_adapter_stats(redis_client) == [stats]
+        found = read_served(redis_client)
+        assert found is not None and found.limits == model.limits and found.tokenizer
+
+        field = next(iter(redis_client.hkeys(supervised_children())))
+        redis_client.hset(supervised_children(), field,
+                          newer(redis_client.hget(supervised_children(), field)))
+        redis_client.set(served_model(), newer(redis_client.get(served_model())))
+        with caplog.at_level(logging.WARNING):
+            assert read_published(redis_client) == []
+            assert read_served(redis_client) is None
+        assert "child status: version 2 is not one this release reads" in caplog.text
+        assert "served model: version 2" in caplog.text
+    finally:
+        redis_client.delete(supervised_children(), served_model())
+
+
+def test_an_adapter_named_before_the_envelope_still_reads(redis_client: redis.Redis,
+                                                          tmp_path: object) -> None:
+    registry = AdapterRegistry(lambda: None, redis_client, tmp_path)  # type: ignore[arg-type]
+    bare = AdapterInfo("old-style", "b" * 32, 100, 4, 2)
+    redis_client.hset(adapter_index("acme"), "old-style",
+                      to_json({"name": bare.name, "hash": bare.hash, "size": bare.size,
+                               "rank": bare.rank, "targets": bare.targets}))
+    try:
+        assert registry.list("acme") == [bare]
+        assert registry.find("acme", content_hash="b" * 32) == bare
+    finally:
+        redis_client.delete(adapter_index("acme"))
+
+
+def test_every_kind_of_mismatch_is_a_typed_error() -> None:
+    wire: Wire[tuple[int, int]] = Wire("pair", tuple[int, int], version=3)
+    assert wire.decode(wire.encode((1, 2))) == (1, 2)
+    with pytest.raises(UnknownVersionError, match=r"pair: version 0 is not .* \(3\)"):
+        wire.decode(b"[1, 2]")  # bare, and this kind has no reader for version 0
+    with pytest.raises(WireError, match="pair: not JSON"):
+        wire.decode(b"\x80pickle")
+    with pytest.raises(WireError, match="holds a 'other' payload"):
+        wire.decode(b'{"kind": "other", "v": 3, "value": [1, 2]}')
+    with pytest.raises(WireError, match="pair: unreadable version 3"):
+        wire.decode(b'{"kind": "pair", "v": 3, "value": ["x", 2]}')
+
+
+def test_a_job_of_another_message_version_is_a_typed_error_naming_it() -> None:
+    job = Job("a" * 32, "acme", Stage.ENCODE)
+    raw = json.loads(job.to_json())
+    raw["v"] += 1
+    with pytest.raises(UnknownVersionError, match=f"job: version {raw['v']}") as caught:
+        Job.from_json(json.dumps(raw))
+    assert caught.value.kind == "job"
