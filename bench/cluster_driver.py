@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import redis
 
+from cachesvc.supervisor import CHILD_STATUS
 from cachesvc.waiting import wait_until
 from keys import Priority
 from keys.names import request_record, stage_stream, supervised_children
@@ -95,7 +96,8 @@ class Calls:
         """``host/child`` -> pid of every supervised process in the cluster."""
         raw: dict[bytes, bytes] = self.redis.hgetall(  # type: ignore[assignment]
             supervised_children())
-        return {k.decode(): int(json.loads(v)["pid"]) for k, v in raw.items()}
+        statuses = {k.decode(): CHILD_STATUS.decode(v) for k, v in raw.items()}
+        return {k: s.pid for k, s in statuses.items() if s.pid is not None}
 
     def decode_jobs(self, id: str) -> int:
         """How many decode jobs the request was ever handed: once means published once."""

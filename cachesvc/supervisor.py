@@ -139,14 +139,14 @@ class Supervisor:
             return list(self._children)
 
 
-_STATUS: Wire[ChildStatus] = Wire("child status", ChildStatus)
+CHILD_STATUS: Wire[ChildStatus] = Wire("child status", ChildStatus)
 
 
 def publish(client: redis.Redis, statuses: Sequence[ChildStatus]) -> None:
     """Write this host's children to Redis, where the API reads them for /readyz and
     /metrics. Best effort: with Redis itself restarting, the next change writes again."""
     host = socket.gethostname()
-    mapping = {f"{host}/{s.name}": _STATUS.encode(s) for s in statuses}
+    mapping = {f"{host}/{s.name}": CHILD_STATUS.encode(s) for s in statuses}
     try:
         # Children of an earlier run on this host that this one does not have are gone.
         known: list[bytes] = client.hkeys(supervised_children())  # type: ignore[assignment]
@@ -169,7 +169,7 @@ def read_published(client: redis.Redis) -> list[ChildStatus]:
     out = []
     for field, value in sorted(raw.items()):
         try:
-            out.append(_STATUS.decode(value))
+            out.append(CHILD_STATUS.decode(value))
         except WireError as exc:
             log.warning("ignoring an unreadable child status %r (%s)", field, exc)
     return out
