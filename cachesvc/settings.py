@@ -159,6 +159,10 @@ class WorkerSettings(_Section):
     # so activation memory stays bounded when the requests are large: 64k is two rows of a
     # 480p 81-frame Wan video, thousands of the shipped image model's.
     max_batch_tokens: int = Field(65536, ge=1)
+    # Before it takes its first job, a denoise worker proves its batched rows exact at every
+    # batch size it may form for the served model's default request geometry (README "The
+    # denoise engine"), so no step of that geometry pays a proof while requests wait.
+    warm_up: bool = True
     fps: int = Field(16, ge=1, description="frame rate of MP4 outputs")
     # Denoise writes a checkpoint every this many steps (0: a tenth of the request's steps, so
     # a crash loses about a tenth of a job), at every prompt switch and when it stops early.

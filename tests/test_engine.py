@@ -20,6 +20,7 @@ import torch
 from bench.lora import random_lora
 from cachesvc.processes import ChildProcess
 from cachesvc.settings import Settings
+from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, LoraUse, StepCache, StepCachePolicy
 from keys.names import consumer_group, stage_stream
@@ -36,6 +37,7 @@ from tests.workers_harness import (
     wait_for,
 )
 from workers.engine import exact_rows
+from workers.engine.core import DenoiseEngine
 from workers.engine.exact_rows import rows_apart
 from workers.engine.row_proof import RowProof
 from workers.families import qwen_image, wan
@@ -47,6 +49,8 @@ from workers.queue.records import Records
 from workers.queue.runtime import consumer_name
 from workers.queue.schema import PreemptMode, State
 from workers.queue.submit import submit
+from workers.stages.guidance import ExactTier, Row
+from workers.stages.write_behind import WriteBehind
 
 # Prompts of different lengths; the negative prompt is the same, so unconditional rows of
 # different requests share forwards while conditional ones group by length.
@@ -79,6 +83,37 @@ def test_every_row_of_a_batched_forward_is_that_row_alone(
             batched = model.predict(latents, steps, embeds, spec)
         for i in range(6):
             alone = model.predict(latents[i:i + 1], steps[i:i + 1], embeds[i:i + 1], spec)
+            assert torch.equal(batched[i:i + 1], alone), f"row {i}"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("family", ["wan", "qwen-image"])
+def test_a_warmed_up_engine_takes_its_first_batch_without_a_proof(
+        family: str, model_dir: Path, qwen_model_dir: Path, cache: TensorCache) -> None:
+    """The warm-up proves, on synthetic rows, every batch size a forward of the engine may
+    take at a geometry: the first batched forward of real rows there (other texts, other
+    timesteps) runs no proof, and each of its rows is still that row alone."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model: Any = (wan.WanDenoiser(model_dir, CPU) if family == "wan"
+                      else qwen_image.QwenDenoiser(qwen_model_dir, CPU))
+        engine = DenoiseEngine(model, max_batch=3, max_tokens=65536, parallel=False,
+                               exact_tier=ExactTier(cache, WriteBehind()))
+        spec = make_spec(width=32, height=32, num_frames=5)
+        assert engine.warm_up(spec) == [2, 3, 4, 5, 6]  # up to two rows per run of three
+        proofs = engine.proof.verdicts
+        g = torch.Generator().manual_seed(5)
+        tokens, width = model.text_shape()
+        lengths = [tokens - i if model.pads_text else tokens for i in range(5)]
+        rows = [Row(torch.randn(model.latent_shape(spec), generator=g),
+                    torch.rand((), generator=g) * 1000,
+                    torch.randn((1, n, width), generator=g), spec) for n in lengths]
+        batched, _ = engine._forward(rows)  # the forward a step of these rows runs
+        assert engine.proof.verdicts == proofs
+        for i, row in enumerate(rows):
+            alone = model.predict(row.latents, row.timestep.reshape(1), row.embeds, spec)
             assert torch.equal(batched[i:i + 1], alone), f"row {i}"
     finally:
         torch.set_num_threads(threads)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from keys import GenerationSpec
 from workers.engine.exact_rows import checks_made, pad_texts, rows_apart
 from workers.engine.layout import ForwardLayouts, Layout
 from workers.engine.row_proof import RowProof
@@ -99,6 +100,32 @@ class DenoiseEngine:
         out = [r for r in self.runs if (r.finished and r.has_credit) or r.wants_stop]
         self.runs = [r for r in self.runs if r not in out]
         return out
+
+    # --- before the first job -------------------------------------------------------------
+
+    def warm_up(self, spec: GenerationSpec) -> list[int]:
+        """Prove, on synthetic rows of ``spec``'s geometry, every batch size a forward of this
+        engine may take (``_groups``), smallest first so each proof leans on the one before;
+        the sizes proven. Which kernel a size gets, and so how its rows round, depends on the
+        shapes, not on the values, so the proof holds for the requests that follow."""
+        tokens, width = self.model.text_shape()
+        by_tokens = max(1, self.max_tokens // max(self.model.tokens(spec) + tokens, 1))
+        largest = min(2 * self.max_batch, by_tokens)
+        latents, generator = self.model.initial_latents(spec)
+        # Texts of three lengths where the family pads them, so the padded paths are proven.
+        rows = [Row(torch.randn(latents.shape, generator=generator).to(latents),
+                    torch.tensor(1000.0 * (i + 1) / (largest + 1), device=latents.device),
+                    torch.randn((1, max(1, tokens - (i % 3 if self.model.pads_text else 0)),
+                                 width), generator=generator).to(latents),
+                    spec)
+                for i in range(largest)]
+        geometry = _geometry(rows[0])
+        self.hooks.off()
+        for size in range(2, largest + 1):
+            if not self.proof.trusted(geometry):
+                break
+            self._forward(rows[:size])
+        return [size for size in range(2, largest + 1) if self.proof.proven(geometry, size)]
 
     # --- a step --------------------------------------------------------------------------
 

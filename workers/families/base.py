@@ -93,6 +93,9 @@ class Denoiser(Trajectory, Protocol):
     def tokens(self, spec: GenerationSpec) -> int:
         """The image tokens one row of ``spec`` puts through the transformer."""
 
+    def text_shape(self) -> tuple[int, int]:
+        """(tokens, width) of a typical prompt's embeddings: the text a warm-up's rows carry."""
+
     def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
                 spec: GenerationSpec, text_mask: torch.Tensor | None = None) -> torch.Tensor:
         """One transformer forward over a batch of rows of ``spec``'s geometry: row ``i`` at

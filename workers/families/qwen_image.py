@@ -44,6 +44,7 @@ DROP_IDX = 34
 TRAINED = Path(__file__).parent / "trained" / "shapes"
 TOKENIZER_MAX_LENGTH = 1024
 MAX_SEQUENCE_LENGTH = 512  # what __call__ cuts embeddings to
+TYPICAL_PROMPT_TOKENS = 12  # a short caption, after the template is dropped
 # Qwen/Qwen-Image's scheduler_config.json (diffusers ships no copy of it).
 SCHEDULER_CONFIG: dict[str, Any] = {
     "base_image_seq_len": 256, "base_shift": 0.5, "invert_sigmas": False,
@@ -331,6 +332,9 @@ class QwenDenoiser(QwenTrajectory):
     def tokens(self, spec: GenerationSpec) -> int:
         rows, cols = self.tokens_per_side(spec)
         return rows * cols
+
+    def text_shape(self) -> tuple[int, int]:
+        return TYPICAL_PROMPT_TOKENS, self.transformer.config.joint_attention_dim
 
     @torch.no_grad()
     def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,

@@ -244,6 +244,9 @@ class WanDenoiser(WanTrajectory):
                                device=self.device, dtype=torch.float32)
         return latents, generator
 
+    def text_shape(self) -> tuple[int, int]:
+        return MAX_SEQUENCE_LENGTH, self.transformer.config.text_dim
+
     def tokens(self, spec: GenerationSpec) -> int:
         _, _, frames, height, width = self.latent_shape(spec)
         pt, ph, pw = self.transformer.config.patch_size

@@ -33,6 +33,7 @@ from workers.queue.messages import LATENTS, Job, Stage, TensorRef
 from workers.queue.runtime import InputLostError, JobContext, Outcome
 from workers.queue.schema import Field, KindField, State, checkpoint_field
 from workers.queue.scripts import NOTHING, RecordWrite
+from workers.queue.served_model import RequestDefaults
 from workers.queue.step_cache_metrics import step_cache_fields
 from workers.queue.streams import Delivery
 from workers.stages.adapters import AdapterStats, LoadedAdapters
@@ -65,6 +66,20 @@ class DenoiseHandler:
                                     settings.cfg_parallel, ExactTier(cache, self._writes))
         self.adapters = LoadedAdapters(cache, model.transformer, settings.lora_slots,
                                        report_adapters)
+
+    def warm_up(self, defaults: RequestDefaults) -> None:
+        """Prove the engine's batch sizes at the served model's default request geometry
+        (``DenoiseEngine.warm_up``) before the first job arrives."""
+        spec = GenerationSpec.create(
+            request_id="warm-up", tenant="warm-up", prompt="", width=defaults.width,
+            height=defaults.height, num_frames=defaults.num_frames,
+            num_inference_steps=defaults.num_inference_steps,
+            guidance_scale=defaults.guidance_scale, seed=0)
+        start = time.perf_counter()
+        sizes = self.engine.warm_up(spec)
+        log.info("warm-up at %dx%dx%d in %.1f s: batched rows proven exact for %s",
+                 spec.width, spec.height, spec.num_frames, time.perf_counter() - start,
+                 f"{sizes[0]} to {sizes[-1]} rows" if sizes else "no batch size")
 
     def start(self, ctx: JobContext, delivery: Delivery) -> DenoiseRun:
         """The job as a run: its embeddings read, at its latest cached checkpoint or step 0.
