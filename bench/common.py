@@ -121,14 +121,20 @@ def wait_all(records: Records, specs: Sequence[GenerationSpec], poll_s: float = 
     done: dict[str, RequestRecord] = {}
 
     def all_done() -> bool:
-        for request_id, spec in list(pending.items()):
-            record = records.get(spec.tenant, request_id)
-            if record is not None and record.state.terminal:
-                if record.state is not State.DONE:
-                    raise SystemExit(f"request {request_id} ended {record.state.value}: "
-                                     f"{record.error}")
-                done[request_id] = record
-                del pending[request_id]
+        # One round trip of states per look, each record read whole once it has ended: the
+        # bench shares the machine with what it measures.
+        waiting = list(pending.values())
+        states = records.states([(s.tenant, s.request_id) for s in waiting])
+        for spec, state in zip(waiting, states, strict=True):
+            if state is None or not state.terminal:
+                continue
+            record = records.get(spec.tenant, spec.request_id)
+            assert record is not None
+            if record.state is not State.DONE:
+                raise SystemExit(f"request {spec.request_id} ended {record.state.value}: "
+                                 f"{record.error}")
+            done[spec.request_id] = record
+            del pending[spec.request_id]
         return not pending
 
     try:

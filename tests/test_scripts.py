@@ -122,3 +122,12 @@ def test_one_failing_call_of_a_batch_leaves_the_others_to_run(
     # One command for the three, yet the calls after the failing one ran, as alone they did.
     assert [records.get("scripts", f"batch-{i}").state for i in range(2)] == [  # type: ignore[union-attr]
         State.ENCODING, State.ENCODING]
+
+
+def test_the_states_of_many_requests_come_in_one_read(redis_client: redis.Redis) -> None:
+    recorded(redis_client, "states-a")
+    moved = recorded(redis_client, "states-b")
+    redis_client.hset(moved, Field.STATE, State.DONE.value)
+    assert Records(redis_client).states(
+        [("scripts", "states-a"), ("scripts", "states-b"), ("scripts", "no-such")]
+    ) == [State.QUEUED, State.DONE, None]

@@ -82,6 +82,14 @@ class Records:
         return RequestRecord.parse({k.decode(): v.decode()  # type: ignore[union-attr]
                                     for k, v in raw.items()})
 
+    def states(self, requests: Sequence[tuple[str, str]]) -> list[State | None]:
+        """The state of each (tenant, request id), None where it has no record; one round
+        trip, none of the records read whole (a client following many requests asks this)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for tenant, request_id in requests:
+            pipe.hget(request_record(tenant, request_id), Field.STATE)
+        return [None if raw is None else State(raw.decode()) for raw in pipe.execute()]
+
     def claim_many(self, claims: Sequence[tuple[Delivery, Job, RecordWrite]]) -> list[Result]:
         """Fence several jobs in one round trip: each job's claim is checked on its own."""
         return self.scripts.results([
