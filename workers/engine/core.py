@@ -208,6 +208,10 @@ class DenoiseEngine:
         for slot, row in rows.items():
             groups.setdefault(_group_key(row, self.model.pads_text), []).append(slot)
         for slots in groups.values():
+            # Texts of one length side by side: the layers that keep each text to its own
+            # positions then take a length's rows as a view, not a gather, and the forwards
+            # cut below hold fewer lengths each.
+            slots.sort(key=lambda s: rows[s].embeds.shape[1])
             first = rows[slots[0]]
             text = max(rows[s].embeds.shape[1] for s in slots)
             by_tokens = max(1, self.max_tokens // max(self.model.tokens(first.spec) + text, 1))
