@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import redis
+from pydantic import TypeAdapter
 from pydantic_core import to_json
 
 from cachesvc.adapters import AdapterInfo, AdapterRegistry
@@ -70,6 +71,18 @@ def test_an_adapter_named_before_the_envelope_still_reads(redis_client: redis.Re
         assert registry.find("acme", content_hash="b" * 32) == bare
     finally:
         redis_client.delete(adapter_index("acme"))
+
+
+def test_a_model_published_before_the_envelope_still_reads(redis_client: redis.Redis) -> None:
+    """A rolling upgrade: an old worker published the served model bare; a new API still
+    admits against it rather than answering 503."""
+    model = ServedModel("qwen-image", "shapes", FamilyLimits(False, 1, 16, 507),
+                        tokenizer="c" * 32)
+    redis_client.set(served_model(), TypeAdapter(ServedModel).dump_json(model))
+    try:
+        assert read_served(redis_client) == model
+    finally:
+        redis_client.delete(served_model())
 
 
 def test_every_kind_of_mismatch_is_a_typed_error() -> None:

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import redis
 import xxhash
+from pydantic import TypeAdapter
 
 from cachesvc.settings import ModelSettings
-from cachesvc.wire import Wire, WireError
+from cachesvc.wire import UNVERSIONED, Wire, WireError
 from keys import GenerationSpec, StepCachePolicy
 from keys.names import lora_targets, served_model, served_tokenizer
 
@@ -184,7 +185,10 @@ class ServedModel:
         return geometry.cost(spec)
 
 
-_SERVED: Wire[ServedModel] = Wire("served model", ServedModel)
+# A worker of the release before the envelope wrote the same fields bare: during a rolling
+# upgrade a new API still admits against what an old worker published.
+_SERVED: Wire[ServedModel] = Wire("served model", ServedModel, older={
+    UNVERSIONED: TypeAdapter(ServedModel).validate_python})
 
 
 class NotPublishedError(RuntimeError):
