@@ -7,23 +7,32 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 import redis
+import xxhash
 from pydantic import TypeAdapter
 from pydantic_core import to_json
 
 from cachesvc.adapters import AdapterInfo, AdapterRegistry
 from cachesvc.supervisor import ChildStatus, publish, read_published
 from cachesvc.wire import UnknownVersionError, Wire, WireError
-from keys.names import adapter_index, served_model, supervised_children
+from keys.names import adapter_index, served_model, served_tokenizer, supervised_children
 from workers.queue.adapter_stats import (
     WorkerAdapters,
     publish_adapter_stats,
     read_adapter_stats,
 )
 from workers.queue.messages import Job, Stage
-from workers.queue.served_model import FamilyLimits, ServedModel, publish_served, read_served
+from workers.queue.served_model import (
+    RETIRED_TOKENIZER_S,
+    FamilyLimits,
+    ServedModel,
+    publish_served,
+    read_served,
+    read_tokenizer,
+)
 
 
 def newer(raw: bytes) -> bytes:
@@ -83,6 +92,28 @@ def test_a_model_published_before_the_envelope_still_reads(redis_client: redis.R
         assert read_served(redis_client) == model
     finally:
         redis_client.delete(served_model())
+
+
+def test_the_tokenizer_of_a_model_no_longer_served_expires(redis_client: redis.Redis) -> None:
+    """A model change retires the old tokenizer (kept an hour for admissions in flight); the
+    new one, and an old one served again, stay."""
+    model = ServedModel("qwen-image", "shapes", FamilyLimits(False, 1, 16, 507))
+    first, second = '{"tokenizer": "first"}', '{"tokenizer": "second"}'
+    digests = [served_tokenizer(xxhash.xxh3_128_hexdigest(t.encode())) for t in (first, second)]
+    try:
+        publish_served(redis_client, model, first)
+        old = read_served(redis_client)
+        publish_served(redis_client, replace(model, name="other"), second)
+        new = read_served(redis_client)
+        assert old is not None and new is not None and old.tokenizer != new.tokenizer
+        assert 0 < redis_client.ttl(served_tokenizer(old.tokenizer)) <= RETIRED_TOKENIZER_S
+        assert redis_client.ttl(served_tokenizer(new.tokenizer)) == -1  # kept
+        assert read_tokenizer(redis_client, old.tokenizer) == first  # until it expires
+        publish_served(redis_client, model, first)
+        assert redis_client.ttl(served_tokenizer(old.tokenizer)) == -1
+        assert 0 < redis_client.ttl(served_tokenizer(new.tokenizer)) <= RETIRED_TOKENIZER_S
+    finally:
+        redis_client.delete(served_model(), *digests)
 
 
 def test_every_kind_of_mismatch_is_a_typed_error() -> None:

@@ -191,6 +191,9 @@ _SERVED: Wire[ServedModel] = Wire("served model", ServedModel, older={
     UNVERSIONED: TypeAdapter(ServedModel).validate_python})
 
 
+RETIRED_TOKENIZER_S = 3600  # how long the tokenizer of a model no longer served is kept
+
+
 class NotPublishedError(RuntimeError):
     """No worker has published the served model (or its tokenizer) yet, so a request cannot
     be checked: retry once a worker has started."""
@@ -201,9 +204,16 @@ def publish_served(client: redis.Redis, model: ServedModel, tokenizer_json: str)
     under its content hash, so whoever reads the model finds its tokenizer there too. Workers
     of one deployment publish the same tokenizer, which travels once."""
     digest = xxhash.xxh3_128_hexdigest(tokenizer_json.encode())
-    if not client.exists(served_tokenizer(digest)):
+    # PERSIST: a tokenizer retired by an earlier model change may be served again.
+    if not client.persist(served_tokenizer(digest)) and not client.exists(
+            served_tokenizer(digest)):
         client.set(served_tokenizer(digest), tokenizer_json)
+    previous = read_served(client)
     client.set(served_model(), _SERVED.encode(replace(model, tokenizer=digest)))
+    if previous is not None and previous.tokenizer and previous.tokenizer != digest:
+        # The model changed: its tokenizer outlives it long enough for admissions that read
+        # the old model to finish, then goes.
+        client.expire(served_tokenizer(previous.tokenizer), RETIRED_TOKENIZER_S)
 
 
 def read_served(client: redis.Redis) -> ServedModel | None:
