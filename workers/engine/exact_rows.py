@@ -236,14 +236,17 @@ def _attention_of_groups(sdpa: Callable[..., Any], q: torch.Tensor, k: torch.Ten
     size). The outputs of padded positions are zero; nothing reads them but the padding."""
     out = torch.zeros_like(q)
     for group in groups:
-        keep = group.keep
+        # Positions are taken by index, worked out once per forward: a boolean mask would
+        # find them again in every one of the layers' gathers.
+        kept = group.positions[0]
         if len(group.samples) == 1:
-            i = group.samples[0]
-            out[i:i + 1, :, keep] = sdpa(q[i:i + 1, :, keep], k[i:i + 1, :, keep],
-                                         v[i:i + 1, :, keep], **kwargs)
+            one = slice(group.samples[0], group.samples[0] + 1)
+            out[one].index_copy_(2, kept, sdpa(q[one].index_select(2, kept),
+                                               k[one].index_select(2, kept),
+                                               v[one].index_select(2, kept), **kwargs))
             continue
         rows = group.rows
-        gq, gk, gv = q[rows][:, :, keep], k[rows][:, :, keep], v[rows][:, :, keep]
+        gq, gk, gv = (x[rows].index_select(2, kept) for x in (q, k, v))
 
         def one_at_a_time(gq: torch.Tensor = gq, gk: torch.Tensor = gk,
                           gv: torch.Tensor = gv) -> torch.Tensor:
@@ -258,7 +261,7 @@ def _attention_of_groups(sdpa: Callable[..., Any], q: torch.Tensor, k: torch.Ten
                  gq.device, tuple(sorted(kwargs.items())))
         found = _checked(shape, (together,), one_at_a_time)
         if isinstance(rows, slice):
-            out[rows, :, keep] = found
+            out[rows].index_copy_(2, kept, found)
         else:
             out[rows.view(-1, 1), :, group.positions] = found.transpose(1, 2)
     return out
