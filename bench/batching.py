@@ -31,7 +31,6 @@ from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings, WorkerSettings
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, OutputFormat, Priority, StoreKey
-from keys.names import request_record
 from training.scenes import free_caption, scene_at
 from workers.engine.exact_rows import rows_apart
 from workers.families import family_named
@@ -137,7 +136,7 @@ def _interactive_probe(records: Records, batch: list[GenerationSpec],
 
 def _stepped(records: Records, spec: GenerationSpec) -> bool:
     # The step field alone: this is asked every 2 ms, beside the engine it measures.
-    step = records.redis.hget(request_record(spec.tenant, spec.request_id), Field.STEP)
+    step = records.field_of([(spec.tenant, spec.request_id)], Field.STEP)[0]
     return step is not None and int(step) >= 1
 
 

@@ -129,7 +129,8 @@ def wait_all(records: Records, specs: Sequence[GenerationSpec], poll_s: float = 
             if state is None or not state.terminal:
                 continue
             record = records.get(spec.tenant, spec.request_id)
-            assert record is not None
+            if record is None:
+                raise SystemExit(f"request {spec.request_id}: its record went after it ended")
             if record.state is not State.DONE:
                 raise SystemExit(f"request {spec.request_id} ended {record.state.value}: "
                                  f"{record.error}")

@@ -161,8 +161,9 @@ class WorkerSettings(_Section):
     max_batch_tokens: int = Field(65536, ge=1)
     # Before it takes its first job, a denoise worker proves its batched rows exact at every
     # batch size it may form for the served model's default request geometry (README "The
-    # denoise engine"), so no step of that geometry pays a proof while requests wait.
-    warm_up: bool = True
+    # denoise engine"), so no step of that geometry pays the proof while requests wait; for
+    # at most this long (0: not at all), since it counts against the worker's start-up.
+    warm_up_s: float = Field(60.0, ge=0)
     fps: int = Field(16, ge=1, description="frame rate of MP4 outputs")
     # Denoise writes a checkpoint every this many steps (0: a tenth of the request's steps, so
     # a crash loses about a tenth of a job), at every prompt switch and when it stops early.

@@ -19,7 +19,7 @@ import torch
 
 from bench.lora import random_lora
 from cachesvc.processes import ChildProcess
-from cachesvc.settings import Settings
+from cachesvc.settings import ModelSettings, Settings, WorkerSettings
 from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, LoraUse, StepCache, StepCachePolicy
@@ -37,20 +37,21 @@ from tests.workers_harness import (
     wait_for,
 )
 from workers.engine import exact_rows
-from workers.engine.core import DenoiseEngine
 from workers.engine.exact_rows import rows_apart
 from workers.engine.row_proof import RowProof
 from workers.families import qwen_image, wan
 from workers.families.base import CPU
+from workers.queue.credits import Credits
 from workers.queue.engine_metrics import read_occupancy, read_rows
 from workers.queue.lifecycle import Lifecycle
 from workers.queue.messages import Stage
 from workers.queue.records import Records
 from workers.queue.runtime import consumer_name
 from workers.queue.schema import PreemptMode, State
+from workers.queue.served_model import request_defaults
 from workers.queue.submit import submit
-from workers.stages.guidance import ExactTier, Row
-from workers.stages.write_behind import WriteBehind
+from workers.stages.denoise import DenoiseHandler
+from workers.stages.guidance import Row
 
 # Prompts of different lengths; the negative prompt is the same, so unconditional rows of
 # different requests share forwards while conditional ones group by length.
@@ -90,31 +91,39 @@ def test_every_row_of_a_batched_forward_is_that_row_alone(
 
 @pytest.mark.parametrize("family", ["wan", "qwen-image"])
 def test_a_warmed_up_engine_takes_its_first_batch_without_a_proof(
-        family: str, model_dir: Path, qwen_model_dir: Path, cache: TensorCache) -> None:
-    """The warm-up proves, on synthetic rows, every batch size a forward of the engine may
-    take at a geometry: the first batched forward of real rows there (other texts, other
-    timesteps) runs no proof, and each of its rows is still that row alone."""
+        family: str, model_dir: Path, qwen_model_dir: Path, cache: TensorCache,
+        redis_client: redis.Redis) -> None:
+    """The worker's warm-up proves, on synthetic rows, every batch size a forward may take at
+    the served model's default request, as admission fills it in (these folders have no card:
+    96x96, and nine frames where the family makes video, one where it makes images). A step's
+    first forwards of real rows there (other texts, other timesteps) then run no proof, and
+    each row is still that row alone."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model: Any = (wan.WanDenoiser(model_dir, CPU) if family == "wan"
-                      else qwen_image.QwenDenoiser(qwen_model_dir, CPU))
-        engine = DenoiseEngine(model, max_batch=3, max_tokens=65536, parallel=False,
-                               exact_tier=ExactTier(cache, WriteBehind()))
-        spec = make_spec(width=32, height=32, num_frames=5)
-        assert engine.warm_up(spec) == [2, 3, 4, 5, 6]  # up to two rows per run of three
+        directory, fam = ((model_dir, wan) if family == "wan" else (qwen_model_dir, qwen_image))
+        model: Any = (wan.WanDenoiser(directory, CPU) if family == "wan"
+                      else qwen_image.QwenDenoiser(directory, CPU))
+        handler = DenoiseHandler(cache, model, WorkerSettings(max_batch=3),
+                                 Credits(redis_client, 8))
+        handler.warm_up(request_defaults(ModelSettings(), directory), fam.LIMITS)
+        engine = handler.engine
         proofs = engine.proof.verdicts
+        assert proofs == 5  # batch sizes 2 to 6: two rows for each of three runs
+        spec = make_spec(width=96, height=96, num_frames=9 if fam.LIMITS.video else 1)
         g = torch.Generator().manual_seed(5)
         tokens, width = model.text_shape()
-        lengths = [tokens - i if model.pads_text else tokens for i in range(5)]
-        rows = [Row(torch.randn(model.latent_shape(spec), generator=g),
-                    torch.rand((), generator=g) * 1000,
-                    torch.randn((1, n, width), generator=g), spec) for n in lengths]
-        batched, _ = engine._forward(rows)  # the forward a step of these rows runs
+        rows = {(i, 0): Row(torch.randn(model.latent_shape(spec), generator=g),
+                            torch.rand((), generator=g) * 1000,
+                            torch.randn((1, tokens - i if model.pads_text else tokens, width),
+                                        generator=g), spec)
+                for i in range(5)}
+        out = {slot: batched[n:n + 1] for slots, batched, _ in engine._run_forwards(rows)
+               for n, slot in enumerate(slots)}
         assert engine.proof.verdicts == proofs
-        for i, row in enumerate(rows):
+        for slot, row in rows.items():
             alone = model.predict(row.latents, row.timestep.reshape(1), row.embeds, spec)
-            assert torch.equal(batched[i:i + 1], alone), f"row {i}"
+            assert torch.equal(out[slot], alone), f"row {slot}"
     finally:
         torch.set_num_threads(threads)
 

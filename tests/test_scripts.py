@@ -124,7 +124,7 @@ def test_one_failing_call_of_a_batch_leaves_the_others_to_run(
         State.ENCODING, State.ENCODING]
 
 
-def test_the_states_of_many_requests_come_in_one_read(redis_client: redis.Redis) -> None:
+def test_the_states_of_many_requests_read_together(redis_client: redis.Redis) -> None:
     recorded(redis_client, "states-a")
     moved = recorded(redis_client, "states-b")
     redis_client.hset(moved, Field.STATE, State.DONE.value)

@@ -98,8 +98,7 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
         kept = (OutputFiles(settings.checkpoints_dir, settings.cache.checkpoint_ttl_s)
                 if settings.cache.durable_outputs else None)
         denoise = DenoiseHandler(cache, denoiser, settings.workers, credits, report, kept)
-        if settings.workers.warm_up and settings.workers.max_batch > 1:
-            denoise.warm_up(request_defaults(settings.model, directory))
+        denoise.warm_up(request_defaults(settings.model, directory), family.limits)
         publish_lora_targets(client, {
             name: (m.out_features, m.in_features)
             for name, m in denoiser.transformer.named_modules()

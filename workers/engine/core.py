@@ -103,18 +103,24 @@ class DenoiseEngine:
 
     # --- before the first job -------------------------------------------------------------
 
-    def warm_up(self, spec: GenerationSpec) -> list[int]:
+    def warm_up(self, spec: GenerationSpec, budget_s: float) -> list[int]:
         """Prove, on synthetic rows of ``spec``'s geometry, every batch size a forward of this
-        engine may take (``_groups``), smallest first so each proof leans on the one before;
-        the sizes proven. Which kernel a size gets, and so how its rows round, depends on the
-        shapes, not on the values, so the proof holds for the requests that follow."""
+        engine may take there (``_per_forward``, at its loosest: the shortest text), smallest
+        first so each proof leans on the one before, until ``budget_s`` has passed; the sizes
+        proven. Which kernel a size gets, and so how its rows round, depends on the shapes,
+        not on the values, so the proof holds for the requests that follow. (The per-layer
+        checks of ``rows_apart`` are keyed by text lengths as well: those of lengths the
+        warm-up did not use still run when they first come.)"""
+        if self.max_batch == 1:
+            return []
+        start = time.perf_counter()
         tokens, width = self.model.text_shape()
-        by_tokens = max(1, self.max_tokens // max(self.model.tokens(spec) + tokens, 1))
-        largest = min(2 * self.max_batch, by_tokens)
+        largest = self._per_forward(self.model.tokens(spec), 1)[1]
         latents, generator = self.model.initial_latents(spec)
+        timesteps = self.model.scheduler(spec).timesteps
         # Texts of three lengths where the family pads them, so the padded paths are proven.
         rows = [Row(torch.randn(latents.shape, generator=generator).to(latents),
-                    torch.tensor(1000.0 * (i + 1) / (largest + 1), device=latents.device),
+                    timesteps[i % len(timesteps)],
                     torch.randn((1, max(1, tokens - (i % 3 if self.model.pads_text else 0)),
                                  width), generator=generator).to(latents),
                     spec)
@@ -122,10 +128,16 @@ class DenoiseEngine:
         geometry = _geometry(rows[0])
         self.hooks.off()
         for size in range(2, largest + 1):
-            if not self.proof.trusted(geometry):
+            if not self.proof.trusted(geometry) or time.perf_counter() - start > budget_s:
                 break
             self._forward(rows[:size])
         return [size for size in range(2, largest + 1) if self.proof.proven(geometry, size)]
+
+    def _per_forward(self, image_tokens: int, text_tokens: int) -> tuple[int, int]:
+        """The most rows one forward of rows this long takes, within ``max_tokens``: as one of
+        several forwards of ``max_batch`` rows, and as the one forward of a whole step."""
+        by_tokens = max(1, self.max_tokens // max(image_tokens + text_tokens, 1))
+        return min(self.max_batch, by_tokens), min(2 * self.max_batch, by_tokens)
 
     # --- a step --------------------------------------------------------------------------
 
@@ -214,9 +226,7 @@ class DenoiseEngine:
             slots.sort(key=lambda s: rows[s].embeds.shape[1])
             first = rows[slots[0]]
             text = max(rows[s].embeds.shape[1] for s in slots)
-            by_tokens = max(1, self.max_tokens // max(self.model.tokens(first.spec) + text, 1))
-            split = min(self.max_batch, by_tokens)
-            whole = min(2 * self.max_batch, by_tokens)
+            split, whole = self._per_forward(self.model.tokens(first.spec), text)
             geometry = _geometry(first)
             layout = (self.layouts.choose(geometry)
                       if self.max_batch > 1 and len(slots) > split and whole > split else None)
@@ -236,8 +246,7 @@ class DenoiseEngine:
                               []).append(slot)
         for slots in groups.values():
             first = rows[slots[0]]
-            tokens = self.model.tokens(first.spec) + first.embeds.shape[1]
-            size = min(self.max_batch, max(1, self.max_tokens // max(tokens, 1)))
+            size = self._per_forward(self.model.tokens(first.spec), first.embeds.shape[1])[0]
             yield from (slots[start:start + size] for start in range(0, len(slots), size))
 
     def _hooked(self, rows: Sequence[Row]) -> tuple[torch.Tensor, float]:

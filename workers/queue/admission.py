@@ -150,7 +150,7 @@ class Asked:
             return default if value is None else value
 
         return cls(texts, given(width, m.width), given(height, m.height),
-                   given(frames, m.num_frames if video else 1),
+                   given(frames, m.frames(video)),
                    given(steps, m.num_inference_steps),
                    output_format or (OutputFormat.MP4 if video else OutputFormat.PNG),
                    m.guidance_scale if guidance_scale is None else guidance_scale, seed)

@@ -85,10 +85,16 @@ class Records:
     def states(self, requests: Sequence[tuple[str, str]]) -> list[State | None]:
         """The state of each (tenant, request id), None where it has no record; one round
         trip, none of the records read whole (a client following many requests asks this)."""
+        return [None if raw is None else State(raw)
+                for raw in self.field_of(requests, Field.STATE)]
+
+    def field_of(self, requests: Sequence[tuple[str, str]], name: str) -> list[str | None]:
+        """One field of each (tenant, request id)'s record, None where it has none; one
+        round trip."""
         pipe = self.redis.pipeline(transaction=False)
         for tenant, request_id in requests:
-            pipe.hget(request_record(tenant, request_id), Field.STATE)
-        return [None if raw is None else State(raw.decode()) for raw in pipe.execute()]
+            pipe.hget(request_record(tenant, request_id), name)
+        return [None if raw is None else raw.decode() for raw in pipe.execute()]
 
     def claim_many(self, claims: Sequence[tuple[Delivery, Job, RecordWrite]]) -> list[Result]:
         """Fence several jobs in one round trip: each job's claim is checked on its own."""

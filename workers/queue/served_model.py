@@ -19,6 +19,7 @@ from pathlib import Path
 import redis
 import xxhash
 from pydantic import TypeAdapter
+from redis.client import Pipeline
 
 from cachesvc.settings import ModelSettings
 from cachesvc.wire import UNVERSIONED, Wire, WireError
@@ -77,6 +78,10 @@ class RequestDefaults:
     num_frames: int = 9  # an image family makes one frame whatever this says
     num_inference_steps: int = 20
     guidance_scale: float = 5.0
+
+    def frames(self, video: bool) -> int:
+        """The frames of a request that names none: an image family makes one."""
+        return self.num_frames if video else 1
 
 
 class ModelCardError(ValueError):
@@ -202,18 +207,35 @@ class NotPublishedError(RuntimeError):
 def publish_served(client: redis.Redis, model: ServedModel, tokenizer_json: str) -> None:
     """Publish the model with its tokenizer (``tokenizer.json`` text): the tokenizer first,
     under its content hash, so whoever reads the model finds its tokenizer there too. Workers
-    of one deployment publish the same tokenizer, which travels once."""
+    of one deployment publish the same tokenizer, which travels once. When the tokenizer
+    changes, the old one is kept an hour for admissions that read the old model, then goes."""
     digest = xxhash.xxh3_128_hexdigest(tokenizer_json.encode())
-    # PERSIST: a tokenizer retired by an earlier model change may be served again.
-    if not client.persist(served_tokenizer(digest)) and not client.exists(
-            served_tokenizer(digest)):
-        client.set(served_tokenizer(digest), tokenizer_json)
-    previous = read_served(client)
-    client.set(served_model(), _SERVED.encode(replace(model, tokenizer=digest)))
-    if previous is not None and previous.tokenizer and previous.tokenizer != digest:
-        # The model changed: its tokenizer outlives it long enough for admissions that read
-        # the old model to finish, then goes.
-        client.expire(served_tokenizer(previous.tokenizer), RETIRED_TOKENIZER_S)
+    tokenizer = served_tokenizer(digest)
+    entry = _SERVED.encode(replace(model, tokenizer=digest))
+
+    # One transaction on the model key: workers of two models starting together (a model
+    # change) must not retire the tokenizer of the model that ends up published.
+    def swap(pipe: Pipeline) -> None:
+        present = pipe.exists(tokenizer)
+        raw = pipe.get(served_model())
+        previous = _tokenizer_of(raw) if raw is not None else None
+        pipe.multi()
+        if not present:
+            pipe.set(tokenizer, tokenizer_json)
+        pipe.persist(tokenizer)  # it may have been retired by an earlier model change
+        pipe.set(served_model(), entry)
+        if previous and previous != digest:
+            pipe.expire(served_tokenizer(previous), RETIRED_TOKENIZER_S)
+
+    client.transaction(swap, served_model())
+
+
+def _tokenizer_of(raw: bytes | str) -> str | None:
+    """The tokenizer digest of a served-model entry; None for one this release cannot read."""
+    try:
+        return _SERVED.decode(raw).tokenizer
+    except WireError:
+        return None
 
 
 def read_served(client: redis.Redis) -> ServedModel | None:

@@ -33,7 +33,7 @@ from workers.queue.messages import LATENTS, Job, Stage, TensorRef
 from workers.queue.runtime import InputLostError, JobContext, Outcome
 from workers.queue.schema import Field, KindField, State, checkpoint_field
 from workers.queue.scripts import NOTHING, RecordWrite
-from workers.queue.served_model import RequestDefaults
+from workers.queue.served_model import FamilyLimits, RequestDefaults
 from workers.queue.step_cache_metrics import step_cache_fields
 from workers.queue.streams import Delivery
 from workers.stages.adapters import AdapterStats, LoadedAdapters
@@ -67,16 +67,18 @@ class DenoiseHandler:
         self.adapters = LoadedAdapters(cache, model.transformer, settings.lora_slots,
                                        report_adapters)
 
-    def warm_up(self, defaults: RequestDefaults) -> None:
-        """Prove the engine's batch sizes at the served model's default request geometry
-        (``DenoiseEngine.warm_up``) before the first job arrives."""
+    def warm_up(self, defaults: RequestDefaults, limits: FamilyLimits) -> None:
+        """Prove the engine's batch sizes at the served model's default request geometry, as
+        admission fills it in (``DenoiseEngine.warm_up``), before the first job arrives."""
+        if not self.settings.warm_up_s or self.settings.max_batch == 1:
+            return
         spec = GenerationSpec.create(
             request_id="warm-up", tenant="warm-up", prompt="", width=defaults.width,
-            height=defaults.height, num_frames=defaults.num_frames,
+            height=defaults.height, num_frames=defaults.frames(limits.video),
             num_inference_steps=defaults.num_inference_steps,
             guidance_scale=defaults.guidance_scale, seed=0)
         start = time.perf_counter()
-        sizes = self.engine.warm_up(spec)
+        sizes = self.engine.warm_up(spec, self.settings.warm_up_s)
         log.info("warm-up at %dx%dx%d in %.1f s: batched rows proven exact for %s",
                  spec.width, spec.height, spec.num_frames, time.perf_counter() - start,
                  f"{sizes[0]} to {sizes[-1]} rows" if sizes else "no batch size")
