@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import redis
@@ -114,6 +116,60 @@ def test_the_tokenizer_of_a_model_no_longer_served_expires(redis_client: redis.R
         assert 0 < redis_client.ttl(served_tokenizer(new.tokenizer)) <= RETIRED_TOKENIZER_S
     finally:
         redis_client.delete(served_model(), *digests)
+
+
+class _Interleaved(redis.Redis):
+    """A client on the same server that lets ``meanwhile`` run right after its first read of a
+    key (directly or inside a transaction): another process's write landing between a read
+    and the write it decides."""
+
+    def __init__(self, meanwhile: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._meanwhile: Callable[[], None] | None = meanwhile
+
+    def _after_read(self) -> None:
+        meanwhile, self._meanwhile = self._meanwhile, None  # once: a transaction retries
+        if meanwhile is not None:
+            meanwhile()
+
+    def get(self, name: Any) -> Any:
+        found = super().get(name)
+        self._after_read()
+        return found
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+        pipe = super().pipeline(transaction, shard_hint)
+        read = pipe.get
+
+        def get(name: Any) -> Any:
+            found = read(name)
+            self._after_read()
+            return found
+
+        pipe.get = get  # type: ignore[method-assign]
+        return pipe
+
+
+def test_two_models_published_together_retire_only_the_tokenizer_not_served(
+        redis_client: redis.Redis) -> None:
+    """Worker A reads the entry (its own model), worker B publishes model B meanwhile and
+    retires A's tokenizer, then A writes: A's model is the one left published, so its
+    tokenizer must be the one kept, and B's the one retired."""
+    a = ServedModel("qwen-image", "a", FamilyLimits(False, 1, 16, 507))
+    b = replace(a, name="b")
+    tok_a, tok_b = '{"tokenizer": "a"}', '{"tokenizer": "b"}'
+    keys = [served_tokenizer(xxhash.xxh3_128_hexdigest(t.encode())) for t in (tok_a, tok_b)]
+    try:
+        publish_served(redis_client, a, tok_a)
+        worker_a = _Interleaved(lambda: publish_served(redis_client, b, tok_b),
+                                connection_pool=redis_client.connection_pool)
+        publish_served(worker_a, a, tok_a)
+        found = read_served(redis_client)
+        assert found is not None and found.name == "a"
+        assert redis_client.ttl(keys[0]) == -1
+        assert 0 < redis_client.ttl(keys[1]) <= RETIRED_TOKENIZER_S
+    finally:
+        redis_client.delete(served_model(), *keys)
 
 
 def test_every_kind_of_mismatch_is_a_typed_error() -> None:
