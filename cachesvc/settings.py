@@ -157,7 +157,7 @@ class WorkerSettings(_Section):
     max_batch: int = Field(8, ge=1, le=256)
     # And the most token-rows (image plus text tokens, summed over its rows) one forward takes,
     # so activation memory stays bounded when the requests are large: 64k is two rows of a
-    # 480p 81-frame Wan video, thousands of the shipped image model's.
+    # 480p 81-frame video of the default video model, thousands of the shipped image model's.
     max_batch_tokens: int = Field(65536, ge=1)
     # Before it takes its first job, a denoise worker proves its batched rows exact at every
     # batch size it may form for the served model's default request geometry (README "The

@@ -61,7 +61,7 @@ def train(
     checkpoint_minutes: float = CHECKPOINT_MINUTES,
     threads: int = THREADS,
 ) -> None:
-    """Train the shapes model (Qwen-Image's classes) on synthetic scenes, on the CPU."""
+    """Train the shapes model (the shipped image family's classes) on synthetic scenes, on CPU."""
     from training.shapes_model import TrainPlan
     from training.shapes_model import train as train_shapes
 

@@ -70,7 +70,7 @@ class DenoiseHandler:
     def warm_up(self, defaults: RequestDefaults, limits: FamilyLimits) -> None:
         """Prove the engine's batch sizes at the served model's default request geometry, as
         admission fills it in (``DenoiseEngine.warm_up``), before the first job arrives."""
-        if not self.settings.warm_up_s or self.settings.max_batch == 1:
+        if not self.settings.warm_up_s:
             return
         spec = GenerationSpec.create(
             request_id="warm-up", tenant="warm-up", prompt="", width=defaults.width,
