@@ -21,10 +21,11 @@ from collections.abc import Callable
 import torch
 
 from bench.common import bench_stack, median, report
+from cachesvc.buffers import TensorSlot
 from cachesvc.codec import TensorSpec
 from cachesvc.connect import open_cache
 from cachesvc.mooncake_store import replicate_config
-from cachesvc.tensor_cache import TensorCache, TensorSlot
+from cachesvc.tensor_cache import TensorCache
 from keys import KeyKind, StoreKey
 
 SIZES_MIB = [0.0625, 0.25, 1, 4, 16, 64]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
+from cachesvc import codec
 from cachesvc.errors import CacheError
 from cachesvc.mooncake_store import MooncakeStore
 
@@ -33,6 +35,23 @@ class RegisteredBuffer:
 
     def memoryview(self, size: int | None = None) -> memoryview:
         return self._view if size is None else self._view[:size]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlot:
+    """Registered memory laid out as one entry of ``spec``: fill ``tensor`` in place, then
+    ``put_from``; or ``get_into`` it, which returns ``tensor`` once the entry is verified."""
+
+    buffer: RegisteredBuffer
+    spec: codec.TensorSpec
+    tensor: torch.Tensor = field(init=False, repr=False, compare=False)
+    layout: codec.Layout = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Made once, before any transfer: after a transfer's wait the same work runs cold.
+        object.__setattr__(self, "tensor", codec.typed_view(self.buffer.raw,
+                                                            self.spec.header_bytes, self.spec))
+        object.__setattr__(self, "layout", codec.Layout.of(self.spec))
 
 
 class BufferPool:
@@ -92,3 +111,12 @@ class BufferPool:
                     log.warning("could not unregister a buffer at close: %s", exc)
             self._all.clear()
             self._free.clear()
+
+
+def packed_offsets(sizes: Sequence[int]) -> list[int]:
+    """Start offsets of consecutive, aligned entries of ``sizes`` in one buffer, plus the total
+    size as the last item."""
+    out = [0]
+    for size in sizes:
+        out.append(out[-1] + -(-size // codec.ALIGN) * codec.ALIGN)
+    return out

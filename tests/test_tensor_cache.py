@@ -10,13 +10,14 @@ import pytest
 import redis
 import torch
 
-from cachesvc import codec, tensor_cache
+from cachesvc import codec, entry_reader, entry_writer
 from cachesvc.codec import TensorSpec
 from cachesvc.connect import store_endpoints
+from cachesvc.entry_reader import SESSION_MIN_BYTES
 from cachesvc.errors import StoreUnavailableError
 from cachesvc.mooncake_store import MooncakeStore, replicate_config
 from cachesvc.settings import Settings
-from cachesvc.tensor_cache import SESSION_MIN_BYTES, TensorCache
+from cachesvc.tensor_cache import TensorCache
 from keys import KeyKind, StoreKey
 from tests.counting import counted
 
@@ -29,7 +30,7 @@ _ids = itertools.count()
 
 def sessions_for_large_puts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let LARGE entries be written through a session too, as entries of 4 MiB and more are."""
-    monkeypatch.setattr(tensor_cache, "PUT_SESSION_MIN_BYTES", SESSION_MIN_BYTES)
+    monkeypatch.setattr(entry_writer, "PUT_SESSION_MIN_BYTES", SESSION_MIN_BYTES)
 
 
 @pytest.fixture(params=["one-call", "session", "pieces"])
@@ -40,7 +41,7 @@ def n(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
     if request.param != "one-call":
         sessions_for_large_puts(monkeypatch)
     if request.param == "pieces":
-        monkeypatch.setattr(tensor_cache, "READ_PIECE_BYTES", 64 << 10)
+        monkeypatch.setattr(entry_reader, "READ_PIECE_BYTES", 64 << 10)
     return SMALL if request.param == "one-call" else LARGE
 
 
