@@ -94,7 +94,7 @@ def create_app(settings: Settings) -> FastAPI:
         client = open_redis(settings)
         store = CacheLink(settings, client)  # connects while the API already serves
         app.state.service = service = Service(settings, client, store)
-        app.state.registry = registry_with(ClusterCollector(client,
+        app.state.registry = registry_with(ClusterCollector(service.queue.view,
                                                             tenant_labeller(settings.api)))
         try:
             yield

@@ -20,13 +20,8 @@ from api.service import Service, status_of
 from cachesvc.counters import read_buckets, read_totals, tenants
 from cachesvc.supervisor import read_published
 from keys import KeyKind, Priority
-from keys.names import request_index
-from workers.queue import engine_metrics, stage_metrics
-from workers.queue.adapter_stats import read_adapter_stats
+from workers.queue.cluster_view import EngineView
 from workers.queue.messages import Stage
-from workers.queue.served_model import read_served
-from workers.queue.streams import queue_counts
-from workers.queue.watchdog import read_rescued
 
 WINDOW_MINUTES = 30
 RECENT = 15
@@ -41,17 +36,14 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
     minutes = range(now - WINDOW_MINUTES + 1, now + 1)
     totals: dict[int, dict[str, float]] = {m: {} for m in minutes}
     recent = []
+    view = svc.queue.view
     known = tenants(svc.redis) if visible is None else visible
     for tenant in known:
         for minute, fields in read_buckets(svc.redis, tenant, minutes).items():
             for field, value in fields.items():
                 totals[minute][field] = totals[minute].get(field, 0.0) + value
-        ids: list[bytes] = svc.redis.zrevrange(  # type: ignore[assignment]
-            request_index(tenant), 0, RECENT - 1)
-        for raw in ids:
-            record = svc.queue.records.get(tenant, raw.decode())
-            if record is not None:
-                recent.append({"tenant": tenant, **status_of(record).model_dump()})
+        recent += [{"tenant": tenant, **status_of(record).model_dump()}
+                   for record in view.recent(tenant, RECENT)]
 
     def series(field: str) -> list[float]:
         return [totals[m].get(field, 0.0) for m in minutes]
@@ -65,9 +57,8 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
              for m in minutes]
     served = [sum(totals[m].get(f"{k.value}.bytes_read", 0.0) for k in KeyKind)
               for m in minutes]
-    queues = [{"stage": stage.value, "priority": priority.value, "waiting": waiting,
-               "in_flight": in_flight}
-              for (stage, priority), (waiting, in_flight) in queue_counts(svc.redis).items()]
+    queues = [{"stage": q.stage.value, "priority": q.priority.value, "waiting": q.waiting,
+               "in_flight": q.in_flight} for q in view.queues()]
     # Lifetime reuse per tenant and kind: lookups, hits and the compute they saved.
     reuse = []
     for tenant in known:
@@ -79,7 +70,7 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
     latency: dict[str, dict[str, dict[str, float | None]]] = {}
     for stage in Stage:
         for priority in Priority:
-            h = stage_metrics.read(svc.redis, stage, priority)
+            h = view.latency(stage, priority)
             latency.setdefault(stage.value, {})[priority.value] = {
                 "p50": h.quantile(0.5), "p95": h.quantile(0.95), "count": h.count}
     children = [{"name": c.name, "role": c.role, "alive": c.alive, "restarts": c.restarts,
@@ -89,23 +80,22 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
     return {"minutes": [m * 60 for m in minutes], "hit_rate": hit_rate,
             "compute_saved_s": saved, "bytes_served": served, "queues": queues,
             "latency": latency, "children": children,
-            "adapters": [asdict(a) for a in read_adapter_stats(svc.redis)],
-            "engine": engine_view(svc),
+            "adapters": [asdict(a) for a in view.adapters()],
+            "engine": engine_view(view.engine()),
             "rescued": [{"stage": stage.value, "reason": reason.value, "count": count}
-                        for (stage, reason), count in sorted(read_rescued(svc.redis).items())],
-            "model": asdict(model) if (model := read_served(svc.redis)) else None,
+                        for (stage, reason), count in sorted(view.rescued().items())],
+            "model": asdict(model) if (model := view.served()) else None,
             "reuse": reuse, "recent": recent[:RECENT]}
 
 
-def engine_view(svc: Service) -> dict[str, Any]:
+def engine_view(engine: EngineView) -> dict[str, Any]:
     """Rows per forward, the wait to join, and each denoise worker's occupancy."""
-    rows = engine_metrics.read_rows(svc.redis)
-    forwards = sum(rows.values())
-    wait = engine_metrics.read_join_wait(svc.redis)
-    mean = sum(r * n for r, n in rows.items()) / forwards if forwards else None
+    forwards = sum(engine.rows.values())
+    mean = sum(r * n for r, n in engine.rows.items()) / forwards if forwards else None
+    wait = engine.join_wait
     return {"forwards": forwards, "rows_per_forward": mean,
             "join_wait_p50": wait.quantile(0.5), "join_wait_p95": wait.quantile(0.95),
-            "workers": [asdict(o) for o in engine_metrics.read_occupancy(svc.redis)]}
+            "workers": [asdict(o) for o in engine.occupancy]}
 
 
 router = APIRouter()

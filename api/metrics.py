@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-import redis
 import xxhash
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -20,14 +19,8 @@ from cachesvc.counters import Event, read_totals, tenants
 from cachesvc.settings import ApiSettings
 from cachesvc.supervisor import ChildStatus, read_published
 from keys import Priority
-from workers.queue import engine_metrics, stage_metrics
-from workers.queue.adapter_stats import WorkerAdapters, read_adapter_stats
+from workers.queue.cluster_view import ClusterView, EngineView, WorkerAdapters
 from workers.queue.messages import Stage
-from workers.queue.reuse_metrics import read_steps_reused
-from workers.queue.served_model import read_served
-from workers.queue.step_cache_metrics import read_step_cache
-from workers.queue.streams import oldest_waiting, queue_counts
-from workers.queue.watchdog import read_rescued
 
 
 def hashed_tenant(tenant: str) -> str:
@@ -44,8 +37,9 @@ def tenant_labeller(api: ApiSettings) -> Callable[[str], str]:
 
 
 class ClusterCollector(Collector):
-    def __init__(self, client: redis.Redis, label: Callable[[str], str] = str) -> None:
-        self._redis = client
+    def __init__(self, view: ClusterView, label: Callable[[str], str] = str) -> None:
+        self._view = view
+        self._redis = view.redis  # the cache counters and supervisors' reports live there too
         self._label = label
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily |
@@ -68,9 +62,9 @@ class ClusterCollector(Collector):
                 kind, _, event = field.partition(".")
                 if event in Event.__members__.values():
                     families[Event(event)].add_metric([kind, self._label(tenant)], value)
-            for policy, outcome, forwards in read_step_cache(totals):
+            for policy, outcome, forwards in self._view.step_cache(totals):
                 step_cache.add_metric([self._label(tenant), policy, outcome], forwards)
-            steps_reused.add_metric([self._label(tenant)], read_steps_reused(totals))
+            steps_reused.add_metric([self._label(tenant)], self._view.steps_reused(totals))
         yield from families.values()
         yield step_cache
         yield steps_reused
@@ -81,7 +75,7 @@ class ClusterCollector(Collector):
                                         labels=["stage", "priority"])
         for stage in Stage:
             for priority in Priority:
-                h = stage_metrics.read(self._redis, stage, priority)
+                h = self._view.latency(stage, priority)
                 buckets = [("+Inf" if b == float("inf") else str(b), n)
                            for b, n in h.cumulative]
                 latency.add_metric([stage.value, priority.value], buckets, h.total)
@@ -90,13 +84,13 @@ class ClusterCollector(Collector):
             "diffcache_requests_rescued", "Requests the watchdog re-queued because no live "
             "worker owned them and no entry would be delivered; 0 in normal operation",
             labels=["stage", "reason"])
-        for (stage, reason), count in read_rescued(self._redis).items():
+        for (stage, reason), count in self._view.rescued().items():
             rescued.add_metric([stage.value, reason.value], count)
         yield rescued
         yield from children_families(read_published(self._redis))
-        yield from adapter_families(read_adapter_stats(self._redis))
-        yield from engine_families(self._redis)
-        served = read_served(self._redis)
+        yield from adapter_families(self._view.adapters())
+        yield from engine_families(self._view.engine())
+        served = self._view.served()
         if served is not None:
             info = GaugeMetricFamily("diffcache_served_model_info", "The model the workers "
                                      "serve", labels=["family", "name"])
@@ -114,23 +108,12 @@ class ClusterCollector(Collector):
         oldest = GaugeMetricFamily("diffcache_queue_oldest_waiting_seconds", "Seconds since "
                                    "the oldest job no worker has taken was added; 0 when none "
                                    "waits", labels=labels)
-        counts = queue_counts(self._redis)
-        # Entry ids carry the Redis server's clock, so the age is measured on that clock too,
-        # not on this host's, which may be skewed on another machine.
-        now_ms = _redis_now_ms(self._redis) if any(w for w, _ in counts.values()) else 0
-        for (stage, priority), (waiting, taken) in counts.items():
-            key = [stage.value, priority.value]
-            depth.add_metric(key, waiting + taken)
-            in_flight.add_metric(key, taken)
-            entry = oldest_waiting(self._redis, stage, priority) if waiting else None
-            added_ms = int(entry.partition("-")[0]) if entry else now_ms
-            oldest.add_metric(key, max(0, now_ms - added_ms) / 1000)
+        for q in self._view.queues(ages=True):
+            key = [q.stage.value, q.priority.value]
+            depth.add_metric(key, q.waiting + q.in_flight)
+            in_flight.add_metric(key, q.in_flight)
+            oldest.add_metric(key, q.oldest_waiting_s)
         yield from (depth, in_flight, oldest)
-
-
-def _redis_now_ms(client: redis.Redis) -> int:
-    seconds, micros = client.time()
-    return int(seconds) * 1000 + int(micros) // 1000
 
 
 def children_families(children: list[ChildStatus]) -> Iterator[CounterMetricFamily |
@@ -168,19 +151,19 @@ def adapter_families(workers: list[WorkerAdapters]) -> Iterator[CounterMetricFam
     yield from (loads, swaps, seconds, held)
 
 
-def engine_families(client: redis.Redis) -> Iterator[GaugeMetricFamily |
-                                                     HistogramMetricFamily]:
+def engine_families(engine: EngineView) -> Iterator[GaugeMetricFamily |
+                                                    HistogramMetricFamily]:
     """Rows per transformer forward and the wait to join, over every denoise engine, and how
     full each worker's engine is."""
     rows = HistogramMetricFamily("diffcache_engine_rows_per_forward", "Rows one transformer "
                                  "forward of a denoise engine took", labels=[])
-    counts = engine_metrics.read_rows(client)
+    counts = engine.rows
     cumulative = [(str(bound), sum(n for r, n in counts.items() if r <= bound))
-                  for bound in engine_metrics.ROW_BOUNDS]
+                  for bound in engine.row_bounds]
     rows.add_metric([], [*cumulative, ("+Inf", sum(counts.values()))],
                     sum(r * n for r, n in counts.items()))
     yield rows
-    wait = engine_metrics.read_join_wait(client)
+    wait = engine.join_wait
     joins = HistogramMetricFamily("diffcache_engine_join_wait_seconds", "Seconds from a "
                                   "denoise job's arrival to its first step in an engine",
                                   labels=[])
@@ -190,7 +173,7 @@ def engine_families(client: redis.Redis) -> Iterator[GaugeMetricFamily |
     occupancy = GaugeMetricFamily("diffcache_engine_occupancy", "Runs a denoise worker's "
                                   "engine holds, as a share of its max_batch",
                                   labels=["worker"])
-    for o in engine_metrics.read_occupancy(client):
+    for o in engine.occupancy:
         occupancy.add_metric([o.worker], o.runs / o.capacity)
     yield occupancy
 

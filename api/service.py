@@ -53,7 +53,7 @@ from workers.queue.admission import Asked, FieldError, Limits, QueueFullError, p
 from workers.queue.client import HEARTBEAT_WITHIN_S, NotReadyError, QueueClient
 from workers.queue.messages import Stage
 from workers.queue.schema import Field, KindField, PreemptMode, RequestRecord, State
-from workers.queue.served_model import ServedModel, read_lora_targets
+from workers.queue.served_model import ServedModel
 from workers.queue.submit import new_request_id
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ class Service:
         return tuple(uses.values())
 
     def add_adapter(self, tenant: str, name: str, data: bytes) -> AdapterInfo:
-        linears = read_lora_targets(self.redis)
+        linears = self.queue.view.lora_targets()
         if not linears:
             raise NoDenoiserError("no denoise worker has said which layers it serves yet; "
                                   "retry once one has started")

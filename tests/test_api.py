@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import base64
 import io
 import json
@@ -9,6 +10,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import imageio.v3 as iio
 import numpy as np
@@ -335,3 +337,27 @@ def test_the_api_imports_no_model_code() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+# The queue side's modules the API may import: the client, and the contract its calls speak
+# (request records, messages, admission's errors and limits, the served model's types).
+API_MAY_IMPORT = {"client", "cluster_view", "admission", "schema", "messages", "served_model",
+                  "submit"}
+
+
+def test_the_api_reads_the_queue_side_only_through_its_client() -> None:
+    """No reader of queue state (streams, records, metrics hashes) and no ``read_*`` function
+    is imported by ``api/``: what it shows of the cluster comes through ``QueueClient``."""
+    found: dict[str, set[str]] = {}
+    for path in (Path(__file__).parent.parent / "api").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("workers"):
+                module = node.module or ""
+                names = {a.name for a in node.names}
+                found.setdefault(path.name, set()).update(
+                    {module} | {f"{module}.{n}" for n in names if n.startswith("read")})
+    imported = {m for modules in found.values() for m in modules}
+    assert imported, "the API talks to the queue side: the walk found none of its imports"
+    assert all(m.startswith("workers.queue.") for m in imported), found
+    assert {m.removeprefix("workers.queue.").split(".")[0] for m in imported} <= API_MAY_IMPORT
+    assert not any(m.rsplit(".", 1)[1].startswith("read") for m in imported), found

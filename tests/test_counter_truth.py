@@ -18,6 +18,7 @@ from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, KeyKind, StoreKey
 from tests.workers_harness import lose_output, make_spec, record_fields, wait_done
+from workers.queue.cluster_view import ClusterView
 from workers.queue.lifecycle import Lifecycle
 from workers.queue.records import Records
 from workers.queue.schema import KindField, PreemptMode, RequestRecord, State
@@ -55,7 +56,7 @@ def preempted(client: redis.Redis, spec: GenerationSpec, mode: PreemptMode) -> N
 def exported(client: redis.Redis, tenant: str) -> dict[str, int]:
     """``<kind>.hits`` and ``<kind>.lookups`` of ``tenant`` as a ``/metrics`` scrape reports
     them: the API's collector, rendered to the exposition format and parsed back."""
-    text = generate_latest(registry_with(ClusterCollector(client))).decode()
+    text = generate_latest(registry_with(ClusterCollector(ClusterView(client)))).decode()
     out = {f"{kind.value}.{event}": 0 for kind in KINDS for event in ("hits", "lookups")}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -22,6 +22,7 @@ from tests.workers_harness import make_spec, reference, run_request, wait_done
 from workers.families import wan
 from workers.families.base import CPU
 from workers.queue.adapter_stats import read_adapter_stats
+from workers.queue.cluster_view import ClusterView
 
 pytestmark = pytest.mark.slow
 TENANT = "lora"
@@ -67,7 +68,7 @@ def test_adapters_apply_bit_identically_and_key_every_entry(
 
     # /metrics shows what the worker that ran the second request did: it loaded the adapter
     # (or found it loaded by the first), set it, and holds it still.
-    registry = registry_with(ClusterCollector(client))
+    registry = registry_with(ClusterCollector(ClusterView(client)))
     labels = {"worker": record.fields["worker:denoise"]}
     assert (registry.get_sample_value("diffcache_lora_loads_total", labels) or 0) >= 1
     assert (registry.get_sample_value("diffcache_lora_swaps_total", labels) or 0) >= 1

@@ -9,6 +9,7 @@ from api.metrics import ClusterCollector, registry_with
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import stage_stream
+from workers.queue.cluster_view import ClusterView
 from workers.queue.messages import Stage
 from workers.queue.streams import StageQueue
 from workers.queue.submit import submit
@@ -41,7 +42,7 @@ def entry_ms(client: redis.Redis, priority: Priority, index: int) -> int:
 
 def scrape(client: redis.Redis) -> dict[tuple[str, str, str], float]:
     """(metric, stage, priority) -> value, as a Prometheus scrape of the API would read them."""
-    registry = registry_with(ClusterCollector(client))
+    registry = registry_with(ClusterCollector(ClusterView(client)))
     return {(s.name, s.labels["stage"], s.labels["priority"]): s.value
             for family in registry.collect() for s in family.samples if s.name in SIGNALS}
 

@@ -22,6 +22,7 @@ from keys.names import (
     worker_heartbeats,
 )
 from tests.workers_harness import make_spec
+from workers.queue.cluster_view import ClusterView
 from workers.queue.credits import Credits
 from workers.queue.messages import Job, Stage
 from workers.queue.records import Records
@@ -91,7 +92,7 @@ def test_a_request_parked_under_a_consumer_that_never_existed_is_rescued(db: red
     db.xack(encode_stream(spec), ENCODE_GROUP, entry_id)
     # Counted cluster-wide and exported.
     assert read_rescued(db) == {(Stage.ENCODE, RescueReason.DEAD_CONSUMER): 1}
-    text = generate_latest(registry_with(ClusterCollector(db))).decode()
+    text = generate_latest(registry_with(ClusterCollector(ClusterView(db)))).decode()
     assert 'diffcache_requests_rescued_total{reason="dead_consumer",stage="encode"} 1.0' in text
 
 

@@ -1,5 +1,6 @@
 """The queue side as its callers see it: submit (through admission), get, cancel, preempt,
-resume in place, follow, and whether each stage has live workers.
+resume in place, follow, whether each stage has live workers, and the cluster-wide view that
+dashboards and scrapes read.
 
 The API and ``diffcache submit`` both go through this one client, so a request is admitted,
 looked up and moved between states the same way whichever door it came in by.
@@ -14,6 +15,7 @@ import redis
 from keys import GenerationSpec
 from keys.spec import valid_request_id
 from workers.queue.admission import Admission, Limits
+from workers.queue.cluster_view import ClusterView
 from workers.queue.events import RecordEvents
 from workers.queue.heartbeats import live_workers
 from workers.queue.lifecycle import Lifecycle, LifecycleError
@@ -49,6 +51,7 @@ class QueueClient:
         self.records = Records(client)
         self.lifecycle = Lifecycle(client)
         self.events = RecordEvents(client)
+        self.view = ClusterView(client)
 
     def served(self) -> ServedModel:
         """The model the workers serve; NotPublishedError before any has said."""
