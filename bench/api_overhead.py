@@ -46,8 +46,10 @@ def serve(settings: Settings) -> tuple[str, ChildProcess]:
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
+        # Ready, not only alive: the API links to the store (and loads torch for it) in the
+        # background, which would otherwise land in the first measured pairs.
         try:
-            return httpx.get(f"{url}/healthz").status_code == 200
+            return httpx.get(f"{url}/readyz").status_code == 200
         except httpx.HTTPError:
             return False
 
