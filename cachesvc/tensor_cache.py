@@ -26,6 +26,7 @@ from cachesvc.counters import BUCKET_RETENTION_S, Event, QueuedCounters
 from cachesvc.entry_reader import Entry, EntryReader
 from cachesvc.entry_writer import EntryWriter
 from cachesvc.errors import StoreUnavailableError
+from cachesvc.ledger import Ledger
 from cachesvc.mooncake_store import MooncakeStore
 from cachesvc.policy import KindPolicy, policies
 from cachesvc.settings import CacheSettings, StoreSettings
@@ -73,6 +74,11 @@ class TensorCache:
     def policy(self, key: StoreKey) -> KindPolicy:
         return self._policies[key.kind]
 
+    def ledger(self, tenant: str) -> Ledger:
+        """A job's ledger: the lookups made with it are counted here and in its tally, which
+        the job writes to its record."""
+        return Ledger(self.counters, tenant)
+
     # Writing ----------------------------------------------------------------------------------
 
     @contextmanager
@@ -104,7 +110,8 @@ class TensorCache:
     # Reading ----------------------------------------------------------------------------------
 
     def get_into(self, key: StoreKey, target: TensorSlot | RegisteredBuffer, *,
-                 saved_s: float | None = None) -> torch.Tensor | None:
+                 saved_s: float | None = None, ledger: Ledger | None = None
+                 ) -> torch.Tensor | None:
         """The verified entry as a view into the target's registered memory (no copy), or None
         on a miss. A slot also says what the caller expects, so the read is sized from its spec
         and its header checked against the slot's; an entry of another spec is read whole and
@@ -113,19 +120,23 @@ class TensorCache:
             entry = self._reader.read(key, target.buffer, target.spec.entry_bytes, target)
         else:
             entry = self._reader.read(key, target, None)
-        self._count_lookup(key, entry, saved_s)
+        self._count_lookup(key, entry, saved_s, ledger)
         return None if entry is None else entry.tensor
 
-    def get(self, key: StoreKey, *, saved_s: float | None = None,
-            lookup: bool = True) -> torch.Tensor | None:
-        """A copy of the entry, or None on a miss. ``saved_s`` overrides the recorded cost.
+    def get(self, key: StoreKey, *, saved_s: float | None = None, lookup: bool = True,
+            ledger: Ledger | None = None) -> torch.Tensor | None:
+        """A copy of the entry, or None on a miss. ``saved_s`` overrides the recorded cost;
+        a lookup made with a job's ``ledger`` is counted there (every ``ledger`` below alike).
 
         ``lookup=False`` is for handing an entry on (a stage reading its input, the API
         serving an output): it counts bytes read, but no lookup, hit or saving, so hit rates
         measure reuse only.
         """
         entry = self._reader.fetch(key)
-        self._count_read(key, entry, saved_s, lookup)
+        if lookup:
+            self._count_lookup(key, entry, saved_s, ledger)
+        else:
+            self._count_handoff(key, entry)
         return None if entry is None else entry.tensor
 
     def batch_get(self, keys: Sequence[StoreKey], *,
@@ -135,7 +146,10 @@ class TensorCache:
         unique = list(dict.fromkeys(keys))  # Mooncake's batch read of one key twice fails
         found = self._reader.fetch_many(unique)
         for key in unique:
-            self._count_read(key, found.get(key), None, lookup)
+            if lookup:
+                self._count_lookup(key, found.get(key), None, None)
+            else:
+                self._count_handoff(key, found.get(key))
         out: list[torch.Tensor | None] = []
         handed: set[StoreKey] = set()
         for key in keys:  # a repeated key gets its own copy: callers may write to theirs
@@ -145,14 +159,18 @@ class TensorCache:
             handed.add(key)
         return out
 
-    def lookup_many(self, keys: Sequence[StoreKey]) -> list[torch.Tensor | None]:
+    def lookup_many(self, keys: Sequence[StoreKey],
+                    ledgers: Sequence[Ledger | None] | None = None
+                    ) -> list[torch.Tensor | None]:
         """``get`` of several keys that will mostly miss (a cache asked for entries it may
         never have seen): one existence round trip for all, then a read of each present one.
-        Every key counts as a lookup, a hit or a miss, as ``get`` counts it."""
+        Every key counts as a lookup, a hit or a miss, as ``get`` counts it, in its own job's
+        ledger (``ledgers``, one per key) where it has one."""
         out: list[torch.Tensor | None] = []
-        for key, present in zip(keys, self.batch_exists(keys), strict=True):
+        ledgers = ledgers if ledgers is not None else [None] * len(keys)
+        for key, present, ledger in zip(keys, self.batch_exists(keys), ledgers, strict=True):
             entry = self._reader.fetch(key) if present else None  # it may go in between
-            self._count_lookup(key, entry, None)
+            self._count_lookup(key, entry, None, ledger)
             out.append(None if entry is None else entry.tensor)
         return out
 
@@ -165,11 +183,14 @@ class TensorCache:
             self.remove(key)
         return tensor
 
-    def contains(self, key: StoreKey) -> bool:
+    def contains(self, key: StoreKey, ledger: Ledger | None = None) -> bool:
         """Whether ``key`` is cached, counted as a lookup: a hit or a miss without a read."""
         found = self.exists(key)
-        self.counters.add_many(key.tenant, key.kind, {
-            Event.LOOKUPS: 1.0, Event.HITS if found else Event.MISSES: 1.0})
+        events = {Event.LOOKUPS: 1.0, Event.HITS if found else Event.MISSES: 1.0}
+        if ledger is not None:
+            ledger.count(key.kind, events)
+        else:
+            self.counters.add_many(key.tenant, key.kind, events)
         return found
 
     def exists(self, key: StoreKey) -> bool:
@@ -181,7 +202,8 @@ class TensorCache:
     def remove(self, key: StoreKey) -> bool:
         return self._store.remove(key)
 
-    def get_or_compute(self, key: StoreKey, compute: Callable[[], torch.Tensor]) -> Cached:
+    def get_or_compute(self, key: StoreKey, compute: Callable[[], torch.Tensor],
+                       ledger: Ledger | None = None) -> Cached:
         """The cached tensor, or ``compute()`` once across every process missing on ``key``."""
 
         def compute_and_put() -> Entry:
@@ -200,23 +222,20 @@ class TensorCache:
         except StoreUnavailableError:
             return Cached(compute(), None)
         hit = result.outcome in (Outcome.HIT, Outcome.WAITED)
-        self._count_lookup(key, result.value if hit else None, None)
+        self._count_lookup(key, result.value if hit else None, None, ledger)
         if result.outcome is Outcome.WAITED:
             self.counters.add(key.tenant, key.kind, Event.SINGLE_FLIGHT_WAITS)
         return Cached(result.value.tensor, result.outcome)
 
     # The ledger -------------------------------------------------------------------------------
 
-    def _count_read(self, key: StoreKey, entry: Entry | None, saved_s: float | None,
-                    lookup: bool) -> None:
-        if not lookup:
-            if entry is not None:
-                self.counters.queue(key.tenant, key.kind, {Event.BYTES_READ: float(entry.nbytes)})
-            return
-        self._count_lookup(key, entry, saved_s)
+    def _count_handoff(self, key: StoreKey, entry: Entry | None) -> None:
+        """An entry handed on (not reused) counts its bytes only."""
+        if entry is not None:
+            self.counters.queue(key.tenant, key.kind, {Event.BYTES_READ: float(entry.nbytes)})
 
-    def _count_lookup(self, key: StoreKey, entry: Entry | None,
-                      saved_s: float | None) -> None:
+    def _count_lookup(self, key: StoreKey, entry: Entry | None, saved_s: float | None,
+                      ledger: Ledger | None) -> None:
         if entry is None:
             events = {Event.LOOKUPS: 1.0, Event.MISSES: 1.0}
         else:
@@ -226,4 +245,7 @@ class TensorCache:
                 Event.BYTES_READ: float(entry.nbytes),
                 Event.COMPUTE_SECONDS_SAVED: entry.cost_s if saved_s is None else saved_s,
             }
-        self.counters.queue(key.tenant, key.kind, events)
+        if ledger is not None:
+            ledger.count(key.kind, events)
+        else:
+            self.counters.queue(key.tenant, key.kind, events)

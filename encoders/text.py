@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from cachesvc.ledger import Ledger
 from cachesvc.single_flight import Outcome
 from cachesvc.tensor_cache import TensorCache
 from keys import Fingerprint, StoreKey, embedding_key
@@ -73,13 +74,14 @@ def prompt_vector(model: TextModel, text: str) -> np.ndarray:
 
 
 def encode_texts(cache: TensorCache, model: TextModel, tenant: str,
-                 texts: Sequence[str]) -> dict[str, EncodedText]:
-    """Embeddings of each distinct text, from the cache where possible."""
+                 texts: Sequence[str], ledger: Ledger | None = None) -> dict[str, EncodedText]:
+    """Embeddings of each distinct text, from the cache where possible; each text's lookup
+    counted in the job's ``ledger``."""
     out: dict[str, EncodedText] = {}
     for text in dict.fromkeys(texts):
         tokens = model.tokenize(text)
         key = embedding_key(tenant, model.fingerprint, tokens.ids, tokens.mask, model.max_length)
-        cached = cache.get_or_compute(key, functools.partial(model.encode, tokens))
+        cached = cache.get_or_compute(key, functools.partial(model.encode, tokens), ledger)
         hit = cached.outcome in (Outcome.HIT, Outcome.WAITED)
         out[text] = EncodedText(text, key, cached.tensor, hit,
                                 model.text_positions(tokens, cached.tensor))

@@ -24,6 +24,8 @@ import xxhash
 from pydantic_core import to_json
 from redis.client import Pipeline
 
+from cachesvc.ledger import Tally
+from keys import KeyKind
 from keys.names import request_record_lua
 from workers.queue.messages import ATTEMPTS_PER_GENERATION, MESSAGE_VERSION
 from workers.queue.schema import (
@@ -109,6 +111,16 @@ class RecordWrite:
 
 
 NOTHING = RecordWrite()
+
+
+def tally_fields(taken: Mapping[KeyKind, Tally]) -> RecordWrite:
+    """A job's ledger (``cachesvc.ledger``), as the counters its record adds: the same
+    lookups and hits the cache counters were given."""
+    add: dict[str, int] = {}
+    for kind, tally in taken.items():
+        add[KindField.LOOKUPS.of(kind)] = tally.lookups
+        add[KindField.HITS.of(kind)] = tally.hits
+    return RecordWrite(add=add) if add else NOTHING
 
 
 @cache  # a few dozen names, checked for every field of every write

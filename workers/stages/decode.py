@@ -13,7 +13,6 @@ import time
 
 import torch
 
-from cachesvc.counters import Event
 from cachesvc.output_files import OutputFiles
 from cachesvc.tensor_cache import TensorCache
 from keys import ChainLink, KeyKind, StoreKey, output_key
@@ -21,8 +20,8 @@ from workers.families.base import Decoder
 from workers.queue.credits import Credits
 from workers.queue.messages import LATENTS, Job, Stage
 from workers.queue.runtime import InputLostError, JobContext, Outcome
-from workers.queue.schema import Field, KindField
-from workers.queue.scripts import RecordWrite
+from workers.queue.schema import Field
+from workers.queue.scripts import RecordWrite, tally_fields
 from workers.stages.media import encode_frames
 
 
@@ -60,11 +59,10 @@ class DecodeHandler:
             self.cache.put(out_key, torch.frombuffer(bytearray(data), dtype=torch.uint8),
                            cost_s=cost)
         # Counted once the outcome is certain: a recompute for lost latents records no lookup.
-        self.cache.counters.add_many(spec.tenant, KeyKind.OUTPUT,
-                                     {Event.LOOKUPS: 1.0, Event.HITS if hit else Event.MISSES: 1.0})
-        return Outcome(None, fields=RecordWrite(
-            {Field.OUTPUT_KEY: str(out_key)},
-            {KindField.LOOKUPS.of(KeyKind.OUTPUT): 1, KindField.HITS.of(KeyKind.OUTPUT): int(hit)}))
+        ledger = self.cache.ledger(spec.tenant)
+        ledger.lookup(KeyKind.OUTPUT, hit)
+        return Outcome(None, fields=RecordWrite({Field.OUTPUT_KEY: str(out_key)})
+                       | tally_fields(ledger.take()))
 
     @staticmethod
     def _redo(job: Job) -> Job:

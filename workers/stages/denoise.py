@@ -20,6 +20,7 @@ import torch
 
 from cachesvc.codec import TensorSpec
 from cachesvc.counters import Event
+from cachesvc.ledger import Ledger
 from cachesvc.output_files import OutputFiles
 from cachesvc.settings import WorkerSettings
 from cachesvc.tensor_cache import TensorCache
@@ -31,8 +32,8 @@ from workers.families.base import Denoiser
 from workers.queue.credits import Credits
 from workers.queue.messages import LATENTS, Job, Stage, TensorRef
 from workers.queue.runtime import InputLostError, JobContext, Outcome
-from workers.queue.schema import Field, KindField, State, checkpoint_field
-from workers.queue.scripts import NOTHING, RecordWrite
+from workers.queue.schema import Field, State, checkpoint_field
+from workers.queue.scripts import RecordWrite, tally_fields
 from workers.queue.served_model import FamilyLimits, RequestDefaults
 from workers.queue.step_cache_metrics import step_cache_fields
 from workers.queue.streams import Delivery
@@ -93,14 +94,16 @@ class DenoiseHandler:
                             adapted(self.model.fingerprint, spec.loras),
                             self.model.scheduler_config,
                             scheduler.timesteps, self.model.mag_ratios)
-        found, lookups = self._latest_checkpoint(ctx, links)
-        ctx.progress(lookups)
+        ledger = self.cache.ledger(spec.tenant)
+        found = self._latest_checkpoint(ctx, links, ledger)
+        ctx.progress(tally_fields(ledger.take()))
         saves = frozenset(checkpoint_steps(spec, self.settings.checkpoint_every))
         adapters: AdapterSet = (spec.tenant, tuple(spec.loras)) if spec.loras else ()
         if found is None:
             latents, rng = self.model.initial_latents(spec)
             run = DenoiseRun(ctx, delivery, spec, embeds, links, scheduler, rng, latents, 0,
-                             0.0, self._guidance(spec, None), saves, spec.step_segments(),
+                             0.0, self._guidance(spec, ledger, None), saves,
+                             spec.step_segments(),
                              adapters, _step_cache(spec, {}))
         else:
             rng = torch.Generator(device="cpu")
@@ -110,7 +113,8 @@ class DenoiseHandler:
             residual = None if found.cfg_residual is None else found.cfg_residual.to(device)
             run = DenoiseRun(ctx, delivery, spec, embeds, links, scheduler, rng,
                              found.latents.to(device), found.step, found.compute_s,
-                             self._guidance(spec, residual), saves, spec.step_segments(),
+                             self._guidance(spec, ledger, residual), saves,
+                             spec.step_segments(),
                              adapters, _step_cache(spec, on_device(found.hooks, device)))
             ctx.progress(RecordWrite({
                 checkpoint_field(found.step): str(links[found.step].checkpoint_key())}))
@@ -175,50 +179,42 @@ class DenoiseHandler:
         return {r.ref_name: (k, t) for r, k, t in zip(job.refs, keys, tensors, strict=True)
                 if t is not None}
 
-    def _guidance(self, spec: GenerationSpec, residual: torch.Tensor | None) -> Guidance:
+    def _guidance(self, spec: GenerationSpec, ledger: Ledger,
+                  residual: torch.Tensor | None) -> Guidance:
         # Under a step cache an unconditional output depends on the hooks' state, not only
         # on the inputs the exact tier's key names: the tier is neither asked nor fed.
         return Guidance(self.cache, self.model.guide,
-                        adapted(self.model.fingerprint, spec.loras), spec,
+                        adapted(self.model.fingerprint, spec.loras), spec, ledger,
                         lookup=self.settings.cfg_cache and not spec.step_cache.on,
                         residual=residual)
 
     def _stats(self, run: DenoiseRun) -> RecordWrite:
-        """What the attempt computed, for the record; the step cache's part also counted per
-        tenant, beside the other caches."""
-        fields = run.guidance.stats.as_fields()
-        if run.step_cache is None:
-            return fields
-        cached = run.step_cache
-        self.cache.counters.add_many(run.spec.tenant, KeyKind.STEP, {
-            Event.LOOKUPS: cached.forwards, Event.HITS: cached.skipped,
-            Event.MISSES: cached.forwards - cached.skipped})
-        self.cache.counters.add_fields(run.spec.tenant, step_cache_fields(
-            cached.cache.policy, cached.forwards - cached.skipped, cached.skipped))
-        return fields | RecordWrite(add={KindField.LOOKUPS.of(KeyKind.STEP): cached.forwards,
-                                         KindField.HITS.of(KeyKind.STEP): cached.skipped})
+        """What the attempt computed, and the lookups its ledger counted since the start, for
+        the record; the step cache's forwards are lookups of their own kind."""
+        ledger = run.guidance.ledger
+        if (cached := run.step_cache) is not None:
+            ledger.count(KeyKind.STEP, {Event.LOOKUPS: cached.forwards, Event.HITS: cached.skipped,
+                                        Event.MISSES: cached.forwards - cached.skipped})
+            self.cache.counters.add_fields(run.spec.tenant, step_cache_fields(
+                cached.cache.policy, cached.forwards - cached.skipped, cached.skipped))
+        return run.guidance.stats.as_fields() | tally_fields(ledger.take())
 
-    def _latest_checkpoint(self, ctx: JobContext,
-                           links: list[ChainLink]) -> tuple[Checkpoint | None, RecordWrite]:
+    def _latest_checkpoint(self, ctx: JobContext, links: list[ChainLink],
+                           ledger: Ledger) -> Checkpoint | None:
         """The checkpoint furthest along ``links``: one existence round trip for the chain,
-        then reads from the end until one is intact. Also the lookups and hits, as counted in
-        the cache counters, for the record."""
+        then reads from the end until one is intact, each a lookup in ``ledger``."""
         keys = [link.checkpoint_key() for link in links[1:]]
         present = [k for k, ok in zip(keys, self.cache.batch_exists(keys), strict=True) if ok]
         if not present and (kept := self._kept_checkpoint(ctx, keys)) is not None:
-            return kept, NOTHING
-        lookups, hits = 0, 0
+            return kept
         if not present:  # a lookup that found nothing is a miss, or hit rates lie
-            self.cache.counters.add_many(ctx.job.tenant, KeyKind.CHECKPOINT,
-                                         {Event.LOOKUPS: 1.0, Event.MISSES: 1.0})
-            lookups = 1
+            ledger.lookup(KeyKind.CHECKPOINT, hit=False)
         found = None
         for key in reversed(present):
-            entry = self.cache.get(key)  # a counted lookup: its cost is the compute saved
-            lookups += 1
+            # A counted lookup: its cost is the compute saved.
+            entry = self.cache.get(key, ledger=ledger)
             if entry is None:
                 continue  # evicted or expired since the existence check
-            hits += 1
             try:
                 found = self._readable(entry.numpy().tobytes())
                 break
@@ -227,8 +223,7 @@ class DenoiseHandler:
                 log.warning("request %s: unreadable checkpoint %s removed",
                             ctx.job.request_id, key, exc_info=True)
                 self.cache.remove(key)
-        return found, RecordWrite(add={KindField.LOOKUPS.of(KeyKind.CHECKPOINT): lookups,
-                                       KindField.HITS.of(KeyKind.CHECKPOINT): hits})
+        return found
 
     def _readable(self, data: bytes) -> Checkpoint:
         """A stored checkpoint, CheckpointError unless this model's scheduler keeps what it

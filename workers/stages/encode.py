@@ -18,7 +18,7 @@ import redis
 import torch
 
 from cachesvc.codec import TensorSpec
-from cachesvc.counters import Event
+from cachesvc.ledger import Ledger
 from cachesvc.output_files import OutputFiles
 from cachesvc.reuse_index import ReuseIndexError
 from cachesvc.tensor_cache import TensorCache
@@ -28,8 +28,8 @@ from workers.families.base import Trajectory
 from workers.queue.messages import RefName, Role, Stage, TensorRef
 from workers.queue.reuse_metrics import steps_reused
 from workers.queue.runtime import JobContext, Outcome
-from workers.queue.schema import Field, KindField, State
-from workers.queue.scripts import RecordWrite
+from workers.queue.schema import Field, State
+from workers.queue.scripts import RecordWrite, tally_fields
 from workers.queue.spec_json import spec_to_json
 from workers.stages.approximate import ApproximateReuse, Rewrite, eligible
 from workers.stages.trajectory import chain_head
@@ -52,49 +52,40 @@ class EncodeHandler:
     def handle(self, ctx: JobContext) -> Outcome:
         job = ctx.job
         spec = ctx.spec()
-        encoded = self._encode(spec)
+        ledger = self.cache.ledger(spec.tenant)
+        encoded = self._encode(spec, ledger)
         refs = self._refs(spec, encoded)
-        cached, lookups = self._cached_output(spec, refs)
-        rewrite, looked = None, False
+        cached = self._cached_output(spec, refs, ledger)
+        rewrite = None
         # A request whose own output is cached takes it: approximate reuse never stands in
         # for an exact hit. A model without a table reuses nothing, and looks nothing up.
         reuse = self.reuse
         if cached is None and reuse is not None and reuse.table.rows and eligible(spec):
-            looked = spec.reuse.approximate
-            rewrite = self._reuse(reuse, spec, encoded,
+            rewrite = self._reuse(reuse, spec, encoded, ledger,
                                   first=job.generation == 0 and ctx.attempt == 1)
             if rewrite is not None:
                 spec = rewrite.spec
-                encoded |= self._encode(spec, encoded)
+                encoded |= self._encode(spec, ledger, encoded)
                 refs = self._refs(spec, encoded)
-                cached, more = self._cached_output(spec, refs)  # an identical rewrite's
-                lookups += more
-        counts = RecordWrite(add={
-            KindField.LOOKUPS.of(KeyKind.EMBEDDING): len(encoded),
-            KindField.HITS.of(KeyKind.EMBEDDING): sum(e.hit for e in encoded.values()),
-            KindField.LOOKUPS.of(KeyKind.OUTPUT): lookups,
-            KindField.HITS.of(KeyKind.OUTPUT): int(cached is not None)})
+                cached = self._cached_output(spec, refs, ledger)  # an identical rewrite's
+        counts = tally_fields(ledger.take())
         if rewrite is not None:  # the record holds what is computed from now on
             counts = counts | RecordWrite({Field.SPEC: spec_to_json(spec),
                                            **rewrite.hit.fields()})
-        if looked:
-            hit = int(rewrite is not None)
-            counts = counts | RecordWrite(add={KindField.LOOKUPS.of(KeyKind.APPROXIMATE): 1,
-                                               KindField.HITS.of(KeyKind.APPROXIMATE): hit})
         if cached is not None:
             return Outcome(None, State.DONE,
                            RecordWrite({Field.OUTPUT_KEY: str(cached)}) | counts)
         return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=counts,
                        affinity=tuple(lora.hash for lora in spec.loras))
 
-    def _encode(self, spec: GenerationSpec,
+    def _encode(self, spec: GenerationSpec, ledger: Ledger,
                 have: dict[str, EncodedText] | None = None) -> dict[str, EncodedText]:
         """Embeddings of the spec's texts but those in ``have``: each text is looked up (and
         counted) once per job, rewritten or not."""
         texts = [s.prompt for s in spec.schedule]
         texts += [s.negative_prompt for s in spec.schedule if spec.segment_uses_cfg(s)]
         return encode_texts(self.cache, self.model, spec.tenant,
-                            [t for t in texts if t not in (have or {})])
+                            [t for t in texts if t not in (have or {})], ledger)
 
     @staticmethod
     def _refs(spec: GenerationSpec, encoded: dict[str, EncodedText]) -> list[TensorRef]:
@@ -110,7 +101,7 @@ class EncodeHandler:
         return refs
 
     def _reuse(self, reuse: ApproximateReuse, spec: GenerationSpec,
-               encoded: dict[str, EncodedText], first: bool) -> Rewrite | None:
+               encoded: dict[str, EncodedText], ledger: Ledger, first: bool) -> Rewrite | None:
         """Look for a similar request to start from (approximate mode), else offer this one
         to later requests (on its first delivery only: a retry offers nothing new). Counted
         as a lookup of its own kind. The index is a cache too: when Redis or the index fails,
@@ -125,9 +116,7 @@ class EncodeHandler:
             log.warning("request %s: approximate reuse skipped (%s)", spec.request_id, exc)
             rewrite = None
         if spec.reuse.approximate:
-            hit = int(rewrite is not None)
-            self.cache.counters.add_many(spec.tenant, KeyKind.APPROXIMATE, {
-                Event.LOOKUPS: 1, Event.HITS: hit, Event.MISSES: 1 - hit})
+            ledger.lookup(KeyKind.APPROXIMATE, hit=rewrite is not None)
             if rewrite is not None:
                 self.cache.counters.add_fields(spec.tenant, steps_reused(rewrite.hit.step))
         return rewrite
@@ -135,10 +124,10 @@ class EncodeHandler:
     def discard(self, outcome: Outcome) -> None:
         """Embeddings are content-addressed and shared: nothing belongs to one attempt."""
 
-    def _cached_output(self, spec: GenerationSpec,
-                       refs: list[TensorRef]) -> tuple[StoreKey | None, int]:
-        """The output entry of this exact trajectory, if another request already made it, and
-        the counted lookups it took."""
+    def _cached_output(self, spec: GenerationSpec, refs: list[TensorRef],
+                       ledger: Ledger) -> StoreKey | None:
+        """The output entry of this exact trajectory, if another request already made it; its
+        lookups counted in ``ledger``."""
         t = self.trajectory
         head = chain_head(spec, {r.ref_name: StoreKey.parse(r.key) for r in refs},
                           adapted(t.fingerprint, spec.loras), t.scheduler_config,
@@ -146,12 +135,12 @@ class EncodeHandler:
         key = output_key(head, t.decoder_fingerprint, spec.output_format.value)
         # A counted lookup: a hit counts the compute recorded with the output as saved. The
         # read is one small file, against the seconds of denoising it replaces.
-        if self.cache.get(key) is not None:
-            return key, 1
+        if self.cache.get(key, ledger=ledger) is not None:
+            return key
         # Evicted from the store under memory pressure, but still on disk (durable outputs):
         # present, so put it back for this and every later repeat, and count that lookup too.
         data = self.files.read(key) if self.files is not None else None
         if data is None:
-            return None, 1
+            return None
         self.cache.put(key, torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        return (key if self.cache.contains(key) else None), 2
+        return key if self.cache.contains(key, ledger) else None

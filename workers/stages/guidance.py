@@ -18,9 +18,10 @@ import torch
 
 from cachesvc.codec import TensorSpec
 from cachesvc.counters import Event
+from cachesvc.ledger import Ledger
 from cachesvc.tensor_cache import TensorCache
 from keys import CfgMode, Fingerprint, GenerationSpec, KeyKind, StoreKey, cfg_key, tensor_digest
-from workers.queue.schema import Field, KindField
+from workers.queue.schema import Field
 from workers.queue.scripts import RecordWrite
 from workers.stages.hook_state import CachedForward
 from workers.stages.write_behind import WriteBehind
@@ -34,16 +35,12 @@ class GuidanceStats:
     """Forwards run and skipped during one attempt, written to the request record."""
 
     forwards: int = 0
-    lookups: int = 0
-    hits: int = 0
     reused: int = 0  # unconditional forwards replaced by the interval residual
 
     def as_fields(self) -> RecordWrite:
-        """Counters, added to the record: a request's attempts sum to its total."""
-        return RecordWrite(add={Field.FORWARDS: self.forwards,
-                                KindField.LOOKUPS.of(KeyKind.CFG): self.lookups,
-                                KindField.HITS.of(KeyKind.CFG): self.hits,
-                                Field.CFG_REUSED: self.reused})
+        """Counters, added to the record: a request's attempts sum to its total. (Its exact
+        tier's lookups are in the run's ledger.)"""
+        return RecordWrite(add={Field.FORWARDS: self.forwards, Field.CFG_REUSED: self.reused})
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +78,10 @@ class Guidance:
     where the request's CFG mode allows."""
 
     def __init__(self, cache: TensorCache, combine: Combine, model: Fingerprint,
-                 spec: GenerationSpec, *, lookup: bool,
+                 spec: GenerationSpec, ledger: Ledger, *, lookup: bool,
                  residual: torch.Tensor | None = None) -> None:
         self.cache = cache
+        self.ledger = ledger  # the run's: the exact tier's lookups are counted there
         self.combine = combine
         self.model = model
         self.spec = spec
@@ -117,11 +115,9 @@ class Guidance:
         """What the exact tier holds for ``plan``'s unconditional row: its output, or None
         (the row then runs)."""
         assert plan.asking is not None
-        self.stats.lookups += 1
         if found is None:
             plan.rows.append(plan.asking)
         else:
-            self.stats.hits += 1
             plan.uncond = found.to(plan.asking.latents.device)
         plan.asking = None
 
@@ -136,8 +132,7 @@ class Guidance:
         if plan.uncond_skipped:
             assert self.residual is not None
             self.stats.reused += 1
-            self.cache.counters.add(self.spec.tenant, KeyKind.CFG, Event.COMPUTE_SECONDS_SAVED,
-                                    self._uncond_s)
+            self.ledger.count(KeyKind.CFG, {Event.COMPUTE_SECONDS_SAVED: self._uncond_s})
             return self.combine(prediction, prediction - self.residual, plan.scale)
         uncond = plan.uncond
         if uncond is None:
@@ -165,7 +160,8 @@ class ExactTier:
             return
         keys = [plan.cfg_key for _, plan in asking]
         assert all(key is not None for key in keys)
-        found = self.cache.lookup_many(keys)  # type: ignore[arg-type]
+        found = self.cache.lookup_many(keys,  # type: ignore[arg-type]
+                                       [guidance.ledger for guidance, _ in asking])
         for (guidance, plan), tensor in zip(asking, found, strict=True):
             guidance.answer(plan, tensor)
 
