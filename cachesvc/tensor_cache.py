@@ -1,5 +1,6 @@
-"""The typed tensor cache every worker uses: get, put, exists, remove and batched forms, each
-counted once in the cache's ledger (lookups, hits, misses, bytes, compute saved).
+"""The typed tensor cache every worker uses: get, put, exists, remove and batched forms. Each
+lookup is counted once (hit or miss, bytes, compute saved): through the job's ledger when the
+caller passes one (``cachesvc.ledger``), which also tallies it for the job's record.
 
 Entries are self-describing (``cachesvc.codec``) and every read verifies the header and the whole
 payload's checksum before it returns (``entry_reader``): a corrupt entry is counted, removed and

@@ -352,3 +352,29 @@ def test_handoff_reads_and_probes_count_what_they_are(cache: TensorCache,
     fields = counted(cache, redis_client, "acme")
     assert "latents.lookups" not in fields and fields["latents.bytes_read"] == 2 * 8 * 4
     assert (fields["output.lookups"], fields["output.hits"], fields["output.misses"]) == (2, 1, 1)
+
+
+def test_a_jobs_ledger_counts_each_lookup_once_into_the_counters_and_its_tally(
+        cache: TensorCache, redis_client: redis.Redis) -> None:
+    """Every counted read, probe and batch lookup made with a job's ledger lands in the cache
+    counters and in the ledger's tally alike (what the job writes to its record); a handoff
+    read is no lookup in either; a take empties the tally, not the counters."""
+    tenant = f"ledger-{next(_ids)}"
+    ledger = cache.ledger(tenant)
+    stored, absent = key(KeyKind.EMBEDDING, tenant), key(KeyKind.EMBEDDING, tenant)
+    cache.put(stored, torch.ones(8), cost_s=0.5)
+    assert cache.get(stored, ledger=ledger) is not None
+    assert cache.get(absent, ledger=ledger) is None
+    assert cache.contains(stored, ledger) and not cache.contains(absent, ledger)
+    assert cache.get_or_compute(stored, lambda: torch.zeros(8), ledger).outcome is not None
+    cfg = key(KeyKind.CFG, tenant)
+    assert cache.lookup_many([cfg], [ledger]) == [None]
+    cache.get(stored, lookup=False, ledger=ledger)  # a handoff: bytes, no lookup
+    ledger.lookup(KeyKind.STEP, hit=True)  # a lookup that reads nothing
+    taken = ledger.take()
+    totals = counted(cache, redis_client, tenant)
+    for kind in (KeyKind.EMBEDDING, KeyKind.CFG, KeyKind.STEP):
+        assert (taken[kind].lookups, taken[kind].hits) == (
+            totals[f"{kind.value}.lookups"], totals.get(f"{kind.value}.hits", 0)), kind
+    assert (taken[KeyKind.EMBEDDING].lookups, taken[KeyKind.EMBEDDING].hits) == (5, 3)
+    assert ledger.take() == {}
