@@ -132,7 +132,6 @@ class CacheCounters:
         self.flush()
 
 
-
 class QueuedCounters(CacheCounters):
     """Counters whose hot path queues its counts, which every flush (the background one each
     ``flush_interval_s``, or an explicit one) adds in first: counted in place, right after a
@@ -155,6 +154,7 @@ class QueuedCounters(CacheCounters):
                 break
             self.add_many(tenant, kind, events)
         super().flush()
+
 
 def read_totals(client: redis.Redis, tenant: str) -> dict[str, float]:
     """Counters of ``tenant`` since the stack started."""

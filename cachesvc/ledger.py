@@ -40,7 +40,8 @@ class Ledger:
             self._tally[kind] = Tally(was.lookups + lookups, was.hits + hits)
 
     def lookup(self, kind: KeyKind, hit: bool) -> None:
-        """One lookup that read nothing (an existence check, or a step a hook stood in for)."""
+        """One lookup that read nothing: an existence check, or a search that found no
+        entry to read."""
         self.count(kind, {Event.LOOKUPS: 1.0, Event.HITS if hit else Event.MISSES: 1.0})
 
     def take(self) -> dict[KeyKind, Tally]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -130,8 +130,8 @@ class TensorCache:
         a lookup made with a job's ``ledger`` is counted there (every ``ledger`` below alike).
 
         ``lookup=False`` is for handing an entry on (a stage reading its input, the API
-        serving an output): it counts bytes read, but no lookup, hit or saving, so hit rates
-        measure reuse only.
+        serving an output): it counts bytes read, but no lookup, hit or saving, in the
+        counters or the ledger, so hit rates measure reuse only.
         """
         entry = self._reader.fetch(key)
         if lookup:
@@ -188,10 +188,7 @@ class TensorCache:
         """Whether ``key`` is cached, counted as a lookup: a hit or a miss without a read."""
         found = self.exists(key)
         events = {Event.LOOKUPS: 1.0, Event.HITS if found else Event.MISSES: 1.0}
-        if ledger is not None:
-            ledger.count(key.kind, events)
-        else:
-            self.counters.add_many(key.tenant, key.kind, events)
+        self._count(key, events, ledger)
         return found
 
     def exists(self, key: StoreKey) -> bool:
@@ -246,7 +243,13 @@ class TensorCache:
                 Event.BYTES_READ: float(entry.nbytes),
                 Event.COMPUTE_SECONDS_SAVED: entry.cost_s if saved_s is None else saved_s,
             }
-        if ledger is not None:
-            ledger.count(key.kind, events)
-        else:
+        self._count(key, events, ledger)
+
+    def _count(self, key: StoreKey, events: Mapping[Event, float],
+               ledger: Ledger | None) -> None:
+        if ledger is None:
             self.counters.queue(key.tenant, key.kind, events)
+        elif ledger.tenant != key.tenant:  # a job looks up its own tenant's keys only
+            raise ValueError(f"{key} looked up with the ledger of tenant {ledger.tenant!r}")
+        else:
+            ledger.count(key.kind, events)

@@ -20,6 +20,7 @@ from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
 from keys import KeyKind, StoreKey
 from tests.counting import counted
+from workers.queue.scripts import tally_fields
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 SHAPES = [(), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 4), (1, 2, 3, 2, 5)]
@@ -378,3 +379,7 @@ def test_a_jobs_ledger_counts_each_lookup_once_into_the_counters_and_its_tally(
             totals[f"{kind.value}.lookups"], totals.get(f"{kind.value}.hits", 0)), kind
     assert (taken[KeyKind.EMBEDDING].lookups, taken[KeyKind.EMBEDDING].hits) == (5, 3)
     assert ledger.take() == {}
+    with pytest.raises(ValueError, match="ledger of tenant"):  # another tenant's key
+        cache.get(key(KeyKind.EMBEDDING, "acme"), ledger=ledger)
+    # A kind a record always shows is written as 0 when nothing of it was looked up.
+    assert tally_fields(ledger.take(), [KeyKind.CFG]).add == {"lookups:cfg": 0, "hits:cfg": 0}

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from cachesvc.ledger import Ledger
 from keys import ChainLink, GenerationSpec, LoraUse, StoreKey
 from workers.engine.step_cache import RunStepCache
 from workers.families.scheduler_state import SchedulerFields
@@ -54,6 +55,11 @@ class DenoiseRun:
     def queued_at(self) -> float:
         """When the job was added to its stream (wall clock, from the entry id)."""
         return int(self.delivery.entry_id.partition("-")[0]) / 1000
+
+    @property
+    def ledger(self) -> Ledger:
+        """The attempt's ledger of lookups, which its guidance counts the CFG tier's in."""
+        return self.guidance.ledger
 
     @property
     def finished(self) -> bool:

@@ -113,11 +113,13 @@ class RecordWrite:
 NOTHING = RecordWrite()
 
 
-def tally_fields(taken: Mapping[KeyKind, Tally]) -> RecordWrite:
+def tally_fields(taken: Mapping[KeyKind, Tally],
+                 at_least: Sequence[KeyKind] = ()) -> RecordWrite:
     """A job's ledger (``cachesvc.ledger``), as the counters its record adds: the same
-    lookups and hits the cache counters were given."""
+    lookups and hits the cache counters were given. The kinds ``at_least`` are written even
+    when none was looked up, so the record shows them as 0 rather than not at all."""
     add: dict[str, int] = {}
-    for kind, tally in taken.items():
+    for kind, tally in {**{k: Tally(0, 0) for k in at_least}, **taken}.items():
         add[KindField.LOOKUPS.of(kind)] = tally.lookups
         add[KindField.HITS.of(kind)] = tally.hits
     return RecordWrite(add=add) if add else NOTHING

@@ -191,13 +191,15 @@ class DenoiseHandler:
     def _stats(self, run: DenoiseRun) -> RecordWrite:
         """What the attempt computed, and the lookups its ledger counted since the start, for
         the record; the step cache's forwards are lookups of their own kind."""
-        ledger = run.guidance.ledger
+        shown = [KeyKind.CFG]  # on every attempt's record, 0 when the tier was not asked
         if (cached := run.step_cache) is not None:
-            ledger.count(KeyKind.STEP, {Event.LOOKUPS: cached.forwards, Event.HITS: cached.skipped,
-                                        Event.MISSES: cached.forwards - cached.skipped})
+            run.ledger.count(KeyKind.STEP, {
+                Event.LOOKUPS: cached.forwards, Event.HITS: cached.skipped,
+                Event.MISSES: cached.forwards - cached.skipped})
             self.cache.counters.add_fields(run.spec.tenant, step_cache_fields(
                 cached.cache.policy, cached.forwards - cached.skipped, cached.skipped))
-        return run.guidance.stats.as_fields() | tally_fields(ledger.take())
+            shown.append(KeyKind.STEP)
+        return run.guidance.stats.as_fields() | tally_fields(run.ledger.take(), shown)
 
     def _latest_checkpoint(self, ctx: JobContext, links: list[ChainLink],
                            ledger: Ledger) -> Checkpoint | None:
