@@ -349,9 +349,12 @@ def test_the_api_reads_the_queue_side_only_through_its_client() -> None:
     """No reader of queue state (streams, records, metrics hashes) and no ``read_*`` function
     is imported by ``api/``: what it shows of the cluster comes through ``QueueClient``."""
     found: dict[str, set[str]] = {}
-    for path in (Path(__file__).parent.parent / "api").glob("*.py"):
+    for path in (Path(__file__).parent.parent / "api").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("workers"):
+            if isinstance(node, ast.Import):  # ``import workers.queue.x``
+                modules = {a.name for a in node.names if a.name.startswith("workers")}
+                found.setdefault(path.name, set()).update(modules)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("workers"):
                 module = node.module or ""
                 names = {a.name for a in node.names}
                 found.setdefault(path.name, set()).update(
