@@ -36,6 +36,7 @@ from api.schemas import (
 )
 from cachesvc.adapters import AdapterInfo, AdapterRegistry
 from cachesvc.cache_link import CacheLink
+from cachesvc.connect import RedisClient
 from cachesvc.errors import CacheError, StoreUnavailableError
 from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
@@ -146,7 +147,7 @@ def reuse_status(record: RequestRecord) -> ReuseStatus:
 @dataclass
 class Service:
     settings: Settings
-    redis: redis.Redis
+    redis: RedisClient
     store: CacheLink  # the store client, connected in the background
     queue: QueueClient = field(init=False)
     adapters: AdapterRegistry = field(init=False)

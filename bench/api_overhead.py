@@ -19,10 +19,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import redis
 
 from bench.common import bench_stack, report, start_workers
-from cachesvc.connect import open_redis
+from cachesvc.connect import RedisClient, open_redis
 from cachesvc.processes import ChildProcess, free_port
 from cachesvc.settings import ApiSettings, ModelSettings, Settings, child_environ
 from keys import GenerationSpec, OutputFormat
@@ -73,11 +72,11 @@ def direct(settings: Settings, events: RecordEvents, prompt: str, seed: int) -> 
     return time.perf_counter() - start
 
 
-def commands_processed(client: redis.Redis) -> int:
+def commands_processed(client: RedisClient) -> int:
     return int(client.info("stats")["total_commands_processed"])
 
 
-async def idle_stream_commands(url: str, settings: Settings, client: redis.Redis) -> float:
+async def idle_stream_commands(url: str, settings: Settings, client: RedisClient) -> float:
     """Redis commands per second while ``IDLE_STREAMS`` event streams follow requests that
     nothing runs (the workers are stopped), past their first event."""
     specs = [tiny_spec(settings, f"an idle request {i}", i) for i in range(IDLE_STREAMS)]

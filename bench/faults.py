@@ -26,6 +26,7 @@ from safetensors.torch import save as save_safetensors
 from bench.common import report
 from bench.lora import random_lora
 from bench.running_service import RunningService
+from cachesvc.connect import RedisClient
 from cachesvc.processes import free_port
 from keys import GenerationSpec, OutputFormat
 from keys.names import worker_inboxes
@@ -77,7 +78,7 @@ def references(model_dir: Path, wanted: list[tuple[GenerationSpec, bool]],
     return [(adapted if with_lora else plain)(spec) for spec, with_lora in wanted]
 
 
-def routed_jobs(client: redis.Redis) -> int:
+def routed_jobs(client: RedisClient) -> int:
     """Jobs ever added to a worker's inbox (a stream's entries-added survives its trims)."""
     inboxes: set[bytes] = client.smembers(worker_inboxes(Stage.DENOISE.value))  # type: ignore[assignment]
     total = 0

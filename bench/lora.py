@@ -11,13 +11,12 @@ import argparse
 import time
 from pathlib import Path
 
-import redis
 import torch
 import xxhash
 from safetensors.torch import save as save_safetensors
 
 from bench.common import model_stack, report, wait_all, workers
-from cachesvc.connect import open_cache, open_redis
+from cachesvc.connect import RedisClient, open_cache, open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, LoraUse, OutputFormat, StoreKey, adapter_key
 from keys.names import adapter_stats
@@ -57,7 +56,7 @@ def phase(settings: Settings, tenant: str, adapters: list[bytes], requests: int,
         cache.put(adapter_key(tenant, content_hash),
                   torch.frombuffer(bytearray(adapter), dtype=torch.uint8))
         hashes.append(content_hash)
-    client: redis.Redis = open_redis(settings)
+    client: RedisClient = open_redis(settings)
     client.delete(adapter_stats())
     specs = [GenerationSpec.create(
         request_id=new_request_id(), tenant=tenant, prompt="a heron at dawn",

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis
-
 from bench.common import NOOP_GO, NOOP_READY, NOOP_START_S
-from cachesvc.connect import open_redis
+from cachesvc.connect import RedisClient, open_redis
 from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
 from keys.names import consumer_group
@@ -22,7 +20,7 @@ def raw_stream(stage: Stage) -> str:
     return f"bench:raw:{stage.value}"
 
 
-def prepare(client: redis.Redis, record_keys: list[str]) -> None:
+def prepare(client: RedisClient, record_keys: list[str]) -> None:
     """Each job's entry in the first stage's stream, and the streams' consumer groups."""
     for stage in Stage:
         client.delete(raw_stream(stage))
@@ -53,7 +51,7 @@ def run_raw(stage: Stage, settings: Settings, batch: int) -> None:
         pipe.execute()
 
 
-def acknowledged(client: redis.Redis) -> int:
+def acknowledged(client: RedisClient) -> int:
     """Jobs the last stage has read and acknowledged."""
     for group in client.xinfo_groups(raw_stream(Stage.DECODE)):
         if group["name"].decode() == GROUP:

@@ -15,10 +15,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-import redis
-
 from bench.common import NOOP_GO, bench_stack, report, start_noop_workers, stop_processes
-from cachesvc.connect import open_redis
+from cachesvc.connect import RedisClient, open_redis
 from cachesvc.settings import RetentionSettings, Settings
 from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import request_index, stage_stream
@@ -67,17 +65,17 @@ class Sweeper:
         self._thread.join()
 
 
-def used_memory(client: redis.Redis) -> int:
+def used_memory(client: RedisClient) -> int:
     return int(client.info("memory")["used_memory"])
 
 
-def decoded(client: redis.Redis) -> int:
+def decoded(client: RedisClient) -> int:
     """Jobs the decode stage has published: the publish script counts each request once, and
     the count outlives the records that retention deletes."""
     return sum(stage_metrics.read(client, Stage.DECODE, p).count for p in Priority)
 
 
-def run_jobs(client: redis.Redis, specs: Sequence[GenerationSpec], done_before: int) -> None:
+def run_jobs(client: RedisClient, specs: Sequence[GenerationSpec], done_before: int) -> None:
     """Submit ``specs`` one by one while the workers drain them, then wait until all are done."""
     for spec in specs:
         submit(client, spec)
@@ -90,7 +88,7 @@ def run_jobs(client: redis.Redis, specs: Sequence[GenerationSpec], done_before: 
         time.sleep(0.05)
 
 
-def settle(client: redis.Redis, sweeper: Sweeper, retain_s: float) -> dict[str, int]:
+def settle(client: RedisClient, sweeper: Sweeper, retain_s: float) -> dict[str, int]:
     """Wait out the retention, sweep until nothing is left to remove, and measure Redis."""
     time.sleep(retain_s + SWEEP_EVERY_S)
     deadline = time.monotonic() + 60

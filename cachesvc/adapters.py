@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import redis
 import xxhash
 from pydantic import TypeAdapter
 
+from cachesvc.connect import RedisClient
 from cachesvc.output_files import OutputFiles
 from cachesvc.wire import UNVERSIONED, Wire
 from keys import adapter_key
@@ -107,7 +107,7 @@ class AdapterRegistry:
     """A tenant's adapters: bytes in the store, and on disk beside it (an adapter is uploaded,
     not computed: the store's copy is a cache of the file), names in Redis."""
 
-    def __init__(self, cache: Callable[[], TensorCache], client: redis.Redis,
+    def __init__(self, cache: Callable[[], TensorCache], client: RedisClient,
                  files_dir: Path) -> None:
         self._cache = cache  # the store client as it stands (the API connects it late)
         self.redis = client

@@ -12,8 +12,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-import redis
-
+from cachesvc.connect import RedisClient
 from cachesvc.errors import StoreUnavailableError
 from cachesvc.settings import Settings
 
@@ -30,7 +29,7 @@ class CacheLink:
     """Connects to the store on a thread, retrying with back-off until it succeeds or is
     closed; ``cache`` is the connection, or StoreUnavailableError while there is none yet."""
 
-    def __init__(self, settings: Settings, client: redis.Redis) -> None:
+    def __init__(self, settings: Settings, client: RedisClient) -> None:
         self._settings = settings
         self._client = client
         self._cache: TensorCache | None = None

@@ -6,9 +6,12 @@ never loads them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
 
 import redis
+from redis.cluster import RedisCluster
 
 from cachesvc.errors import StoreUnavailableError
 from cachesvc.settings import Settings
@@ -30,14 +33,43 @@ def store_endpoints(settings: Settings) -> StoreEndpoints:
                           store.master_metrics_url)
 
 
-def open_redis(settings: Settings) -> redis.Redis:
+# One server, or a Redis Cluster (``redis.cluster`` in the settings). The queue's keys share
+# one hash slot (``keys.names``), so every script runs the same on both.
+RedisClient: TypeAlias = redis.Redis | RedisCluster
+
+
+def open_redis(settings: Settings) -> RedisClient:
     if not settings.redis.url:
         raise ConnectionError("no Redis configured: run `diffcache up`, or set "
                               "DIFFCACHE_REDIS__URL")
+    if settings.redis.cluster:
+        return RedisCluster.from_url(settings.redis.url, health_check_interval=30)
     return redis.Redis.from_url(settings.redis.url, health_check_interval=30)
 
 
-def open_cache(settings: Settings, client: redis.Redis | None = None) -> TensorCache:
+@dataclass(frozen=True)
+class SlotServer:
+    """The server that holds one hash slot, and how many replicas follow it: where a command
+    that names no key (WAITAOF, SCAN) must go to mean that slot's keys."""
+
+    client: redis.Redis  # that server alone
+    options: Mapping[str, object]  # the routing a command sent through the cluster needs
+    replicas: int
+
+
+def slot_server(client: RedisClient, key: str) -> SlotServer:
+    """The server of ``key`` as the client last learnt the cluster's layout (no round trip);
+    on one server, that server."""
+    if not isinstance(client, RedisCluster):
+        return SlotServer(client, {}, 0)
+    slot: int = client.keyslot(key)  # type: ignore[no-untyped-call]
+    holders = client.nodes_manager.slots_cache.get(slot, [])
+    master = client.get_node_from_key(key)  # type: ignore[no-untyped-call]
+    return SlotServer(client.get_redis_connection(master), {"target_nodes": master},
+                      max(0, len(holders) - 1))
+
+
+def open_cache(settings: Settings, client: RedisClient | None = None) -> TensorCache:
     """A TensorCache over the configured store; ``client`` shares an existing Redis pool."""
     from cachesvc.mooncake_store import MooncakeStore
     from cachesvc.tensor_cache import TensorCache

@@ -18,6 +18,7 @@ from typing import Any
 import redis
 from prometheus_client import Counter
 
+from cachesvc.connect import RedisClient
 from keys import KeyKind
 from keys.names import stats_bucket, stats_total, tenants_registry
 
@@ -51,7 +52,7 @@ _PROM = {
 class CacheCounters:
     """Thread-safe counters; ``flush`` moves pending increments into Redis."""
 
-    def __init__(self, redis_client: redis.Redis | None, flush_interval_s: float,
+    def __init__(self, redis_client: RedisClient | None, flush_interval_s: float,
                  bucket_retention_s: int = BUCKET_RETENTION_S) -> None:
         self._redis = redis_client
         self._bucket_retention_s = bucket_retention_s
@@ -138,7 +139,7 @@ class QueuedCounters(CacheCounters):
     transfer's wait, when their code and data have left the cache, the same increments cost
     several times more. Queued counts land in the minute of the flush that adds them."""
 
-    def __init__(self, client: redis.Redis, flush_interval_s: float, *,
+    def __init__(self, client: RedisClient, flush_interval_s: float, *,
                  bucket_retention_s: int) -> None:
         self._queued: deque[tuple[str, KeyKind, Mapping[Event, float]]] = deque()
         super().__init__(client, flush_interval_s, bucket_retention_s=bucket_retention_s)
@@ -156,18 +157,18 @@ class QueuedCounters(CacheCounters):
         super().flush()
 
 
-def read_totals(client: redis.Redis, tenant: str) -> dict[str, float]:
+def read_totals(client: RedisClient, tenant: str) -> dict[str, float]:
     """Counters of ``tenant`` since the stack started."""
     raw: dict[bytes, bytes] = client.hgetall(stats_total(tenant))  # type: ignore[assignment]
     return {k.decode(): float(v) for k, v in raw.items()}
 
 
-def tenants(client: redis.Redis) -> list[str]:
+def tenants(client: RedisClient) -> list[str]:
     raw: set[bytes] = client.smembers(tenants_registry())  # type: ignore[assignment]
     return sorted(t.decode() for t in raw)
 
 
-def read_buckets(client: redis.Redis, tenant: str, minutes: range) -> dict[int, dict[str, float]]:
+def read_buckets(client: RedisClient, tenant: str, minutes: range) -> dict[int, dict[str, float]]:
     """Counters of ``tenant`` for each minute in ``minutes`` that has any."""
     pipe = client.pipeline(transaction=False)
     for minute in minutes:

@@ -13,8 +13,8 @@ from typing import Any
 
 import faiss
 import numpy as np
-import redis
 
+from cachesvc.connect import RedisClient
 from keys.names import reuse_vectors
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class _Bucket:
 class ReuseIndex:
     """Register a request's vector in its bucket; find the nearest earlier requests."""
 
-    def __init__(self, client: redis.Redis, max_per_bucket: int = 1_000_000) -> None:
+    def __init__(self, client: RedisClient, max_per_bucket: int = 1_000_000) -> None:
         self.redis = client
         self.max_per_bucket = max_per_bucket
         self._buckets: dict[str, _Bucket] = {}

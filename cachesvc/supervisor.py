@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
+from cachesvc.connect import RedisClient
 from cachesvc.processes import ChildProcess
 from cachesvc.wire import Wire, WireError
 from keys.names import supervised_children
@@ -142,7 +143,7 @@ class Supervisor:
 CHILD_STATUS: Wire[ChildStatus] = Wire("child status", ChildStatus)
 
 
-def publish(client: redis.Redis, statuses: Sequence[ChildStatus]) -> None:
+def publish(client: RedisClient, statuses: Sequence[ChildStatus]) -> None:
     """Write this host's children to Redis, where the API reads them for /readyz and
     /metrics. Best effort: with Redis itself restarting, the next change writes again."""
     host = socket.gethostname()
@@ -162,7 +163,7 @@ def publish(client: redis.Redis, statuses: Sequence[ChildStatus]) -> None:
         log.warning("could not publish child status (%s); will retry on the next change", exc)
 
 
-def read_published(client: redis.Redis) -> list[ChildStatus]:
+def read_published(client: RedisClient) -> list[ChildStatus]:
     """Every supervised child of the cluster, as last published; unreadable entries are
     skipped with a warning (they are validated JSON, never unpickled)."""
     raw: dict[bytes, bytes] = client.hgetall(supervised_children())  # type: ignore[assignment]

@@ -17,11 +17,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import redis
 import torch
 
 from cachesvc.buffers import BufferPool, RegisteredBuffer, TensorSlot
 from cachesvc.codec import TensorSpec
+from cachesvc.connect import RedisClient
 from cachesvc.counted_store import CountedStore
 from cachesvc.counters import BUCKET_RETENTION_S, Event, QueuedCounters
 from cachesvc.entry_reader import Entry, EntryReader
@@ -48,7 +48,7 @@ class Cached:
 
 
 class TensorCache:
-    def __init__(self, store: MooncakeStore, client: redis.Redis, settings: CacheSettings,
+    def __init__(self, store: MooncakeStore, client: RedisClient, settings: CacheSettings,
                  store_settings: StoreSettings, *,
                  stats_bucket_s: int = BUCKET_RETENTION_S) -> None:
         self.store = store

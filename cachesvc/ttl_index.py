@@ -9,8 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-import redis
-
+from cachesvc.connect import RedisClient
 from cachesvc.mooncake_store import MooncakeStore
 from keys import StoreKey
 from keys.names import tenants_registry, ttl_index
@@ -23,7 +22,7 @@ def now_ms() -> int:
 
 
 class TtlIndex:
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: RedisClient) -> None:
         self._redis = client
 
     def add(self, keys: list[StoreKey], expires_at_ms: int) -> None:

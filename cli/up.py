@@ -23,7 +23,7 @@ import httpx
 import redis
 from rich.console import Console
 
-from cachesvc.connect import open_redis, store_endpoints
+from cachesvc.connect import RedisClient, open_redis, store_endpoints
 from cachesvc.errors import CacheError
 from cachesvc.instance_lock import InstanceLock
 from cachesvc.mooncake_store import MooncakeStore
@@ -148,7 +148,7 @@ class ServiceTree:
             log.warning("the sweeper's pass outlasted %.0f s; stopping without it",
                         SWEEPER_STOP_S)
 
-    def _supervise(self, client: redis.Redis) -> None:
+    def _supervise(self, client: RedisClient) -> None:
         """Restart what exits until asked to stop; children are (re)started from this
         thread, the one their parent-death signal is tied to."""
         next_publish = 0.0

@@ -83,6 +83,17 @@ class StoreKey:
 
 
 # Redis keys. Each function documents the Redis type it names.
+#
+# Redis Cluster hashes only the part of a key inside its first ``{...}``. Each queue script
+# moves a request between stage streams, its record, the admission sets and the decode credits
+# in one atomic call, and a batch holds many requests, so no finer split keeps a script's keys
+# in one slot: every key a queue script touches carries this one tag, and the queue lives on
+# one master (with its replicas). Everything else (cache counters, TTL index, single-flight
+# locks, adapters, reuse vectors, heartbeats, engine figures) spreads over the cluster. The tag
+# comes before any caller-chosen text, so an id cannot move a key to another slot.
+QUEUE_TAG = "{q}"
+# The served model and its tokenizers change in one transaction (``served_model.py``).
+MODEL_TAG = "{model}"
 
 
 def flight_lock(key: StoreKey) -> str:
@@ -108,7 +119,7 @@ def stats_total(tenant: str) -> str:
 def stage_latency(stage: str, priority: str) -> str:
     """Hash: histogram of the job seconds of one stage and priority class, fields
     ``le:<bound>``, ``sum`` and ``count``."""
-    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:latency:{stage}:{priority}"
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:{QUEUE_TAG}:latency:{stage}:{priority}"
 
 
 def tenants_registry() -> str:
@@ -162,55 +173,56 @@ def lora_targets() -> str:
 
 def request_record(tenant: str, request_id: str) -> str:
     """Hash: the state, timings and results of one request (``workers.queue.records``)."""
-    return f"{KEY_VERSION}:{check_tenant(tenant)}:req:{request_id}"
+    return f"{KEY_VERSION}:{check_tenant(tenant)}:{QUEUE_TAG}:req:{request_id}"
 
 
 def request_record_lua() -> str:
     """``request_record`` as a Lua function of (tenant, request_id), for the queue script that
     reads a job and claims its record in one call (``workers/queue/lua/take.lua``); the job was
     written by a script from a checked tenant. ``tests/test_scripts.py`` checks the two agree."""
-    return f'function(tenant, id) return "{KEY_VERSION}:" .. tenant .. ":req:" .. id end'
+    return (f'function(tenant, id) return "{KEY_VERSION}:" .. tenant .. ":{QUEUE_TAG}:req:" '
+            ".. id end")
 
 
 def request_index(tenant: str) -> str:
     """Sorted set: request ids of ``tenant`` scored by submission time in unix ms."""
-    return f"{KEY_VERSION}:{check_tenant(tenant)}:requests"
+    return f"{KEY_VERSION}:{check_tenant(tenant)}:{QUEUE_TAG}:requests"
 
 
 def active_requests() -> str:
     """Sorted set: record keys (``request_record``) of every tenant's queued or running
     requests, scored by admission time in unix ms. Members whose request finished, was parked or
     is gone are dropped lazily at the next admission (``workers.queue.submit``)."""
-    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:active"
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:{QUEUE_TAG}:active"
 
 
 def tenant_active_requests(tenant: str) -> str:
     """Sorted set: record keys of ``tenant``'s queued or running requests, kept as
     ``active_requests`` is."""
-    return f"{KEY_VERSION}:{check_tenant(tenant)}:active"
+    return f"{KEY_VERSION}:{check_tenant(tenant)}:{QUEUE_TAG}:active"
 
 
 def stage_stream(stage: str, priority: str) -> str:
     """Stream: jobs of one priority class for one stage's worker pool. Shared by tenants; each
     job names its tenant."""
-    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:stream:{stage}:{priority}"
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:{QUEUE_TAG}:stream:{stage}:{priority}"
 
 
 def decode_credits() -> str:
     """Sorted set: the requests holding a decode credit (denoising, or latents not yet decoded),
     scored by when they took it."""
-    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:credits:decode"
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:{QUEUE_TAG}:credits:decode"
 
 
 def rescued_requests() -> str:
     """Hash: ``<stage>:<reason>`` -> requests the watchdog re-queued because nothing would
     ever have delivered them; in normal operation it stays empty."""
-    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:rescued"
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:{QUEUE_TAG}:rescued"
 
 
 def dead_letter_stream() -> str:
     """Stream: jobs that failed more deliveries than allowed, with the reason."""
-    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:stream:dead"
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:{QUEUE_TAG}:stream:dead"
 
 
 def supervised_children() -> str:
@@ -220,7 +232,7 @@ def supervised_children() -> str:
 
 def served_model() -> str:
     """String: JSON naming the model family and folder the workers serve."""
-    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:served-model"
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:{MODEL_TAG}:served-model"
 
 
 def admission_limits() -> str:
@@ -232,13 +244,13 @@ def admission_limits() -> str:
 def served_tokenizer(digest: str) -> str:
     """String: the served model's tokenizer (its ``tokenizer.json``), under its content hash,
     so the API counts a prompt's tokens as the workers will without the model folder."""
-    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:tokenizer:{digest}"
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:{MODEL_TAG}:tokenizer:{digest}"
 
 
 def worker_inbox(stage: str, consumer: str) -> str:
     """Stream: jobs routed to one worker (a denoise job to the worker that has its LoRA
     adapters loaded), read through the stage's consumer group like the shared streams."""
-    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:inbox:{stage}:{consumer}"
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:{QUEUE_TAG}:inbox:{stage}:{consumer}"
 
 
 def worker_inboxes(stage: str) -> str:

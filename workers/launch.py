@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import sys
 
-import redis
-
+from cachesvc.connect import RedisClient
 from cachesvc.processes import ChildProcess
 from workers.queue.heartbeats import live_workers
 from workers.queue.messages import Stage
@@ -19,7 +18,7 @@ def worker_argv(stage: Stage) -> list[str]:
     return [sys.executable, "-m", "workers", stage.value]
 
 
-def wait_joined(child: ChildProcess, client: redis.Redis, stage: Stage) -> None:
+def wait_joined(child: ChildProcess, client: RedisClient, stage: Stage) -> None:
     """Block until ``child`` beats as a worker of its stage; StartupError if it dies first."""
     name = consumer_name(child.pid)
 

@@ -6,10 +6,9 @@ import logging
 import signal
 from types import FrameType
 
-import redis
 import torch
 
-from cachesvc.connect import open_cache, open_redis
+from cachesvc.connect import RedisClient, open_cache, open_redis
 from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from workers.families import is_built, resolve
@@ -43,7 +42,7 @@ def ensure_model(settings: Settings) -> Family:
     return family
 
 
-def publish_model(client: redis.Redis, settings: Settings, family: Family) -> None:
+def publish_model(client: RedisClient, settings: Settings, family: Family) -> None:
     """Say which model this deployment serves (its defaults, geometry, card and tokenizer):
     admission checks every request against it, wherever it runs."""
     directory = settings.model_dir

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import redis
 
+from cachesvc.connect import RedisClient
 from cachesvc.errors import StoreFullError, StoreUnavailableError
 from cachesvc.settings import WorkerSettings
 from workers.engine.core import StepResult
@@ -46,7 +47,7 @@ class EngineWorker(StageWorker):
 
     handler: DenoiseHandler
 
-    def __init__(self, handler: DenoiseHandler, client: redis.Redis, settings: WorkerSettings,
+    def __init__(self, handler: DenoiseHandler, client: RedisClient, settings: WorkerSettings,
                  preemption: Callable[[Job], PreemptCheck | None] | None = None,
                  inbox: bool = False) -> None:
         super().__init__(handler, client, settings, preemption=preemption, inbox=inbox)

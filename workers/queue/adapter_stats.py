@@ -8,6 +8,7 @@ import logging
 import redis
 from pydantic.dataclasses import dataclass
 
+from cachesvc.connect import RedisClient
 from cachesvc.wire import Wire, WireError
 from keys.names import adapter_stats
 
@@ -27,7 +28,7 @@ class WorkerAdapters:
 _STATS: Wire[WorkerAdapters] = Wire("worker adapters", WorkerAdapters)
 
 
-def publish_adapter_stats(client: redis.Redis, stats: WorkerAdapters) -> None:
+def publish_adapter_stats(client: RedisClient, stats: WorkerAdapters) -> None:
     """Best effort: a failed write is logged, and the next load or swap writes again."""
     try:
         client.hset(adapter_stats(), stats.consumer, _STATS.encode(stats))
@@ -35,7 +36,7 @@ def publish_adapter_stats(client: redis.Redis, stats: WorkerAdapters) -> None:
         log.warning("adapter stats of %s not published (%s)", stats.consumer, exc)
 
 
-def read_adapter_stats(client: redis.Redis) -> list[WorkerAdapters]:
+def read_adapter_stats(client: RedisClient) -> list[WorkerAdapters]:
     raw: dict[bytes, bytes] = client.hgetall(adapter_stats())  # type: ignore[assignment]
     out = []
     for field, value in sorted(raw.items()):

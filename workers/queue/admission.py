@@ -13,8 +13,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-import redis
-
+from cachesvc.connect import RedisClient
 from cachesvc.settings import ApiSettings
 from cachesvc.wire import Wire, WireError
 from keys import GenerationSpec, OutputFormat, Priority
@@ -84,11 +83,11 @@ class Limits:
 _LIMITS: Wire[Limits] = Wire("admission limits", Limits)
 
 
-def publish_limits(client: redis.Redis, limits: Limits) -> None:
+def publish_limits(client: RedisClient, limits: Limits) -> None:
     client.set(admission_limits(), _LIMITS.encode(limits))
 
 
-def published_limits(client: redis.Redis) -> Limits | None:
+def published_limits(client: RedisClient) -> Limits | None:
     """The limits the API last published; None before one started (or unreadable)."""
     raw = client.get(admission_limits())
     if raw is None:
@@ -213,7 +212,7 @@ def check_model(name: str | None, model: ServedModel) -> None:
 class Admission:
     """Checks and submits new requests against one deployment's limits and bounds."""
 
-    def __init__(self, client: redis.Redis, limits: Limits) -> None:
+    def __init__(self, client: RedisClient, limits: Limits) -> None:
         self._client = client
         self._limits = limits
         self._bounds = Bounds(limits.max_queue_depth, limits.max_jobs_per_tenant)

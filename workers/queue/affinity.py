@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import redis
-
+from cachesvc.connect import RedisClient
 from keys.names import worker_inbox
 from workers.queue.adapter_stats import read_adapter_stats
 from workers.queue.heartbeats import live_workers
@@ -15,7 +14,7 @@ from workers.queue.messages import Stage
 
 
 class AdapterRouter:
-    def __init__(self, client: redis.Redis, live_within_s: float) -> None:
+    def __init__(self, client: RedisClient, live_within_s: float) -> None:
         self.redis = client
         self.live_within_s = live_within_s
 

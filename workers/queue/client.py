@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import redis
-
+from cachesvc.connect import RedisClient
 from keys import GenerationSpec
 from keys.spec import valid_request_id
 from workers.queue.admission import Admission, Limits
@@ -44,7 +43,7 @@ class NotReadyError(RuntimeError):
 class QueueClient:
     """Requests in the queue, for one deployment's limits."""
 
-    def __init__(self, client: redis.Redis, limits: Limits) -> None:
+    def __init__(self, client: RedisClient, limits: Limits) -> None:
         # Built once: they register their Lua scripts with the client.
         self.redis = client
         self.admission = Admission(client, limits)

@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-import redis
-
+from cachesvc.connect import RedisClient
 from keys import Priority
 from keys.names import request_index
 from workers.queue import engine_metrics, stage_metrics
@@ -54,7 +53,7 @@ class EngineView:
 class ClusterView:
     """Reads of the queue side's cluster-wide state, each its own round trip or few."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: RedisClient) -> None:
         self.redis = client
         self._records = Records(client)
 

@@ -9,15 +9,14 @@ abandoned job cannot leak a credit; a re-queued or recomputed job gives it back 
 
 from __future__ import annotations
 
-import redis
-
+from cachesvc.connect import RedisClient
 from keys.names import decode_credits, request_record
 from workers.queue.script_args import AcquireCreditArgs, ReleaseCreditArgs
 from workers.queue.scripts import Result, Scripts
 
 
 class Credits:
-    def __init__(self, client: redis.Redis, limit: int) -> None:
+    def __init__(self, client: RedisClient, limit: int) -> None:
         self.redis = client
         self.limit = limit
         self.scripts = Scripts(client)

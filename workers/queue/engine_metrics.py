@@ -9,8 +9,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import redis
-
+from cachesvc.connect import RedisClient
 from cachesvc.wire import Wire, WireError
 from keys.names import engine_join_wait, engine_occupancy, engine_rows
 from workers.queue import stage_metrics
@@ -36,7 +35,7 @@ _LOAD: Wire[tuple[int, int]] = Wire("engine occupancy", tuple[int, int])
 class EngineMetrics:
     """One worker's writer: everything a step changed, in one round trip."""
 
-    def __init__(self, client: redis.Redis, consumer: str, capacity: int) -> None:
+    def __init__(self, client: RedisClient, consumer: str, capacity: int) -> None:
         self._redis = client
         self._consumer = consumer
         self._capacity = capacity
@@ -58,17 +57,17 @@ class EngineMetrics:
         self._redis.hdel(engine_occupancy(), self._consumer)
 
 
-def read_rows(client: redis.Redis) -> dict[int, int]:
+def read_rows(client: RedisClient) -> dict[int, int]:
     """Forwards per row count, over every engine since the keys were made."""
     raw: dict[bytes, bytes] = client.hgetall(engine_rows())  # type: ignore[assignment]
     return {int(k.decode().partition(":")[2]): int(v) for k, v in raw.items()}
 
 
-def read_join_wait(client: redis.Redis) -> Histogram:
+def read_join_wait(client: RedisClient) -> Histogram:
     return stage_metrics.read_hash(client, engine_join_wait())
 
 
-def read_occupancy(client: redis.Redis) -> list[Occupancy]:
+def read_occupancy(client: RedisClient) -> list[Occupancy]:
     raw: dict[bytes, bytes] = client.hgetall(engine_occupancy())  # type: ignore[assignment]
     out = []
     for worker, value in sorted(raw.items()):

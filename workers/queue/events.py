@@ -1,9 +1,10 @@
 """Record change notifications, so that nobody has to poll a record to follow a request.
 
-Every script that writes a record publishes on the record's events channel. One pub/sub
-connection per process serves every waiter: a waiter registers a wake-up for one request and is
-called on each change. A notification lost to a reconnect is made up for by a reread every
-``fallback_s``, which bounds what an idle follower costs Redis.
+Every script that writes a record publishes on the record's events channel, a sharded channel
+(SPUBLISH): on a Redis Cluster it reaches only the shard that holds the record, not every node.
+One pub/sub connection per process serves every waiter: a waiter registers a wake-up for one
+request and is called on each change. A notification lost to a reconnect is made up for by a
+reread every ``fallback_s``, which bounds what an idle follower costs Redis.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import redis
+from redis.cluster import ClusterPubSub
 
+from cachesvc.connect import RedisClient
 from keys.names import request_record
 from workers.queue.records import Records
 from workers.queue.schema import RequestRecord
@@ -34,10 +37,14 @@ _LISTEN_S = 1.0
 class RecordEvents:
     """One subscriber thread that fans each record's notifications out to its waiters."""
 
-    def __init__(self, client: redis.Redis, fallback_s: float = FALLBACK_S) -> None:
+    def __init__(self, client: RedisClient, fallback_s: float = FALLBACK_S) -> None:
         self.records = Records(client)
         self.fallback_s = fallback_s
         self._pubsub = client.pubsub(ignore_subscribe_messages=True)
+        # A cluster's pub/sub reads sharded messages from a connection per shard of its own.
+        self._next_message = (self._pubsub.get_sharded_message
+                              if isinstance(self._pubsub, ClusterPubSub)
+                              else self._pubsub.get_message)
         self._waiters: dict[str, set[Callable[[], object]]] = {}
         # Held while (un)subscribing too, so a channel's last waiter leaving and a new one
         # arriving reach Redis in the order they happened.
@@ -55,7 +62,7 @@ class RecordEvents:
         channel = events_channel(record)
         with self._lock:
             if channel not in self._waiters:
-                self._pubsub.subscribe(channel)
+                self._pubsub.ssubscribe(channel)
                 # The hot scripts announce a change only to a record someone watches.
                 self.records.scripts.run(WatchArgs(record, 1))
             self._waiters.setdefault(channel, set()).add(wake)
@@ -67,7 +74,7 @@ class RecordEvents:
                 waiters.discard(wake)
                 if not waiters:
                     del self._waiters[channel]
-                    self._pubsub.unsubscribe(channel)
+                    self._pubsub.sunsubscribe(channel)
                     self._unwatch(record)
 
     def _unwatch(self, record: str) -> None:
@@ -110,13 +117,13 @@ class RecordEvents:
                 self._stop.wait(0.05)
                 continue
             try:
-                message = self._pubsub.get_message(timeout=_LISTEN_S)
+                message = self._next_message(timeout=_LISTEN_S)
             except redis.RedisError as exc:
                 # redis-py subscribes again on reconnect; waiters reread meanwhile.
                 log.warning("record events: %s; reconnecting", exc)
                 self._stop.wait(1.0)
                 continue
-            if message is None or message["type"] != "message":
+            if message is None or message["type"] != "smessage":
                 continue
             with self._lock:
                 waiters = list(self._waiters.get(message["channel"].decode(), ()))

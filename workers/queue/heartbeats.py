@@ -10,6 +10,7 @@ import time
 
 import redis
 
+from cachesvc.connect import RedisClient
 from keys.names import worker_heartbeats
 from workers.queue.messages import Stage
 
@@ -22,7 +23,7 @@ class Heartbeat:
     """A thread that says every ``interval_s`` that this worker lives, busy or idle, so
     readiness never mistakes a long job for a dead worker."""
 
-    def __init__(self, client: redis.Redis, stage: Stage, consumer: str,
+    def __init__(self, client: RedisClient, stage: Stage, consumer: str,
                  interval_s: float) -> None:
         self._redis = client
         self._key = worker_heartbeats(stage.value)
@@ -53,7 +54,7 @@ class Heartbeat:
             self._redis.zrem(self._key, self._consumer)
 
 
-def live_workers(client: redis.Redis, stage: Stage, within_s: float) -> set[str]:
+def live_workers(client: RedisClient, stage: Stage, within_s: float) -> set[str]:
     """Consumer names of ``stage``'s workers whose heartbeat is at most ``within_s`` old."""
     since = int((time.time() - within_s) * 1000)
     names: list[bytes] = client.zrangebyscore(  # type: ignore[assignment]

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import redis
-
+from cachesvc.connect import RedisClient
 from keys import KeyKind
 from keys.names import consumer_group, decode_credits, request_record, stage_stream
 from workers.queue.messages import Job, Stage
@@ -43,7 +42,7 @@ def redone_fields(start: Stage) -> tuple[str, ...]:
 class Lifecycle:
     """The fenced scripts that take a request off a worker and put it back."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: RedisClient) -> None:
         self.redis = client
         self.scripts = Scripts(client)
 

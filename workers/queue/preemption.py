@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import time
 
-import redis
-
+from cachesvc.connect import RedisClient
 from cachesvc.settings import WorkerSettings
 from keys import Priority
 from workers.queue.messages import Job, Stage
@@ -21,7 +20,7 @@ from workers.queue.streams import oldest_waiting
 
 
 class InteractiveWaiting:
-    def __init__(self, client: redis.Redis, stage: Stage, settings: WorkerSettings) -> None:
+    def __init__(self, client: RedisClient, stage: Stage, settings: WorkerSettings) -> None:
         self.redis = client
         self.stage = stage
         self.grace_ms = settings.preempt_grace_ms

@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
+from cachesvc.connect import RedisClient
 from keys import GenerationSpec, Priority
 from keys.names import (
     consumer_group,
@@ -71,7 +70,7 @@ def initial_fields(spec: GenerationSpec) -> RecordWrite:
 class Records:
     """Reads and fenced writes of request records."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: RedisClient) -> None:
         self.redis = client
         self.scripts = Scripts(client)
 

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import redis
 
+from cachesvc.connect import RedisClient, slot_server
 from cachesvc.settings import RetentionSettings
 from keys.names import (
+    QUEUE_TAG,
     InvalidTenantError,
     check_tenant,
     dead_letter_stream,
@@ -70,7 +72,7 @@ def _index_pattern() -> tuple[str, str]:
 class Retention:
     """Trims, expiries and clean-ups that keep Redis from growing with every request served."""
 
-    def __init__(self, client: redis.Redis, settings: RetentionSettings) -> None:
+    def __init__(self, client: RedisClient, settings: RetentionSettings) -> None:
         self.redis = client
         self.settings = settings
         self.scripts = Scripts(client)
@@ -125,7 +127,9 @@ class Retention:
             registered: set[bytes] = self.redis.smembers(  # type: ignore[assignment]
                 tenants_registry())
             keys: list[bytes]
-            self._scan_cursor, keys = self.redis.scan(  # type: ignore[assignment]
+            # Every request index carries the queue's hash tag: on a cluster, one server.
+            queue_server = slot_server(self.redis, QUEUE_TAG).client
+            self._scan_cursor, keys = queue_server.scan(  # type: ignore[assignment]
                 self._scan_cursor, match=f"{self._head}*{self._tail}",
                 count=self.settings.sweep_batch, _type="zset")
         except redis.RedisError as exc:

@@ -19,6 +19,7 @@ from typing import Protocol, TypeVar
 
 import redis
 
+from cachesvc.connect import RedisClient
 from cachesvc.errors import StoreFullError, StoreUnavailableError
 from cachesvc.settings import WorkerSettings
 from keys import GenerationSpec, KeyKind
@@ -226,7 +227,7 @@ class StageWorker:
     """The queue contract every stage worker keeps: claim with fencing, leases, retries
     through store outages, dead letters, publish or re-queue. Subclasses say how jobs run."""
 
-    def __init__(self, handler: StageHandler, client: redis.Redis, settings: WorkerSettings,
+    def __init__(self, handler: StageHandler, client: RedisClient, settings: WorkerSettings,
                  after_publish: Callable[[Job, Outcome], None] | None = None,
                  preemption: Callable[[Job], PreemptCheck | None] | None = None,
                  router: AdapterRouter | None = None, inbox: bool = False) -> None:

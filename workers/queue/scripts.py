@@ -23,7 +23,9 @@ import redis
 import xxhash
 from pydantic_core import to_json
 from redis.client import Pipeline
+from redis.cluster import RedisCluster
 
+from cachesvc.connect import RedisClient
 from cachesvc.ledger import Tally
 from keys import KeyKind
 from keys.names import request_record_lua
@@ -304,18 +306,19 @@ def function_name(cls: type[ScriptArgs]) -> str:
     return f"{library()[1]}_{cls.NAME}"
 
 
-# Pools whose server this process has loaded the library on.
-_LOADED: weakref.WeakSet[redis.ConnectionPool] = weakref.WeakSet()
+# Connection pools (of one server) and cluster clients this process has loaded the library on.
+_LOADED: weakref.WeakSet[redis.ConnectionPool | RedisCluster] = weakref.WeakSet()
 
 
-def load_library(client: redis.Redis, *, again: bool = False) -> None:
-    """Load the library once per connection pool (``again``: its server lost it, as one that
-    restarted without persistence does). Loading is idempotent: REPLACE swaps it atomically."""
-    pool = client.connection_pool
-    if pool in _LOADED and not again:
+def load_library(client: RedisClient, *, again: bool = False) -> None:
+    """Load the library once per server, or on every primary of a cluster (``again``: a server
+    lost it, as one that restarted without persistence does; a replica promoted since has it,
+    as functions replicate). Loading is idempotent: REPLACE swaps it atomically."""
+    servers = client if isinstance(client, RedisCluster) else client.connection_pool
+    if servers in _LOADED and not again:
         return
     client.function_load(library()[0], replace=True)
-    _LOADED.add(pool)
+    _LOADED.add(servers)
 
 
 def lost_library(error: object) -> bool:
@@ -324,7 +327,7 @@ def lost_library(error: object) -> bool:
     return isinstance(error, redis.ResponseError) and "function not found" in str(error).lower()
 
 
-def execute(client: redis.Redis, queue: Callable[[Pipeline], object]) -> list[Any]:
+def execute(client: RedisClient, queue: Callable[[Pipeline], object]) -> list[Any]:
     """Run the commands ``queue`` puts in a pipeline, in one round trip; if the server lost
     the library, load it and run them once more (no FCALL ran, so nothing ran twice). Errors
     come back in place, as ``execute(raise_on_error=False)`` has them."""
@@ -343,7 +346,7 @@ def execute(client: redis.Redis, queue: Callable[[Pipeline], object]) -> list[An
 class Scripts:
     """The library's functions on one client; ``run`` calls one, directly or in a pipeline."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: RedisClient) -> None:
         # The library is loaded at the first call, not here: a process must start (and answer
         # 503) while Redis is away.
         self.redis = client

@@ -16,11 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-import redis
 import xxhash
 from pydantic import TypeAdapter
 from redis.client import Pipeline
 
+from cachesvc.connect import RedisClient
 from cachesvc.settings import ModelSettings
 from cachesvc.wire import UNVERSIONED, Wire, WireError
 from keys import GenerationSpec, StepCachePolicy
@@ -204,7 +204,7 @@ class NotPublishedError(RuntimeError):
     be checked: retry once a worker has started."""
 
 
-def publish_served(client: redis.Redis, model: ServedModel, tokenizer_json: str) -> None:
+def publish_served(client: RedisClient, model: ServedModel, tokenizer_json: str) -> None:
     """Publish the model with its tokenizer (``tokenizer.json`` text): the tokenizer first,
     under its content hash, so whoever reads the model finds its tokenizer there too. Workers
     of one deployment publish the same tokenizer, which travels once. When the tokenizer
@@ -238,7 +238,7 @@ def _tokenizer_of(raw: bytes | str) -> str | None:
         return None
 
 
-def read_served(client: redis.Redis) -> ServedModel | None:
+def read_served(client: RedisClient) -> ServedModel | None:
     """What the workers last said they serve; None before any worker started."""
     raw = client.get(served_model())
     if raw is None:
@@ -251,7 +251,7 @@ def read_served(client: redis.Redis) -> ServedModel | None:
     return found
 
 
-def served(client: redis.Redis) -> ServedModel:
+def served(client: RedisClient) -> ServedModel:
     """What the workers serve, with a tokenizer published; NotPublishedError before then."""
     found = read_served(client)
     if found is None or not found.tokenizer:
@@ -260,7 +260,7 @@ def served(client: redis.Redis) -> ServedModel:
     return found
 
 
-def read_tokenizer(client: redis.Redis, digest: str) -> str:
+def read_tokenizer(client: RedisClient, digest: str) -> str:
     """The tokenizer published under ``digest``, as ``tokenizer.json`` text."""
     raw = client.get(served_tokenizer(digest))
     if raw is None:
@@ -272,7 +272,7 @@ def read_tokenizer(client: redis.Redis, digest: str) -> str:
 _TARGET: Wire[tuple[int, int]] = Wire("lora target", tuple[int, int])  # (out, in)
 
 
-def publish_lora_targets(client: redis.Redis, linears: Mapping[str, tuple[int, int]]) -> None:
+def publish_lora_targets(client: RedisClient, linears: Mapping[str, tuple[int, int]]) -> None:
     """The served denoiser's linear layers (name -> (out, in)), which adapters must fit."""
     pipe = client.pipeline()
     pipe.delete(lora_targets())
@@ -282,7 +282,7 @@ def publish_lora_targets(client: redis.Redis, linears: Mapping[str, tuple[int, i
     pipe.execute()
 
 
-def read_lora_targets(client: redis.Redis) -> dict[str, tuple[int, int]]:
+def read_lora_targets(client: RedisClient) -> dict[str, tuple[int, int]]:
     """What denoise workers last published; empty before one started."""
     raw: dict[bytes, bytes] = client.hgetall(lora_targets())  # type: ignore[assignment]
     out: dict[str, tuple[int, int]] = {}

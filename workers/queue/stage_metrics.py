@@ -6,8 +6,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-import redis
-
+from cachesvc.connect import RedisClient
 from keys import Priority
 from keys.names import stage_latency
 from workers.queue.messages import Stage
@@ -54,11 +53,11 @@ class Histogram:
         return None
 
 
-def read(client: redis.Redis, stage: Stage, priority: Priority) -> Histogram:
+def read(client: RedisClient, stage: Stage, priority: Priority) -> Histogram:
     return read_hash(client, stage_latency(stage.value, priority.value))
 
 
-def read_hash(client: redis.Redis, key: str) -> Histogram:
+def read_hash(client: RedisClient, key: str) -> Histogram:
     """The histogram kept in the hash ``key`` (fields ``le:<bound>``, ``sum``, ``count``)."""
     raw: dict[bytes, bytes] = client.hgetall(key)  # type: ignore[assignment]
     fields = {k.decode(): float(v) for k, v in raw.items()}

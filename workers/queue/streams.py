@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 
+from cachesvc.connect import RedisClient
 from keys import Priority
 from keys.names import consumer_group, stage_stream, worker_inbox, worker_inboxes
 from workers.queue.messages import Job, Stage
@@ -49,7 +50,7 @@ class StageQueue:
     """A stage's shared streams and, with ``inbox_wait_ms`` set, this worker's inbox of jobs
     routed to it; an inbox job that waited longer than that goes to any worker."""
 
-    def __init__(self, client: redis.Redis, stage: Stage, consumer: str,
+    def __init__(self, client: RedisClient, stage: Stage, consumer: str,
                  inbox_wait_ms: int | None = None) -> None:
         self.redis = client
         self.stage = stage
@@ -296,7 +297,7 @@ class LeaseKeeper:
         self._thread.join()
 
 
-def queue_counts(client: redis.Redis) -> dict[tuple[Stage, Priority], tuple[int, int]]:
+def queue_counts(client: RedisClient) -> dict[tuple[Stage, Priority], tuple[int, int]]:
     """(waiting, in flight) of every stage and priority class, in one round trip."""
     classes = [(stage, p) for stage in Stage for p in PRIORITY_ORDER]
     pipe = client.pipeline(transaction=False)
@@ -313,13 +314,13 @@ def queue_counts(client: redis.Redis) -> dict[tuple[Stage, Priority], tuple[int,
     return out
 
 
-def oldest_waiting(client: redis.Redis, stage: Stage, priority: Priority) -> str | None:
+def oldest_waiting(client: RedisClient, stage: Stage, priority: Priority) -> str | None:
     """The id of the oldest entry of one class that no worker has taken yet, if any."""
     return _oldest_unread(client, stage_stream(stage.value, priority.value),
                           consumer_group(stage.value))
 
 
-def _oldest_unread(client: redis.Redis, stream: str, group: str) -> str | None:
+def _oldest_unread(client: RedisClient, stream: str, group: str) -> str | None:
     try:
         groups = client.xinfo_groups(stream)
     except redis.ResponseError:
@@ -332,7 +333,7 @@ def _oldest_unread(client: redis.Redis, stream: str, group: str) -> str | None:
     return None
 
 
-def stage_streams(client: redis.Redis, stage: Stage) -> list[str]:
+def stage_streams(client: RedisClient, stage: Stage) -> list[str]:
     """Every stream a job of ``stage`` can wait in: the shared streams, one per class, then
     every worker's inbox. Takeover, retention and the watchdog all walk this one list, so a
     place a job can wait that one of them does not cover cannot exist."""

@@ -15,11 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import redis
 from redis.client import Pipeline
 
+from cachesvc.connect import RedisClient, slot_server
 from keys import GenerationSpec
 from keys.names import (
+    QUEUE_TAG,
     active_requests,
     request_index,
     request_record,
@@ -78,7 +79,7 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def submit(client: redis.Redis, spec: GenerationSpec, *, durable_timeout_ms: int = 2000,
+def submit(client: RedisClient, spec: GenerationSpec, *, durable_timeout_ms: int = 2000,
            bounds: Bounds = UNBOUNDED, fields: RecordWrite = NOTHING) -> str:
     """Accept ``spec`` and return its request id; a request id seen before is not re-queued.
 
@@ -99,7 +100,7 @@ def submit(client: redis.Redis, spec: GenerationSpec, *, durable_timeout_ms: int
     return spec.request_id
 
 
-def readmit(client: redis.Redis, spec: GenerationSpec, bounds: Bounds = UNBOUNDED) -> None:
+def readmit(client: RedisClient, spec: GenerationSpec, bounds: Bounds = UNBOUNDED) -> None:
     """Count an existing request as queued or running again, as a resume is about to make it.
 
     Raises AdmissionError when ``bounds`` would be exceeded. Until the resume has moved the
@@ -114,24 +115,39 @@ def readmit(client: redis.Redis, spec: GenerationSpec, bounds: Bounds = UNBOUNDE
         raise _refused(result, spec, bounds)
 
 
-def run_durably(client: redis.Redis, request_id: str, write: Callable[[Pipeline], object],
+def run_durably(client: RedisClient, request_id: str, write: Callable[[Pipeline], object],
                 timeout_ms: int = 2000) -> list[Any]:
-    """Run the commands ``write`` queues, then wait until the server has fsynced them.
+    """Run the commands ``write`` queues, then wait until the server has fsynced them and, on
+    a Redis Cluster, until a replica of the queue's master (when it has one) holds them, so
+    that a failover keeps what was accepted.
 
-    WAITAOF covers the writes of its own connection, so both travel in one pipeline.
+    WAITAOF and WAIT cover the writes of their own connection, so all travel in one pipeline
+    (on a cluster, routed to the queue's master, whose commands share one connection). The
+    replica is waited for with WAIT, not WAITAOF: a replica acknowledges its fsync only once
+    a second, and the replica that a failover promotes is alive, with the write in memory.
     Returns the results of the queued commands.
     """
+    server = slot_server(client, QUEUE_TAG)
+    replicas = min(server.replicas, 1)
+
     def queue(pipe: Pipeline) -> None:
         write(pipe)
-        pipe.execute_command("WAITAOF", 1, 0, timeout_ms)
+        pipe.execute_command("WAITAOF", 1, 0, timeout_ms, **server.options)
+        if replicas:
+            pipe.execute_command("WAIT", replicas, timeout_ms, **server.options)
 
-    *results, waited = execute(client, queue)
+    results = execute(client, queue)
+    replicated = results.pop() if replicas else 0
+    fsynced = results.pop()
     for result in results:
         if isinstance(result, Exception):
             raise result
-    if isinstance(waited, Exception):
-        raise DurabilityError(f"request {request_id} was written but the server cannot "
-                              f"confirm it is durable ({waited}); enable appendonly")
-    if int(waited[0]) < 1:
-        raise DurabilityError(f"request {request_id} not fsynced within {timeout_ms} ms")
+    for waited in (fsynced, replicated):
+        if isinstance(waited, Exception):
+            raise DurabilityError(f"request {request_id} was written but the server cannot "
+                                  f"confirm it is durable ({waited}); enable appendonly")
+    if int(fsynced[0]) < 1 or int(replicated) < replicas:
+        raise DurabilityError(f"request {request_id} not durable within {timeout_ms} ms "
+                              f"(fsynced: {fsynced[0]}, on replicas: {replicated} of "
+                              f"{replicas})")
     return results

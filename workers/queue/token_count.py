@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-import redis
 from tokenizers import Tokenizer
 
+from cachesvc.connect import RedisClient
 from workers.queue.served_model import ServedModel, read_tokenizer
 
 TokenCounter = Callable[[str], int]
@@ -23,7 +23,7 @@ class TokenCounters:
     """Token counters for the served model, its tokenizer parsed once per content hash (a
     real tokenizer is megabytes of JSON)."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: RedisClient) -> None:
         self._client = client
         self._lock = threading.Lock()
         self._parsed: tuple[str, Tokenizer] | None = None  # the latest model's only

@@ -19,6 +19,7 @@ from typing import Any
 
 import redis
 
+from cachesvc.connect import RedisClient
 from keys.names import (
     active_requests,
     consumer_group,
@@ -92,7 +93,7 @@ def stage_of(state: State) -> Stage:
 class Watchdog:
     """``patrol`` examines every queued or running request once; the sweeper calls it."""
 
-    def __init__(self, client: redis.Redis, orphan_after_s: float, live_within_s: float) -> None:
+    def __init__(self, client: RedisClient, orphan_after_s: float, live_within_s: float) -> None:
         self.redis = client
         self.orphan_after_s = orphan_after_s
         self.live_within_s = live_within_s
@@ -202,7 +203,7 @@ class Watchdog:
         return result is Result.OK
 
 
-def read_rescued(client: redis.Redis) -> dict[tuple[Stage, RescueReason], int]:
+def read_rescued(client: RedisClient) -> dict[tuple[Stage, RescueReason], int]:
     """(stage, reason) -> requests the watchdog re-queued, since the cluster started."""
     raw: dict[bytes, bytes] = client.hgetall(rescued_requests())  # type: ignore[assignment]
     out: dict[tuple[Stage, RescueReason], int] = {}

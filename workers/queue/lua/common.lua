@@ -38,7 +38,7 @@ local function add_job(stream, job, record, generation)
 end
 
 local function notify(record)
-  redis.call('PUBLISH', record .. EVENTS_SUFFIX, state_of(record) or '')
+  redis.call('SPUBLISH', record .. EVENTS_SUFFIX, state_of(record) or '')
 end
 
 -- The hot scripts (claim, update, publish) read what they decide on in one HMGET and write in
@@ -150,7 +150,7 @@ end
 -- ``notify`` when the state is known, and only if someone follows the record (``read_stage``
 -- read its watchers): most records are never followed, and a PUBLISH costs a call.
 local function announce(record, state, read)
-  if read.watched then redis.call('PUBLISH', record .. EVENTS_SUFFIX, state) end
+  if read.watched then redis.call('SPUBLISH', record .. EVENTS_SUFFIX, state) end
 end
 
 -- Move the record into state ``to``. A move the schema does not allow is a bug in a script:
