@@ -58,7 +58,7 @@ from workers.queue.served_model import ServedModel
 from workers.queue.submit import new_request_id
 
 if TYPE_CHECKING:
-    from cachesvc.tensor_cache import TensorCache
+    from cachesvc.byte_entries import ByteEntries
 
 # Drops an idempotency key only while it still names the request that was refused, so a
 # concurrent duplicate that won meanwhile keeps its key.
@@ -164,7 +164,7 @@ class Service:
                       if cache.durable_outputs else None)
 
     @property
-    def cache(self) -> TensorCache:
+    def cache(self) -> ByteEntries:
         """The store client; StoreUnavailableError (503) until it has connected."""
         return self.store.cache
 
@@ -299,11 +299,11 @@ class Service:
         key = StoreKey.parse(record.output_key)
         outage: StoreUnavailableError | None = None
         try:
-            data = self.cache.get(key, lookup=False)
+            data = self.cache.read(key)
         except StoreUnavailableError as exc:
             data, outage = None, exc  # the output file may still be there
         if data is not None:
-            return record, data.numpy().tobytes()
+            return record, data
         on_disk = self.files.read(key) if self.files is not None else None
         if on_disk is not None:
             return record, on_disk
@@ -372,14 +372,12 @@ class Service:
         storage node is gone is not a working store."""
         if not self.store.connected:
             return False
-        import torch  # loaded with the store client, so not at the API's start
-
         key = StoreKey(self.settings.default_tenant, KeyKind.SCRATCH, f"readyz-{uuid4().hex}")
-        probe = torch.arange(16, dtype=torch.uint8)
+        probe = bytes(range(16))
         try:
-            self.cache.put(key, probe)
-            back = self.cache.get(key, lookup=False)
+            self.cache.write(key, probe)
+            back = self.cache.read(key)
             self.cache.remove(key)
         except CacheError:
             return False
-        return back is not None and bool(torch.equal(back, probe))
+        return back == probe

@@ -22,7 +22,7 @@ from keys import adapter_key
 from keys.names import adapter_index
 
 if TYPE_CHECKING:
-    from cachesvc.tensor_cache import TensorCache
+    from cachesvc.byte_entries import ByteEntries
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _LORA_KEY = re.compile(r"^transformer\.(?P<module>.+)\.lora_(?P<half>[AB])\.weight$")
@@ -107,7 +107,7 @@ class AdapterRegistry:
     """A tenant's adapters: bytes in the store, and on disk beside it (an adapter is uploaded,
     not computed: the store's copy is a cache of the file), names in Redis."""
 
-    def __init__(self, cache: Callable[[], TensorCache], client: RedisClient,
+    def __init__(self, cache: Callable[[], ByteEntries], client: RedisClient,
                  files_dir: Path) -> None:
         self._cache = cache  # the store client as it stands (the API connects it late)
         self.redis = client
@@ -159,10 +159,7 @@ class AdapterRegistry:
         return True
 
     def _store(self, tenant: str, content_hash: str, data: bytes) -> None:
-        import torch  # loaded with the store client, so not at the API's start
-
-        self._cache().put(adapter_key(tenant, content_hash),
-                       torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self._cache().write(adapter_key(tenant, content_hash), data)
 
 
 def as_dict(info: AdapterInfo) -> dict[str, object]:

@@ -17,7 +17,7 @@ import torch
 
 from cachesvc import codec
 from cachesvc.errors import CacheError
-from cachesvc.mooncake_store import MooncakeStore
+from cachesvc.store_backend import StoreBackend
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class TensorSlot:
 class BufferPool:
     """Up to ``max_slabs`` registered slabs of ``slab_bytes``, created on first use."""
 
-    def __init__(self, store: MooncakeStore, slab_bytes: int, max_slabs: int) -> None:
+    def __init__(self, store: StoreBackend, slab_bytes: int, max_slabs: int) -> None:
         self._store = store
         self.slab_bytes = slab_bytes
         self._max_slabs = max_slabs

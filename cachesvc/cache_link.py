@@ -2,8 +2,9 @@
 store (health, status, events, results on disk, admission) from its first second, and answers
 503 for the rest until the store client is up.
 
-The connection and the torch it needs are loaded on a thread: a restarted API listens within
-a second instead of after its store client's set-up (10 s and more when the master is slow).
+The connection is made on a thread: a restarted API listens within a second instead of after
+its store client's set-up (10 s and more when the master is slow). It holds byte entries, not
+the tensor cache: the API never loads torch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from cachesvc.errors import StoreUnavailableError
 from cachesvc.settings import Settings
 
 if TYPE_CHECKING:
-    from cachesvc.tensor_cache import TensorCache
+    from cachesvc.byte_entries import ByteEntries
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +33,14 @@ class CacheLink:
     def __init__(self, settings: Settings, client: RedisClient) -> None:
         self._settings = settings
         self._client = client
-        self._cache: TensorCache | None = None
+        self._cache: ByteEntries | None = None
         self._last_error = "connecting"
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._connect, name="store-link", daemon=True)
         self._thread.start()
 
     @property
-    def cache(self) -> TensorCache:
+    def cache(self) -> ByteEntries:
         cache = self._cache
         if cache is None:
             raise StoreUnavailableError(self.status, op="connect")
@@ -65,9 +66,9 @@ class CacheLink:
         delay = FIRST_RETRY_S
         while not self._closed.is_set():
             try:
-                from cachesvc.connect import open_cache  # torch and Mooncake load here
+                from cachesvc.connect import open_byte_entries  # Mooncake loads here
 
-                cache = open_cache(self._settings, self._client)
+                cache = open_byte_entries(self._settings, self._client)
                 if self._closed.is_set():  # closed while it connected: nobody will use it
                     cache.close()
                     return

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 
 from cachesvc.errors import CodecError
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"DCT\x00"
 VERSION = 1
@@ -29,35 +32,42 @@ _FIXED = struct.Struct("<4sHBBIQQQQ")
 _PER_ENTRY = struct.Struct("<QQQ")
 _PER_ENTRY_AT = 20
 
-_DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.float64: 4,
-    torch.int64: 5,
-    torch.int32: 6,
-    torch.int16: 7,
-    torch.int8: 8,
-    torch.uint8: 9,
-    torch.bool: 10,
+# dtype name -> (code in the header, bytes per element). By name, so that headers are read
+# and written without torch: the API handles byte entries and never loads it.
+_DTYPES: dict[str, tuple[int, int]] = {
+    "float32": (1, 4),
+    "float16": (2, 2),
+    "bfloat16": (3, 2),
+    "float64": (4, 8),
+    "int64": (5, 8),
+    "int32": (6, 4),
+    "int16": (7, 2),
+    "int8": (8, 1),
+    "uint8": (9, 1),
+    "bool": (10, 1),
 }
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
-_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in _DTYPE_CODES}
-_CODE_NAMES = {code: str(dtype).removeprefix("torch.") for code, dtype in _CODE_DTYPES.items()}
+_CODE_NAMES = {code: name for name, (code, _) in _DTYPES.items()}
+
+
+def _unsupported(dtype: object) -> CodecError:
+    return CodecError(f"unsupported dtype {dtype!r}; supported: {sorted(_DTYPES)}")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
     """``torch.float32`` for ``"float32"``; raises CodecError for dtypes entries cannot hold."""
-    try:
-        return _DTYPE_NAMES[name]
-    except KeyError:
-        raise CodecError(f"unsupported dtype {name!r}; supported: {sorted(_DTYPE_NAMES)}") from None
+    if name not in _DTYPES:
+        raise _unsupported(name)
+    import torch  # only callers that hold tensors get here, with torch loaded
+
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    if dtype not in _DTYPE_CODES:
-        raise CodecError(f"unsupported dtype {dtype}; supported: {sorted(_DTYPE_NAMES)}")
-    return str(dtype).removeprefix("torch.")
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise _unsupported(dtype)
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +78,8 @@ class TensorSpec:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        dtype_from_name(self.dtype)
+        if self.dtype not in _DTYPES:
+            raise _unsupported(self.dtype)
         if len(self.shape) > MAX_NDIM or any(d < 0 for d in self.shape):
             raise CodecError(f"shape {self.shape} must have <= {MAX_NDIM} non-negative dims")
 
@@ -85,7 +96,7 @@ class TensorSpec:
         n = 1
         for d in self.shape:
             n *= d
-        return n * self.torch_dtype.itemsize
+        return n * _DTYPES[self.dtype][1]
 
     @property
     def header_bytes(self) -> int:
@@ -140,7 +151,7 @@ def write_header(buf: memoryview, spec: TensorSpec, *, checksum: int, cost_us: i
     """Write the header for ``spec`` at the start of ``buf``; returns the header size."""
     size = spec.header_bytes
     ndim = len(spec.shape)
-    _FIXED.pack_into(buf, 0, MAGIC, VERSION, _DTYPE_CODES[spec.torch_dtype], ndim, size,
+    _FIXED.pack_into(buf, 0, MAGIC, VERSION, _DTYPES[spec.dtype][0], ndim, size,
                      spec.payload_bytes, checksum, cost_us, expires_at_ms)
     struct.pack_into(f"<{ndim}Q", buf, _FIXED.size, *spec.shape)
     buf[_FIXED.size + 8 * ndim:size] = bytes(size - _FIXED.size - 8 * ndim)
@@ -157,7 +168,7 @@ def parse_header(buf: memoryview) -> Header:
         raise CodecError(f"bad magic {magic!r}")
     if version != VERSION:
         raise CodecError(f"unsupported entry version {version}")
-    if code not in _CODE_DTYPES or ndim > MAX_NDIM or size != header_size(ndim) or size > len(buf):
+    if code not in _CODE_NAMES or ndim > MAX_NDIM or size != header_size(ndim) or size > len(buf):
         raise CodecError(f"malformed header (dtype code {code}, ndim {ndim}, size {size})")
     shape = struct.unpack_from(f"<{ndim}Q", buf, _FIXED.size)
     spec = TensorSpec(_CODE_NAMES[code], shape)

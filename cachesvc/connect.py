@@ -1,8 +1,8 @@
 """Connections of one process to Redis and the store, built from the settings object.
 
-The store's modules (torch, Mooncake) are imported when a store connection is opened, so a
-process that needs only Redis (the CLI's client commands, the API before its store link is up)
-never loads them."""
+The store's modules (Mooncake, and torch for the tensor cache) are imported when a store
+connection is opened, so a process that needs only Redis (the CLI's client commands) never
+loads them, and the API, which opens byte entries only, never loads torch."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from cachesvc.errors import StoreUnavailableError
 from cachesvc.settings import Settings
 
 if TYPE_CHECKING:
+    from cachesvc.byte_entries import ByteEntries
     from cachesvc.mooncake_store import StoreEndpoints
     from cachesvc.tensor_cache import TensorCache
 
@@ -76,4 +77,14 @@ def open_cache(settings: Settings, client: RedisClient | None = None) -> TensorC
 
     store = MooncakeStore.connect(store_endpoints(settings), settings.store)
     return TensorCache(store, client or open_redis(settings), settings.cache, settings.store,
+                       stats_bucket_s=settings.retention.stats_bucket_s)
+
+
+def open_byte_entries(settings: Settings, client: RedisClient | None = None) -> ByteEntries:
+    """Byte entries over the configured store (no torch); ``client`` shares a Redis pool."""
+    from cachesvc.byte_entries import ByteEntries
+    from cachesvc.mooncake_store import MooncakeStore
+
+    store = MooncakeStore.connect(store_endpoints(settings), settings.store)
+    return ByteEntries(store, client or open_redis(settings), settings.cache,
                        stats_bucket_s=settings.retention.stats_bucket_s)

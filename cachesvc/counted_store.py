@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from cachesvc.counters import CacheCounters, Event
 from cachesvc.errors import StoreFullError, StoreUnavailableError
-from cachesvc.mooncake_store import MooncakeStore, mounted_bytes
+from cachesvc.store_backend import StoreBackend
 from keys import StoreKey
 
 T = TypeVar("T")
@@ -23,7 +23,7 @@ FULL_STORE_WAIT_S = 3.0
 class CountedStore:
     """``store`` with every call made on behalf of a key, and counted against it."""
 
-    def __init__(self, store: MooncakeStore, counters: CacheCounters) -> None:
+    def __init__(self, store: StoreBackend, counters: CacheCounters) -> None:
         self.store = store
         self._counters = counters
 
@@ -65,8 +65,7 @@ class CountedStore:
 
     def _raise_if_no_storage_node(self, key: StoreKey, full: StoreFullError) -> None:
         """A store without storage nodes answers a put as a full one would: name the cause."""
-        url = self.store.endpoints.metrics_url
-        if url is not None and mounted_bytes(url) == 0:
+        if self.store.storage_mounted() is False:
             self._counters.add(key.tenant, key.kind, Event.STORE_UNAVAILABLE)
             raise StoreUnavailableError("no storage node is mounted (every one is down or "
                                         "restarting)", key=str(key), op="put") from full

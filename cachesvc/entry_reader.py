@@ -6,7 +6,6 @@ and read as a miss."""
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -18,11 +17,10 @@ from cachesvc.buffers import BufferPool, RegisteredBuffer, TensorSlot, packed_of
 from cachesvc.codec import Header
 from cachesvc.counted_store import CountedStore
 from cachesvc.counters import CacheCounters, Event
+from cachesvc.entry_io import discard, verified
 from cachesvc.errors import CodecError, EntryTooLargeError
 from cachesvc.ttl_index import now_ms
 from keys import StoreKey
-
-log = logging.getLogger(__name__)
 
 # From this size up an entry moves through a get session and ranged transfers, whose wait
 # sleeps: get_into spins while it waits, which on a machine short of cores takes a core from the
@@ -137,11 +135,8 @@ class EntryReader:
              copy: bool = False) -> Entry | None:
         """Verify the entry of ``size`` bytes at ``offset``: a view of it, or with ``copy`` a
         copy, taken after the checksum (which leaves the bytes in cache for it)."""
-        view = buf.memoryview()[offset:offset + size]
         try:
-            header = codec.read_header(view, size)
-            if codec.checksum(view[header.size:]) != header.checksum:
-                raise CodecError("payload checksum mismatch")
+            header = verified(buf.memoryview()[offset:offset + size])
         except CodecError as exc:
             self._discard(key, Event.CORRUPT, exc)
             return None
@@ -198,8 +193,4 @@ class EntryReader:
         return Entry(view, header.cost_us / 1e6, header.payload_bytes)
 
     def _discard(self, key: StoreKey, event: Event, error: CodecError | None) -> None:
-        """Count and remove a corrupt or expired entry; the read is a miss."""
-        if error is not None:
-            log.error("removing corrupt cache entry %s: %s", key, error)
-        self._counters.add(key.tenant, key.kind, event)
-        self._store.remove(key)
+        discard(self._store, self._counters, key, event, error)

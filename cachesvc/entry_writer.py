@@ -4,31 +4,22 @@ a batch of smaller entries travels in one call."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
 
-from cachesvc import codec
-from cachesvc.buffers import BufferPool, RegisteredBuffer, TensorSlot, packed_offsets
+from cachesvc import codec, entry_io
+from cachesvc.buffers import BufferPool, TensorSlot, packed_offsets
 from cachesvc.codec import TensorSpec
 from cachesvc.counted_store import CountedStore
 from cachesvc.counters import Event, QueuedCounters
-from cachesvc.errors import CacheError
-from cachesvc.mooncake_store import replicate_config
+from cachesvc.entry_io import seal, send
 from cachesvc.policy import KindPolicy
 from cachesvc.ttl_index import TtlIndex, now_ms
 from keys import KeyKind, StoreKey
 
-log = logging.getLogger(__name__)
-
-# From this size up an entry is written through a put session, whose wait sleeps: put_from
-# spins while it waits, which on a machine short of cores takes a core from the transfer itself.
-# Reads move to sessions from a smaller size (entry_reader.SESSION_MIN_BYTES): a write hashes
-# its payload before it sends either way, so only the spinning is saved.
-PUT_SESSION_MIN_BYTES = 4 << 20
 # Threads for the TTL index writes (a Redis round trip each) that run while entries are sent.
 IO_THREADS = 2
 
@@ -45,7 +36,7 @@ class EntryWriter:
         self._policies = policies
         self._ttl_index = ttl_index
         self._counters = counters
-        self._configs = {pin: replicate_config(soft_pin=pin) for pin in (False, True)}
+        self._configs = {pin: store.store.put_config(soft_pin=pin) for pin in (False, True)}
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="cache-io")
 
     def close(self) -> None:
@@ -72,13 +63,14 @@ class EntryWriter:
 
     def put_many(self, items: Sequence[tuple[StoreKey, torch.Tensor]],
                  costs: Sequence[float]) -> None:
-        """Store several tensors of one kind's policy, those under PUT_SESSION_MIN_BYTES in
-        one call."""
+        """Store several tensors of one kind's policy, those under
+        ``entry_io.PUT_SESSION_MIN_BYTES`` in one call."""
         specs = [TensorSpec.of(t) for _, t in items]
-        small = [i for i, spec in enumerate(specs) if spec.entry_bytes < PUT_SESSION_MIN_BYTES]
+        small = [i for i, spec in enumerate(specs)
+                 if spec.entry_bytes < entry_io.PUT_SESSION_MIN_BYTES]
         if len(small) < len(items):
             # Large entries go one by one through a put session, which waits by sleeping
-            # (see PUT_SESSION_MIN_BYTES); the rest still travel together.
+            # (see entry_io.PUT_SESSION_MIN_BYTES); the rest still travel together.
             for i in sorted(set(range(len(items))) - set(small)):
                 self.put(items[i][0], items[i][1], costs[i])
             items, specs, costs = ([items[i] for i in small], [specs[i] for i in small],
@@ -95,7 +87,8 @@ class EntryWriter:
             for (_, tensor), spec, off, cost in zip(items, specs, offsets[:-1], costs,
                                                     strict=True):
                 codec.typed_view(buf.raw, off + spec.header_bytes, spec).copy_(tensor)
-                _seal(buf, off, spec, int(cost * 1e6), expires_at_ms)
+                seal(buf.memoryview()[off:off + spec.entry_bytes], spec, int(cost * 1e6),
+                     expires_at_ms)
             self._store.write(keys[0], lambda: raw.batch_put_from(
                 [str(k) for k in keys], [buf.ptr + o for o in offsets[:-1]],
                 [s.entry_bytes for s in specs], config))
@@ -106,9 +99,7 @@ class EntryWriter:
         return self._configs[self._policies[key.kind].soft_pin]
 
     def _expiry(self, key: StoreKey) -> int:
-        """The expiry to write into ``key``'s header and TTL index; 0 for kinds without TTL."""
-        ttl = self._policies[key.kind].ttl_s
-        return 0 if ttl is None else now_ms() + int(ttl * 1000)
+        return self._policies[key.kind].expiry_ms(now_ms())
 
     def _index_ttl(self, keys: list[StoreKey], expires_at_ms: int) -> Future[None] | None:
         """Start the TTL index write of ``keys`` (a Redis round trip), to run while their entries
@@ -128,40 +119,8 @@ class EntryWriter:
                                  {Event.BYTES_WRITTEN: float(payload_bytes)})
 
     def _send(self, key: StoreKey, slot: TensorSlot, cost_us: int, expires_at_ms: int) -> None:
-        """Seal and send the entry laid out in ``slot``; a key that exists (or that another
-        writer holds) is left to the first writer."""
-        name, buf, spec, raw = str(key), slot.buffer, slot.spec, self._store.store
-        size, config = spec.entry_bytes, self._config(key)
+        """Seal and send the entry laid out in ``slot``."""
+        buf, spec = slot.buffer, slot.spec
         # Sealed before the first wait, while the payload the caller just wrote is in cache.
-        _seal(buf, 0, spec, cost_us, expires_at_ms, slot.layout)
-        if size < PUT_SESSION_MIN_BYTES:
-            raw.put_from(name, buf.ptr, size, config)
-            return
-        if not raw.begin_put(name, size, config):
-            return
-        try:
-            raw.put_range(name, buf.ptr, size, 0)
-            raw.end_put(name)
-        except BaseException:
-            self._revoke(key, name)
-            raise
-
-    def _revoke(self, key: StoreKey, name: str) -> None:
-        """Drop an unfinished put: ending a session that missed a range would publish bytes
-        never written."""
-        try:
-            self._store.store.revoke_put(name)
-        except CacheError as exc:
-            log.warning("could not revoke the unfinished put of %s: %s", key, exc)
-
-
-def _seal(buf: RegisteredBuffer, offset: int, spec: TensorSpec, cost_us: int,
-          expires_at_ms: int, layout: codec.Layout | None = None) -> None:
-    """Write the header of the entry at ``offset`` of ``buf``, whose payload is in place."""
-    view = buf.memoryview()[offset:offset + spec.entry_bytes]
-    checksum = codec.checksum(view[spec.header_bytes:])
-    if layout is None:
-        codec.write_header(view, spec, checksum=checksum, cost_us=cost_us,
-                           expires_at_ms=expires_at_ms)
-    else:
-        layout.write(view, checksum=checksum, cost_us=cost_us, expires_at_ms=expires_at_ms)
+        seal(buf.memoryview(spec.entry_bytes), spec, cost_us, expires_at_ms, slot.layout)
+        send(self._store.store, str(key), buf.ptr, spec.entry_bytes, self._config(key))

@@ -128,6 +128,15 @@ class MooncakeStore:
     def close(self) -> None:
         self._client.close()
 
+    def put_config(self, *, soft_pin: bool) -> Any:
+        return replicate_config(soft_pin=soft_pin)
+
+    def storage_mounted(self) -> bool | None:
+        """From the master's metrics: whether any storage node has mounted memory."""
+        url = self.endpoints.metrics_url
+        mounted = None if url is None else mounted_bytes(url)
+        return None if mounted is None else mounted > 0
+
     # Registered memory ------------------------------------------------------------------------
 
     def register(self, ptr: int, size: int) -> None:

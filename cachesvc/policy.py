@@ -20,6 +20,11 @@ class KindPolicy:
     ttl_s: float | None
     delete_on_consume: bool
 
+    def expiry_ms(self, now_ms: int) -> int:
+        """The expiry an entry written at ``now_ms`` carries in its header and TTL index; 0
+        for kinds that never expire."""
+        return 0 if self.ttl_s is None else now_ms + int(self.ttl_s * 1000)
+
 
 def policies(settings: CacheSettings) -> Mapping[KeyKind, KindPolicy]:
     return {

@@ -28,10 +28,10 @@ from cachesvc.entry_reader import Entry, EntryReader
 from cachesvc.entry_writer import EntryWriter
 from cachesvc.errors import StoreUnavailableError
 from cachesvc.ledger import Ledger
-from cachesvc.mooncake_store import MooncakeStore
 from cachesvc.policy import KindPolicy, policies
 from cachesvc.settings import CacheSettings, StoreSettings
 from cachesvc.single_flight import Outcome, SingleFlight
+from cachesvc.store_backend import StoreBackend
 from cachesvc.ttl_index import TtlIndex
 from keys import StoreKey
 from keys.names import flight_lock
@@ -48,7 +48,7 @@ class Cached:
 
 
 class TensorCache:
-    def __init__(self, store: MooncakeStore, client: RedisClient, settings: CacheSettings,
+    def __init__(self, store: StoreBackend, client: RedisClient, settings: CacheSettings,
                  store_settings: StoreSettings, *,
                  stats_bucket_s: int = BUCKET_RETENTION_S) -> None:
         self.store = store

@@ -10,7 +10,7 @@ import logging
 import time
 
 from cachesvc.connect import RedisClient
-from cachesvc.mooncake_store import MooncakeStore
+from cachesvc.store_backend import StoreBackend
 from keys import StoreKey
 from keys.names import tenants_registry, ttl_index
 
@@ -32,7 +32,7 @@ class TtlIndex:
             pipe.sadd(tenants_registry(), key.tenant)
         pipe.execute()
 
-    def sweep(self, store: MooncakeStore, page: int = 1000) -> int:
+    def sweep(self, store: StoreBackend, page: int = 1000) -> int:
         """Remove every expired entry, ``page`` at a time per tenant; returns how many were
         removed. Pages repeat until none is left, so the index never outgrows the sweep."""
         removed = 0

@@ -5,9 +5,11 @@ name through the worker pool, and a tenant can neither see nor use another tenan
 from __future__ import annotations
 
 import io
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -16,7 +18,8 @@ from safetensors.torch import save as save_safetensors
 from api.app import create_app
 from bench.lora import random_lora
 from cachesvc.connect import open_cache
-from cachesvc.settings import ApiSettings, Settings
+from cachesvc.processes import ChildProcess, free_port
+from cachesvc.settings import ApiSettings, Settings, child_environ
 from cachesvc.waiting import wait_until
 from keys import adapter_key
 
@@ -112,3 +115,44 @@ def test_bad_uploads_are_refused_naming_what_is_wrong(http: TestClient,
     too_big = http.post("/v1/adapters?name=big", content=b"\0" * (4 * 2**20 + 1), headers=A)
     assert too_big.status_code == 413 and "api.max_adapter_bytes" in too_big.json()["error"]
     assert http.post("/v1/adapters?name=bad/name", content=b"x", headers=A).status_code == 422
+
+
+def test_the_api_process_uploads_and_serves_results_without_loading_torch(
+        worker_settings: Settings, pool: object, model_dir: Path, tmp_path: Path) -> None:
+    """``python -m api`` on its own: the readiness probe, an adapter upload and a result all
+    pass through the store as bytes, and the process never maps a torch library."""
+    port = free_port("127.0.0.1")
+    settings = worker_settings.model_copy(update={
+        "data_dir": tmp_path, "api": ApiSettings(port=port, api_keys=KEYS)})
+    api = ChildProcess("api", [sys.executable, "-m", "api"], tmp_path / "api.log",
+                       child_environ(settings))
+    url = f"http://127.0.0.1:{port}"
+    api.start()
+    try:
+        api.wait_healthy(lambda: ready(url), 120, "see the API log")
+        with httpx.Client(base_url=url, headers=A, timeout=60) as http:
+            data = save_safetensors(random_lora(model_dir, seed=3))
+            added = http.post("/v1/adapters?name=quill", content=data)
+            assert added.status_code == 201, added.text
+            accepted = http.post("/v1/generate", json={
+                "prompt": "a heron", **SMALL, "loras": [{"name": "quill", "scale": 0.5}]})
+            assert accepted.status_code == 202, accepted.text
+            status_url = f"/v1/requests/{accepted.json()['id']}"
+            done = wait_until(lambda: (s := http.get(status_url).json())["state"]
+                              in ("DONE", "FAILED") and s, timeout_s=120,
+                              what="the request with an adapter the API uploaded finished")
+            assert done["state"] == "DONE", done
+            result = http.get(f"{status_url}/result")
+            assert result.status_code == 200 and len(result.content) > 0
+        assert api.pid is not None
+        mapped = Path(f"/proc/{api.pid}/maps").read_text()
+        assert "libtorch" not in mapped and "torch/lib" not in mapped
+    finally:
+        api.stop()
+
+
+def ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False

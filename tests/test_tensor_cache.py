@@ -10,7 +10,7 @@ import pytest
 import redis
 import torch
 
-from cachesvc import codec, entry_reader, entry_writer
+from cachesvc import codec, entry_io, entry_reader
 from cachesvc.codec import TensorSpec
 from cachesvc.connect import store_endpoints
 from cachesvc.entry_reader import SESSION_MIN_BYTES
@@ -31,7 +31,7 @@ _ids = itertools.count()
 
 def sessions_for_large_puts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let LARGE entries be written through a session too, as entries of 4 MiB and more are."""
-    monkeypatch.setattr(entry_writer, "PUT_SESSION_MIN_BYTES", SESSION_MIN_BYTES)
+    monkeypatch.setattr(entry_io, "PUT_SESSION_MIN_BYTES", SESSION_MIN_BYTES)
 
 
 @pytest.fixture(params=["one-call", "session", "pieces"])
