@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from redis.exceptions import ClusterError, MovedError, RedisClusterException, TryAgainError
 from starlette.exceptions import HTTPException
 
 from api.service import (
@@ -115,12 +116,16 @@ def install(app: FastAPI, retry_after_s: int) -> None:
         UnknownModelError: (404, False), UnknownRequestError: (404, False),
         GoneError: (410, False), WaitTimeoutError: (504, False), RecomputingError: (503, True),
         StoreUnavailableError: (503, True), DurabilityError: (503, True),
-        redis.ConnectionError: (503, True), redis.TimeoutError: (503, True)}
+        redis.ConnectionError: (503, True), redis.TimeoutError: (503, True),
+        # A Redis Cluster between a master's loss and its replica's promotion.
+        ClusterError: (503, True), TryAgainError: (503, True), MovedError: (503, True),
+        RedisClusterException: (503, True)}
 
     async def mapped(request: Request, exc: Exception) -> JSONResponse:
         status, retry = next(table[t] for t in type(exc).__mro__ if t in table)
         error = str(exc)
-        if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+        if isinstance(exc, redis.ConnectionError | redis.TimeoutError | ClusterError
+                      | TryAgainError | MovedError | RedisClusterException):
             error = f"Redis is unreachable ({exc}); retry later"
         return _body(request, status, error,
                      headers={"Retry-After": str(retry_after_s)} if retry else None)

@@ -7,13 +7,14 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 from cachesvc.codec import TensorSpec
 from cachesvc.connect import RedisClient
 from cachesvc.counted_store import CountedStore
 from cachesvc.counters import Event, QueuedCounters
 from cachesvc.entry_io import discard, seal, send, verified
-from cachesvc.errors import CodecError
+from cachesvc.errors import CodecError, EntryTooLargeError
 from cachesvc.policy import policies
 from cachesvc.settings import CacheSettings
 from cachesvc.store_backend import StoreBackend
@@ -43,25 +44,33 @@ class ByteEntries:
         """The verified payload of ``key``'s entry; None if it is absent, corrupt or expired
         (the last two counted and removed, as a worker's read does). A hand-off, not a
         lookup: it counts the bytes read, no hit or miss, so hit rates measure reuse only."""
-        size = self._store.size_of(key)
-        if size is None:
+        for _ in range(2):  # a second time if the entry grew between its size and its read
+            size = self._store.size_of(key)
+            if size is None:
+                return None
+            with self._registered(size) as (buffer, ptr):
+                try:
+                    got = self._store.call(key, partial(self.store.get_into, str(key), ptr,
+                                                        size))
+                except EntryTooLargeError:
+                    continue
+                return None if got is None else self._verified(key, buffer, got)
+        return None
+
+    def _verified(self, key: StoreKey, buffer: ctypes.Array[ctypes.c_char],
+                  size: int) -> bytes | None:
+        view = memoryview(buffer).cast("B")[:size]
+        try:
+            header = verified(view)
+        except CodecError as exc:
+            discard(self._store, self.counters, key, Event.CORRUPT, exc)
             return None
-        with self._registered(size) as (buffer, ptr):
-            got = self._store.call(key, lambda: self.store.get_into(str(key), ptr, size))
-            if got is None:
-                return None
-            view = memoryview(buffer).cast("B")[:got]
-            try:
-                header = verified(view)
-            except CodecError as exc:
-                discard(self._store, self.counters, key, Event.CORRUPT, exc)
-                return None
-            if header.expires_at_ms and header.expires_at_ms <= now_ms():
-                discard(self._store, self.counters, key, Event.EXPIRED, None)
-                return None
-            self.counters.queue(key.tenant, key.kind,
-                                {Event.BYTES_READ: float(header.payload_bytes)})
-            return bytes(view[header.size:])
+        if header.expires_at_ms and header.expires_at_ms <= now_ms():
+            discard(self._store, self.counters, key, Event.EXPIRED, None)
+            return None
+        self.counters.queue(key.tenant, key.kind,
+                            {Event.BYTES_READ: float(header.payload_bytes)})
+        return bytes(view[header.size:])
 
     def write(self, key: StoreKey, data: bytes) -> None:
         """Store ``data`` under ``key`` with its kind's expiry and replication."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import redis
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 
 from cachesvc.errors import StoreUnavailableError
 from cachesvc.settings import Settings
@@ -37,6 +38,11 @@ def store_endpoints(settings: Settings) -> StoreEndpoints:
 # One server, or a Redis Cluster (``redis.cluster`` in the settings). The queue's keys share
 # one hash slot (``keys.names``), so every script runs the same on both.
 RedisClient: TypeAlias = redis.Redis | RedisCluster
+
+# What a Redis call can raise: a cluster's client also raises errors of its own (a slot no node
+# serves while a replica is promoted) that are not RedisErrors. Loops that outlive an outage
+# catch these.
+REDIS_ERRORS = (redis.RedisError, RedisClusterException)
 
 
 def open_redis(settings: Settings) -> RedisClient:

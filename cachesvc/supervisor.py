@@ -153,7 +153,7 @@ def publish(client: RedisClient, statuses: Sequence[ChildStatus]) -> None:
         known: list[bytes] = client.hkeys(supervised_children())  # type: ignore[assignment]
         gone = [f for f in known if f.decode().startswith(f"{host}/")
                 and f.decode() not in mapping]
-        pipe = client.pipeline()
+        pipe = client.pipeline(transaction=True)  # one key: MULTI on a cluster too
         if gone:
             pipe.hdel(supervised_children(), *gone)
         if mapping:

@@ -90,7 +90,8 @@ class StoreKey:
 # in one slot: every key a queue script touches carries this one tag, and the queue lives on
 # one master (with its replicas). Everything else (cache counters, TTL index, single-flight
 # locks, adapters, reuse vectors, heartbeats, engine figures) spreads over the cluster. The tag
-# comes before any caller-chosen text, so an id cannot move a key to another slot.
+# comes before every id, and tenant names cannot hold braces, so nothing a caller names can
+# move a key to another slot.
 QUEUE_TAG = "{q}"
 # The served model and its tokenizers change in one transaction (``served_model.py``).
 MODEL_TAG = "{model}"

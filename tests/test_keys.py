@@ -11,6 +11,7 @@ import sys
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from redis.crc import key_slot
 
 import keys
 from keys import (
@@ -20,6 +21,7 @@ from keys import (
     GenerationSpec,
     KeyKind,
     LoraUse,
+    Priority,
     PromptSegment,
     StepCache,
     StoreKey,
@@ -30,10 +32,12 @@ from keys import (
     embedding_key,
     latents_key,
     model_fingerprint,
+    names,
     output_key,
 )
 from keys.spec import SPEC_FIELDS, Reuse, ReuseMode
-from workers.queue.messages import RefName, Role
+from workers.queue.messages import RefName, Role, Stage
+from workers.queue.scripts import events_channel
 from workers.stages.trajectory import chain_head, chain_links
 
 ENCODER = model_fingerprint("text_encoder", {"d_model": 32}, {"model.safetensors": "ab"},
@@ -283,3 +287,22 @@ def test_exact_and_off_cfg_modes_share_every_key() -> None:
 def test_tenants_that_could_forge_a_key_are_rejected(tenant: str) -> None:
     with pytest.raises(keys.InvalidTenantError):
         keys.check_tenant(tenant)
+
+
+@given(tenant=st.from_regex(r"[a-z0-9][a-z0-9_-]{0,20}", fullmatch=True),
+       request_id=st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True))
+def test_every_key_a_queue_script_touches_hashes_to_the_queue_slot(tenant: str,
+                                                                   request_id: str) -> None:
+    """Redis Cluster runs a script only on keys of one slot, and ``take.lua`` builds record
+    keys of its own: every queue key, whatever tenant and id it holds, is in ``{q}``'s slot."""
+    record = names.request_record(tenant, request_id)
+    queue_keys = [record, events_channel(record), names.request_index(tenant),
+                  names.active_requests(), names.tenant_active_requests(tenant),
+                  names.decode_credits(), names.rescued_requests(), names.dead_letter_stream(),
+                  names.worker_inbox("denoise", f"w-{request_id}"),
+                  *(names.stage_stream(s.value, p.value) for s in Stage for p in Priority),
+                  *(names.stage_latency(s.value, p.value) for s in Stage for p in Priority)]
+    assert {key_slot(k.encode()) for k in queue_keys} == {key_slot(names.QUEUE_TAG.encode())}
+    # The served model and its tokenizers change in one transaction.
+    assert key_slot(names.served_model().encode()) == key_slot(
+        names.served_tokenizer(request_id).encode())

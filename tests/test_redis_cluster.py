@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import redis
 from redis.cluster import RedisCluster
 
 from cachesvc.connect import open_redis, slot_server
@@ -146,6 +147,25 @@ def test_preempted_resumed_and_repeated_requests_count_what_their_records_show(
     assert observed == expected
 
 
+def test_with_the_queue_masters_replica_down_requests_are_still_accepted(
+        valkey_cluster: LocalValkeyCluster, cluster_client: RedisCluster,
+        cluster_pool: object) -> None:
+    master = valkey_cluster.master_of(QUEUE_TAG)
+    replica = next(n for n in valkey_cluster.nodes if n is not master and n.child.alive()
+                   and n.info("replication").get("master_port") == master.port)
+    replica.child.kill()
+    wait_until(lambda: master.info("replication")["connected_slaves"] == 0, timeout_s=30,
+               what="the queue's master without its replica")
+    try:  # the first acceptance waits for the replica in vain, the next ones do not wait
+        specs = [make_spec(seed=980 + n, num_inference_steps=2) for n in range(3)]
+        for spec in specs:
+            submit(cluster_client, spec)
+        assert [wait_done(cluster_client, s).state for s in specs] == [State.DONE] * 3
+    finally:
+        replica.child.start()
+        valkey_cluster.wait_healthy()
+
+
 def test_a_killed_worker_and_a_killed_queue_master_lose_no_accepted_request(
         valkey_cluster: LocalValkeyCluster, on_cluster: Settings, pipe: object,
         cluster_client: RedisCluster, cluster_pool: dict[Stage, list[ChildProcess]],
@@ -165,13 +185,22 @@ def test_a_killed_worker_and_a_killed_queue_master_lose_no_accepted_request(
     os.kill(owner.pid, signal.SIGKILL)
     denoisers.remove(owner)
     # Then the master of the queue's slot dies while requests are in flight; its replica,
-    # which held every accepted request before the 202 (WAITAOF), is promoted.
+    # which held every accepted request before the 202 (WAIT), is promoted.
     for spec in specs[2:]:
         submit(cluster_client, spec)
     before = slot_server(cluster_client, QUEUE_TAG)
     assert before.replicas == 1
     killed, promoted = valkey_cluster.kill_master_of(QUEUE_TAG)
     assert promoted.port != killed.port
+    # Submitted at once: the service's client still knows the dead master, so this either
+    # lands on the promoted one or fails on the dead connection (a 503 to an API caller, who
+    # retries), after which the client knows the new master.
+    late = make_spec(seed=990, num_inference_steps=12)
+    try:
+        submit(cluster_client, late)
+    except redis.ConnectionError:
+        submit(cluster_client, late)
+    specs.append(late)
     records = [wait_done(cluster_client, spec, timeout_s=300)
                for spec in specs]
     assert [r.state for r in records] == [State.DONE] * len(specs)

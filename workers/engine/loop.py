@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import redis
 
-from cachesvc.connect import RedisClient
+from cachesvc.connect import REDIS_ERRORS, RedisClient
 from cachesvc.errors import StoreFullError, StoreUnavailableError
 from cachesvc.settings import WorkerSettings
 from workers.engine.core import StepResult
@@ -76,7 +76,7 @@ class EngineWorker(StageWorker):
                 self._take_credits()
                 self._step()
                 self._report()
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("Redis error in the denoise loop (%s); retrying", exc)
                 recovering = True
                 self.stop.wait(1.0)

@@ -15,6 +15,7 @@ from workers.queue import engine_metrics, stage_metrics
 from workers.queue.adapter_stats import WorkerAdapters, read_adapter_stats
 from workers.queue.engine_metrics import ROW_BOUNDS, Occupancy
 from workers.queue.messages import Stage
+from workers.queue.queue_server import on_queue_server
 from workers.queue.records import Records
 from workers.queue.reuse_metrics import read_steps_reused
 from workers.queue.schema import RequestRecord
@@ -112,5 +113,6 @@ class ClusterView:
         return read_steps_reused(totals)
 
     def _redis_now_ms(self) -> int:
-        seconds, micros = self.redis.time()
+        # The queue's server's clock, which stamped the stream entries ages are read from.
+        seconds, micros = on_queue_server(self.redis, lambda r: r.time())
         return int(seconds) * 1000 + int(micros) // 1000

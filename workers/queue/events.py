@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import redis
 from redis.cluster import ClusterPubSub
 
-from cachesvc.connect import RedisClient
+from cachesvc.connect import REDIS_ERRORS, RedisClient
 from keys.names import request_record
 from workers.queue.records import Records
 from workers.queue.schema import RequestRecord
@@ -118,7 +118,7 @@ class RecordEvents:
                 continue
             try:
                 message = self._next_message(timeout=_LISTEN_S)
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 # redis-py subscribes again on reconnect; waiters reread meanwhile.
                 log.warning("record events: %s; reconnecting", exc)
                 self._stop.wait(1.0)

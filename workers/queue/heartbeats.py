@@ -10,7 +10,7 @@ import time
 
 import redis
 
-from cachesvc.connect import RedisClient
+from cachesvc.connect import REDIS_ERRORS, RedisClient
 from keys.names import worker_heartbeats
 from workers.queue.messages import Stage
 
@@ -42,7 +42,7 @@ class Heartbeat:
                 # Workers that stopped beating long ago leave the set: it stays bounded.
                 pipe.zremrangebyscore(self._key, 0, now - HEARTBEAT_FORGET_MS)
                 pipe.execute()
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("heartbeat not written (%s); retrying", exc)
             if self._stop.wait(self._interval_s):
                 return

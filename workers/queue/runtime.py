@@ -19,7 +19,7 @@ from typing import Protocol, TypeVar
 
 import redis
 
-from cachesvc.connect import RedisClient
+from cachesvc.connect import REDIS_ERRORS, RedisClient
 from cachesvc.errors import StoreFullError, StoreUnavailableError
 from cachesvc.settings import WorkerSettings
 from keys import GenerationSpec, KeyKind
@@ -435,7 +435,7 @@ class Worker(StageWorker):
                         last = i == len(groups) - 1
                         ahead = self.process(same_class,
                                              self.settings.batch_size if last else 0)
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("Redis error in the %s loop (%s); retrying", self.handler.stage, exc)
                 recovering = True
                 self.stop.wait(1.0)

@@ -23,13 +23,13 @@ import redis
 import xxhash
 from pydantic_core import to_json
 from redis.client import Pipeline
-from redis.cluster import RedisCluster
 
 from cachesvc.connect import RedisClient
 from cachesvc.ledger import Tally
 from keys import KeyKind
 from keys.names import request_record_lua
 from workers.queue.messages import ATTEMPTS_PER_GENERATION, MESSAGE_VERSION
+from workers.queue.queue_server import moved, on_queue_server, queue_server, relearn_layout
 from workers.queue.schema import (
     CHECKPOINT_PREFIX,
     IDLE,
@@ -306,19 +306,19 @@ def function_name(cls: type[ScriptArgs]) -> str:
     return f"{library()[1]}_{cls.NAME}"
 
 
-# Connection pools (of one server) and cluster clients this process has loaded the library on.
-_LOADED: weakref.WeakSet[redis.ConnectionPool | RedisCluster] = weakref.WeakSet()
+# Connection pools of the servers this process has loaded the library on.
+_LOADED: weakref.WeakSet[redis.ConnectionPool] = weakref.WeakSet()
 
 
-def load_library(client: RedisClient, *, again: bool = False) -> None:
-    """Load the library once per server, or on every primary of a cluster (``again``: a server
-    lost it, as one that restarted without persistence does; a replica promoted since has it,
-    as functions replicate). Loading is idempotent: REPLACE swaps it atomically."""
-    servers = client if isinstance(client, RedisCluster) else client.connection_pool
-    if servers in _LOADED and not again:
+def load_library(server: redis.Redis, *, again: bool = False) -> None:
+    """Load the library once per server: the queue's (``queue_server``), where every script
+    runs (``again``: it lost the library, as one restarted without persistence does; a replica
+    promoted in a master's place has it, as functions replicate). Loading is idempotent:
+    REPLACE swaps it atomically."""
+    if server.connection_pool in _LOADED and not again:
         return
-    client.function_load(library()[0], replace=True)
-    _LOADED.add(servers)
+    server.function_load(library()[0], replace=True)
+    _LOADED.add(server.connection_pool)
 
 
 def lost_library(error: object) -> bool:
@@ -328,19 +328,40 @@ def lost_library(error: object) -> bool:
 
 
 def execute(client: RedisClient, queue: Callable[[Pipeline], object]) -> list[Any]:
-    """Run the commands ``queue`` puts in a pipeline, in one round trip; if the server lost
-    the library, load it and run them once more (no FCALL ran, so nothing ran twice). Errors
-    come back in place, as ``execute(raise_on_error=False)`` has them."""
-    load_library(client)
+    """Run the commands ``queue`` puts in a pipeline, in one round trip on the queue's server
+    (``queue_server``); if the server lost the library, load it and run them once more, and if
+    the queue's slot moved to a promoted replica, run them there (either way no FCALL ran, so
+    nothing ran twice). Errors come back in place, as ``execute(raise_on_error=False)`` has
+    them."""
     for attempt in range(2):
-        pipe = client.pipeline(transaction=False)
+        server = queue_server(client)
+        load_library(server)
+        pipe = server.pipeline(transaction=False)
         queue(pipe)
-        results: list[Any] = pipe.execute(raise_on_error=False)
+        try:
+            results: list[Any] = pipe.execute(raise_on_error=False)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            relearn_layout(client, exc)
+            raise
         if attempt == 0 and any(lost_library(r) for r in results):
-            load_library(client, again=True)
+            load_library(server, again=True)
+            continue
+        if attempt == 0 and any(moved(r) for r in results):
+            relearn_layout(client, next(r for r in results if moved(r)))
             continue
         return results
     raise AssertionError("unreachable")
+
+
+def _fcall(server: redis.Redis, name: str, keys: list[str], argv: list[str]) -> Any:
+    load_library(server)
+    try:
+        return server.fcall(name, len(keys), *keys, *argv)
+    except redis.ResponseError as exc:
+        if not lost_library(exc):
+            raise
+        load_library(server, again=True)
+        return server.fcall(name, len(keys), *keys, *argv)
 
 
 class Scripts:
@@ -357,14 +378,7 @@ class Scripts:
         name, keys, argv = function_name(type(args)), args.keys(), args.argv()
         if pipe is not None:
             return pipe.fcall(name, len(keys), *keys, *argv)
-        load_library(self.redis)
-        try:
-            return self.redis.fcall(name, len(keys), *keys, *argv)
-        except redis.ResponseError as exc:
-            if not lost_library(exc):
-                raise
-            load_library(self.redis, again=True)
-            return self.redis.fcall(name, len(keys), *keys, *argv)
+        return on_queue_server(self.redis, lambda server: _fcall(server, name, keys, argv))
 
     def result(self, args: ScriptArgs) -> Result:
         return Result(int(self.run(args)))

@@ -274,7 +274,7 @@ _TARGET: Wire[tuple[int, int]] = Wire("lora target", tuple[int, int])  # (out, i
 
 def publish_lora_targets(client: RedisClient, linears: Mapping[str, tuple[int, int]]) -> None:
     """The served denoiser's linear layers (name -> (out, in)), which adapters must fit."""
-    pipe = client.pipeline()
+    pipe = client.pipeline(transaction=True)  # MULTI on a cluster too: readers never see it empty
     pipe.delete(lora_targets())
     if linears:
         pipe.hset(lora_targets(), mapping={k: _TARGET.encode(shape)

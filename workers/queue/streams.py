@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +24,7 @@ from cachesvc.connect import RedisClient
 from keys import Priority
 from keys.names import consumer_group, stage_stream, worker_inbox, worker_inboxes
 from workers.queue.messages import Job, Stage
+from workers.queue.queue_server import on_queue_server
 from workers.queue.schema import State, timestamp
 from workers.queue.script_args import TakeArgs
 from workers.queue.scripts import RecordWrite, Result, Scripts
@@ -99,18 +100,21 @@ class StageQueue:
                 return taken
         else:
             for stream in ordered[:-1]:
-                got: Any = self.redis.xreadgroup(self.group, self.consumer, {stream: ">"},
-                                                 count=count)
+                got: Any = self._read([stream], count)
                 if got:
                     return [self._delivery(stream, e, f, reclaimed=False)
                             for e, f in got[0][1]]
-        got = self.redis.xreadgroup(self.group, self.consumer, {s: ">" for s in ordered},
-                                    count=count, block=block_ms)
+        got = self._read(ordered, count, block_ms)
         order = {s: i for i, s in enumerate(ordered)}
         batches = sorted(((name.decode(), entries) for name, entries in got or []),
                          key=lambda item: order[item[0]])
         return [self._delivery(stream, e, f, reclaimed=False)
                 for stream, entries in batches for e, f in entries]
+
+    def _read(self, streams: Sequence[str], count: int, block_ms: int | None = None) -> Any:
+        """New entries of ``streams`` for this consumer, read on the queue's server."""
+        return on_queue_server(self.redis, lambda r: r.xreadgroup(
+            self.group, self.consumer, dict.fromkeys(streams, ">"), count=count, block=block_ms))
 
     def take_interactive(self, count: int, claim: RecordWrite) -> list[Delivery]:
         """Up to ``count`` new interactive entries, claimed as they are read; none waiting,
@@ -174,7 +178,8 @@ class StageQueue:
         """Unread entries of another worker's inbox that waited past ``inbox_wait_ms`` (its
         worker is busy, or gone): any worker of the stage may take them."""
         inboxes: set[bytes] = self.redis.smembers(worker_inboxes(self.stage.value))  # type: ignore[assignment]
-        now_ms = int(self.redis.time()[0] * 1000)  # the clock that stamped the entry ids
+        # The clock that stamped the entry ids: the queue's server's.
+        now_ms = int(on_queue_server(self.redis, lambda r: r.time())[0] * 1000)
         for raw in sorted(inboxes):
             inbox = raw.decode()
             if inbox == self.inbox:
@@ -182,8 +187,7 @@ class StageQueue:
             oldest = _oldest_unread(self.redis, inbox, self.group)
             if oldest is None or now_ms - int(oldest.partition("-")[0]) < self.inbox_wait_ms:
                 continue
-            got: Any = self.redis.xreadgroup(self.group, self.consumer, {inbox: ">"},
-                                             count=count)
+            got: Any = self._read([inbox], count)
             if got:
                 log.info("took %d job(s) routed to a worker that did not take them",
                          len(got[0][1]))

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from redis import ConnectionPool
 from redis.client import Pipeline
+from redis.cluster import RedisCluster
 
 from cachesvc.connect import RedisClient, slot_server
 from keys import GenerationSpec
@@ -28,6 +31,7 @@ from keys.names import (
     tenant_active_requests,
 )
 from workers.queue.messages import Job, Stage
+from workers.queue.queue_server import queue_server
 from workers.queue.records import initial_fields
 from workers.queue.schema import timestamp
 from workers.queue.script_args import ReadmitArgs, SubmitArgs
@@ -72,7 +76,8 @@ def _refused(result: Result, spec: GenerationSpec, bounds: Bounds) -> AdmissionE
 
 
 class DurabilityError(RuntimeError):
-    """The server could not confirm that an accepted request is on disk."""
+    """The server could not confirm that an accepted request is on disk (and, on a Redis
+    Cluster, on a replica)."""
 
 
 def new_request_id() -> str:
@@ -117,37 +122,52 @@ def readmit(client: RedisClient, spec: GenerationSpec, bounds: Bounds = UNBOUNDE
 
 def run_durably(client: RedisClient, request_id: str, write: Callable[[Pipeline], object],
                 timeout_ms: int = 2000) -> list[Any]:
-    """Run the commands ``write`` queues, then wait until the server has fsynced them and, on
-    a Redis Cluster, until a replica of the queue's master (when it has one) holds them, so
-    that a failover keeps what was accepted.
+    """Run the commands ``write`` queues on the queue's server, then wait until it has
+    fsynced them and, on a Redis Cluster, until a replica holds them too, so that a failover
+    keeps what was accepted. Returns the results of the queued commands.
 
-    WAITAOF and WAIT cover the writes of their own connection, so all travel in one pipeline
-    (on a cluster, routed to the queue's master, whose commands share one connection). The
-    replica is waited for with WAIT, not WAITAOF: a replica acknowledges its fsync only once
-    a second, and the replica that a failover promotes is alive, with the write in memory.
-    Returns the results of the queued commands.
+    WAITAOF and WAIT cover the writes of their own connection: all travel in one pipeline to
+    the queue's server (``queue_server``). The replica is waited for with WAIT, not WAITAOF: a
+    replica acknowledges its fsync only once a second, and the replica a failover promotes is
+    alive, with the write in memory. How many replicas to wait for is what the server's ROLE
+    said at the last acceptance: when the replica is down, one acceptance waits out
+    ``timeout_ms`` and those after it take the master's fsync alone, until ROLE shows a
+    replica again.
     """
-    server = slot_server(client, QUEUE_TAG)
-    replicas = min(server.replicas, 1)
+    cluster = isinstance(client, RedisCluster)
+    default_replicas = min(slot_server(client, QUEUE_TAG).replicas, 1)  # from the layout
+    expected: list[int] = []
 
     def queue(pipe: Pipeline) -> None:
         write(pipe)
-        pipe.execute_command("WAITAOF", 1, 0, timeout_ms, **server.options)
-        if replicas:
-            pipe.execute_command("WAIT", replicas, timeout_ms, **server.options)
+        pipe.execute_command("WAITAOF", 1, 0, timeout_ms)
+        if cluster:
+            expected[:] = [_REPLICAS.get(pipe.connection_pool, default_replicas)]
+            pipe.execute_command("ROLE")
+            pipe.execute_command("WAIT", expected[0], timeout_ms)
 
     results = execute(client, queue)
-    replicated = results.pop() if replicas else 0
-    fsynced = results.pop()
+    waits = [results.pop() for _ in range(3 if cluster else 1)][::-1]
     for result in results:
         if isinstance(result, Exception):
             raise result
-    for waited in (fsynced, replicated):
+    for waited in waits:
         if isinstance(waited, Exception):
+            # The server says why (WAITAOF names appendonly when it is off).
             raise DurabilityError(f"request {request_id} was written but the server cannot "
-                                  f"confirm it is durable ({waited}); enable appendonly")
-    if int(fsynced[0]) < 1 or int(replicated) < replicas:
-        raise DurabilityError(f"request {request_id} not durable within {timeout_ms} ms "
-                              f"(fsynced: {fsynced[0]}, on replicas: {replicated} of "
-                              f"{replicas})")
+                                  f"confirm it is durable: {waited}")
+    fsynced = waits[0]
+    if int(fsynced[0]) < 1:
+        raise DurabilityError(f"request {request_id} not fsynced within {timeout_ms} ms")
+    if cluster:
+        role, replicated = waits[1], int(waits[2])
+        connected = min(len(role[2]), 1) if role[0] == b"master" else 0
+        _REPLICAS[queue_server(client).connection_pool] = connected
+        if replicated < min(expected[0], connected):
+            raise DurabilityError(f"request {request_id} not on a replica within "
+                                  f"{timeout_ms} ms")
     return results
+
+
+# Replicas (0 or 1) each queue server had connected at its last acceptance.
+_REPLICAS: weakref.WeakKeyDictionary[ConnectionPool, int] = weakref.WeakKeyDictionary()
