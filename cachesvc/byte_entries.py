@@ -13,7 +13,7 @@ from cachesvc.codec import TensorSpec
 from cachesvc.connect import RedisClient
 from cachesvc.counted_store import CountedStore
 from cachesvc.counters import Event, QueuedCounters
-from cachesvc.entry_io import discard, seal, send, verified
+from cachesvc.entry_io import discard, expired, seal, send, verified
 from cachesvc.errors import CodecError, EntryTooLargeError
 from cachesvc.policy import policies
 from cachesvc.settings import CacheSettings
@@ -65,7 +65,7 @@ class ByteEntries:
         except CodecError as exc:
             discard(self._store, self.counters, key, Event.CORRUPT, exc)
             return None
-        if header.expires_at_ms and header.expires_at_ms <= now_ms():
+        if expired(header):
             discard(self._store, self.counters, key, Event.EXPIRED, None)
             return None
         self.counters.queue(key.tenant, key.kind,

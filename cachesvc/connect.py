@@ -6,7 +6,6 @@ loads them, and the API, which opens byte entries only, never loads torch."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -60,7 +59,6 @@ class SlotServer:
     that names no key (WAITAOF, SCAN) must go to mean that slot's keys."""
 
     client: redis.Redis  # that server alone
-    options: Mapping[str, object]  # the routing a command sent through the cluster needs
     replicas: int
 
 
@@ -68,12 +66,11 @@ def slot_server(client: RedisClient, key: str) -> SlotServer:
     """The server of ``key`` as the client last learnt the cluster's layout (no round trip);
     on one server, that server."""
     if not isinstance(client, RedisCluster):
-        return SlotServer(client, {}, 0)
+        return SlotServer(client, 0)
     slot: int = client.keyslot(key)  # type: ignore[no-untyped-call]
     holders = client.nodes_manager.slots_cache.get(slot, [])
     master = client.get_node_from_key(key)  # type: ignore[no-untyped-call]
-    return SlotServer(client.get_redis_connection(master), {"target_nodes": master},
-                      max(0, len(holders) - 1))
+    return SlotServer(client.get_redis_connection(master), max(0, len(holders) - 1))
 
 
 def open_cache(settings: Settings, client: RedisClient | None = None) -> TensorCache:

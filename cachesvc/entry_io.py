@@ -12,6 +12,7 @@ from cachesvc.counted_store import CountedStore
 from cachesvc.counters import CacheCounters, Event
 from cachesvc.errors import CacheError, CodecError
 from cachesvc.store_backend import StoreBackend
+from cachesvc.ttl_index import now_ms
 from keys import StoreKey
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,11 @@ def verified(view: memoryview) -> Header:
     if codec.checksum(view[header.size:]) != header.checksum:
         raise CodecError("payload checksum mismatch")
     return header
+
+
+def expired(header: Header) -> bool:
+    """Whether the entry of ``header`` is past the expiry it was written with."""
+    return bool(header.expires_at_ms) and header.expires_at_ms <= now_ms()
 
 
 def discard(store: CountedStore, counters: CacheCounters, key: StoreKey, event: Event,

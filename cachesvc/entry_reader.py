@@ -17,9 +17,8 @@ from cachesvc.buffers import BufferPool, RegisteredBuffer, TensorSlot, packed_of
 from cachesvc.codec import Header
 from cachesvc.counted_store import CountedStore
 from cachesvc.counters import CacheCounters, Event
-from cachesvc.entry_io import discard, verified
+from cachesvc.entry_io import discard, expired, verified
 from cachesvc.errors import CodecError, EntryTooLargeError
-from cachesvc.ttl_index import now_ms
 from keys import StoreKey
 
 # From this size up an entry moves through a get session and ranged transfers, whose wait
@@ -185,7 +184,7 @@ class EntryReader:
                view: torch.Tensor | None = None) -> Entry | None:
         """The verified entry at ``offset`` as a view (``view`` when the caller has made it),
         unless it has expired."""
-        if header.expires_at_ms and header.expires_at_ms <= now_ms():
+        if expired(header):
             self._discard(key, Event.EXPIRED, None)
             return None
         if view is None:

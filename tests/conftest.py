@@ -13,11 +13,11 @@ import redis
 
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.processes import ChildProcess
-from cachesvc.settings import ModelSettings, Settings, WorkerSettings, load_settings
+from cachesvc.settings import Settings, load_settings
 from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
 from tests import redis_databases
-from tests.workers_harness import publish_as_workers, start_worker
+from tests.workers_harness import publish_as_workers, serving, worker_pool
 from workers.families import qwen_image, wan
 from workers.families.base import CPU
 from workers.queue.messages import Stage
@@ -99,9 +99,7 @@ def worker_settings(embedded_stack: EmbeddedStack, model_dir: Path) -> Settings:
     """Settings of the worker pool and the tests that use it: the embedded stack, the test
     model, quick lease takeover."""
     assert embedded_stack.addresses is not None
-    return embedded_stack.resolved(embedded_stack.addresses).model_copy(update={
-        "model": ModelSettings(dir=model_dir, preset="test"),
-        "workers": WorkerSettings(idle_timeout_s=3.0, block_ms=200)})
+    return serving(embedded_stack.resolved(embedded_stack.addresses), model_dir)
 
 
 @pytest.fixture(scope="session")
@@ -120,13 +118,9 @@ def served(worker_settings: Settings, client: redis.Redis) -> None:
 def pool(worker_settings: Settings, client: redis.Redis,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Stage, list[ChildProcess]]]:
     """One worker per stage for the whole module; tests may add and kill more."""
-    logs = tmp_path_factory.mktemp("worker-logs")
-    workers = {stage: [start_worker(worker_settings, stage, logs, client, f"{stage}-0")]
-               for stage in Stage}
-    yield workers
-    for children in workers.values():
-        for child in children:
-            child.stop()
+    with worker_pool(worker_settings, client, tmp_path_factory.mktemp("worker-logs"),
+                     "0") as workers:
+        yield workers
 
 
 @pytest.fixture(scope="session")

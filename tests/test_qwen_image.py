@@ -19,7 +19,7 @@ import redis
 
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.processes import ChildProcess
-from cachesvc.settings import ApiSettings, ModelSettings, Settings, WorkerSettings, load_settings
+from cachesvc.settings import ApiSettings, Settings, load_settings
 from cachesvc.stack import EmbeddedStack
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, StepCache, StepCachePolicy, StoreKey
@@ -30,6 +30,7 @@ from tests.workers_harness import (
     rewind,
     run_request,
     serve_api,
+    serving,
     start_worker,
     stop_owner_when,
     wait_done,
@@ -60,9 +61,7 @@ def qwen_settings(tmp_path_factory: pytest.TempPathFactory,
                              store={"segment_mib": 64})
     stack = EmbeddedStack(settings)
     with stack as addresses:
-        yield stack.resolved(addresses).model_copy(update={
-            "model": ModelSettings(dir=qwen_model_dir, preset="test"),
-            "workers": WorkerSettings(idle_timeout_s=3.0, block_ms=200)})
+        yield serving(stack.resolved(addresses), qwen_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from redis.cluster import RedisCluster
 
 from cachesvc.connect import open_redis, slot_server
 from cachesvc.processes import ChildProcess
-from cachesvc.settings import ApiSettings, ModelSettings, Settings, WorkerSettings, load_settings
+from cachesvc.settings import ApiSettings, Settings, load_settings
 from cachesvc.stack import EmbeddedStack
 from cachesvc.valkey_cluster import LocalValkeyCluster
 from cachesvc.waiting import wait_until
@@ -31,11 +31,14 @@ from tests.workers_harness import (
     read_frames,
     reference,
     serve_api,
+    serving,
     start_worker,
     stop_owner_when,
     wait_done,
+    worker_pool,
 )
 from workers.queue.messages import Stage
+from workers.queue.queue_server import queue_server
 from workers.queue.records import Records
 from workers.queue.retention import Retention
 from workers.queue.schema import State
@@ -64,9 +67,7 @@ def on_cluster(valkey_cluster: LocalValkeyCluster, model_dir: Path,
                              redis={"url": valkey_cluster.url, "cluster": True})
     stack = EmbeddedStack(settings)
     with stack as addresses:
-        yield stack.resolved(addresses).model_copy(update={
-            "model": ModelSettings(dir=model_dir, preset="test"),
-            "workers": WorkerSettings(idle_timeout_s=3.0, block_ms=200)})
+        yield serving(stack.resolved(addresses), model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +81,9 @@ def cluster_client(on_cluster: Settings) -> RedisCluster:
 def cluster_pool(on_cluster: Settings, cluster_client: RedisCluster,
                  tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[dict[Stage, list[ChildProcess]]]:
-    logs = tmp_path_factory.mktemp("cluster-worker-logs")
-    workers = {stage: [start_worker(on_cluster, stage, logs, cluster_client, f"{stage}-c0")]
-               for stage in Stage}
-    yield workers
-    for children in workers.values():
-        for child in children:
-            child.stop()
+    with worker_pool(on_cluster, cluster_client, tmp_path_factory.mktemp("cluster-worker-logs"),
+                     "c0") as workers:
+        yield workers
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +203,7 @@ def test_a_killed_worker_and_a_killed_queue_master_lose_no_accepted_request(
     assert [r.state for r in records] == [State.DONE] * len(specs)
     assert np.array_equal(read_frames(on_cluster, records[0]), reference(pipe, specs[0]))
     assert records[0].fields["attempt:denoise"] != "1"
-    assert slot_server(cluster_client, QUEUE_TAG).options["target_nodes"].port == promoted.port
+    assert queue_server(cluster_client).connection_pool.connection_kwargs["port"] == promoted.port
 
 
 def test_retention_finds_and_expires_every_tenants_finished_requests(

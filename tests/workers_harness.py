@@ -18,7 +18,13 @@ import torch
 from cachesvc.connect import open_cache
 from cachesvc.output_files import OutputFiles
 from cachesvc.processes import ChildProcess, free_port
-from cachesvc.settings import ApiSettings, Settings, child_environ
+from cachesvc.settings import (
+    ApiSettings,
+    ModelSettings,
+    Settings,
+    WorkerSettings,
+    child_environ,
+)
 from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import WaitTimeout, wait_until
 from keys import GenerationSpec, Priority, StoreKey
@@ -49,6 +55,29 @@ def start_worker(settings: Settings, stage: Stage, logs: Path, client: redis.Red
     child.start()
     wait_joined(child, client, stage)
     return child
+
+
+def serving(settings: Settings, model_dir: Path) -> Settings:
+    """``settings`` with workers serving the test preset of the model in ``model_dir``, and a
+    quick lease takeover."""
+    return settings.model_copy(update={
+        "model": ModelSettings(dir=model_dir, preset="test"),
+        "workers": WorkerSettings(idle_timeout_s=3.0, block_ms=200)})
+
+
+@contextmanager
+def worker_pool(settings: Settings, client: redis.Redis, logs: Path,
+                suffix: str) -> Iterator[dict[Stage, list[ChildProcess]]]:
+    """One worker per stage (named ``<stage>-<suffix>``) for the block; tests may add and kill
+    more, and every one left in the lists is stopped at the end."""
+    workers = {stage: [start_worker(settings, stage, logs, client, f"{stage}-{suffix}")]
+               for stage in Stage}
+    try:
+        yield workers
+    finally:
+        for children in workers.values():
+            for child in children:
+                child.stop()
 
 
 def worker_named(children: list[ChildProcess], name: str | bytes) -> ChildProcess:

@@ -27,12 +27,6 @@ def queue_server(client: RedisClient) -> redis.Redis:
     return slot_server(client, QUEUE_TAG).client
 
 
-def moved(reply: object) -> bool:
-    """Whether a pipeline's reply says the queue's slot has moved (a replica was promoted):
-    the command ran nowhere."""
-    return isinstance(reply, MovedError)
-
-
 def relearn_layout(client: RedisClient, reason: object) -> None:
     """After a MOVED reply or a lost connection to the queue's server: learn the cluster's
     layout anew, so the next call goes to the master that holds the slot now."""

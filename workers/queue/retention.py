@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import redis
 
-from cachesvc.connect import RedisClient, slot_server
+from cachesvc.connect import RedisClient
 from cachesvc.settings import RetentionSettings
 from keys.names import (
-    QUEUE_TAG,
     InvalidTenantError,
     check_tenant,
     dead_letter_stream,
@@ -26,6 +25,7 @@ from keys.names import (
     tenants_registry,
 )
 from workers.queue.messages import Stage
+from workers.queue.queue_server import queue_server
 from workers.queue.script_args import ExpireRecordsArgs, TrimStreamArgs
 from workers.queue.scripts import Scripts, execute
 from workers.queue.streams import stage_streams
@@ -128,8 +128,7 @@ class Retention:
                 tenants_registry())
             keys: list[bytes]
             # Every request index carries the queue's hash tag: on a cluster, one server.
-            queue_server = slot_server(self.redis, QUEUE_TAG).client
-            self._scan_cursor, keys = queue_server.scan(  # type: ignore[assignment]
+            self._scan_cursor, keys = queue_server(self.redis).scan(  # type: ignore[assignment]
                 self._scan_cursor, match=f"{self._head}*{self._tail}",
                 count=self.settings.sweep_batch, _type="zset")
         except redis.RedisError as exc:

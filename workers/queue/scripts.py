@@ -23,13 +23,14 @@ import redis
 import xxhash
 from pydantic_core import to_json
 from redis.client import Pipeline
+from redis.exceptions import MovedError
 
 from cachesvc.connect import RedisClient
 from cachesvc.ledger import Tally
 from keys import KeyKind
 from keys.names import request_record_lua
 from workers.queue.messages import ATTEMPTS_PER_GENERATION, MESSAGE_VERSION
-from workers.queue.queue_server import moved, on_queue_server, queue_server, relearn_layout
+from workers.queue.queue_server import on_queue_server
 from workers.queue.schema import (
     CHECKPOINT_PREFIX,
     IDLE,
@@ -329,39 +330,27 @@ def lost_library(error: object) -> bool:
 
 def execute(client: RedisClient, queue: Callable[[Pipeline], object]) -> list[Any]:
     """Run the commands ``queue`` puts in a pipeline, in one round trip on the queue's server
-    (``queue_server``); if the server lost the library, load it and run them once more, and if
-    the queue's slot moved to a promoted replica, run them there (either way no FCALL ran, so
-    nothing ran twice). Errors come back in place, as ``execute(raise_on_error=False)`` has
-    them."""
+    (``on_queue_server``: if the queue's slot moved to a promoted replica, they run there).
+    Errors come back in place, as ``execute(raise_on_error=False)`` has them."""
+    return on_queue_server(client, lambda server: _pipelined(server, queue))
+
+
+def _pipelined(server: redis.Redis, queue: Callable[[Pipeline], object]) -> list[Any]:
+    """``execute`` on one server; if it lost the library, load it and run the commands once
+    more. A MOVED answer is raised, to run them on the slot's new master (either way no FCALL
+    ran, so nothing runs twice)."""
+    load_library(server)
     for attempt in range(2):
-        server = queue_server(client)
-        load_library(server)
         pipe = server.pipeline(transaction=False)
         queue(pipe)
-        try:
-            results: list[Any] = pipe.execute(raise_on_error=False)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            relearn_layout(client, exc)
-            raise
+        results: list[Any] = pipe.execute(raise_on_error=False)
         if attempt == 0 and any(lost_library(r) for r in results):
             load_library(server, again=True)
             continue
-        if attempt == 0 and any(moved(r) for r in results):
-            relearn_layout(client, next(r for r in results if moved(r)))
-            continue
+        if (moved := next((r for r in results if isinstance(r, MovedError)), None)) is not None:
+            raise moved
         return results
     raise AssertionError("unreachable")
-
-
-def _fcall(server: redis.Redis, name: str, keys: list[str], argv: list[str]) -> Any:
-    load_library(server)
-    try:
-        return server.fcall(name, len(keys), *keys, *argv)
-    except redis.ResponseError as exc:
-        if not lost_library(exc):
-            raise
-        load_library(server, again=True)
-        return server.fcall(name, len(keys), *keys, *argv)
 
 
 class Scripts:
@@ -378,7 +367,10 @@ class Scripts:
         name, keys, argv = function_name(type(args)), args.keys(), args.argv()
         if pipe is not None:
             return pipe.fcall(name, len(keys), *keys, *argv)
-        return on_queue_server(self.redis, lambda server: _fcall(server, name, keys, argv))
+        (answer,) = execute(self.redis, lambda p: p.fcall(name, len(keys), *keys, *argv))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
     def result(self, args: ScriptArgs) -> Result:
         return Result(int(self.run(args)))
