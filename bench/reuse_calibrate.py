@@ -1,8 +1,12 @@
 """Measure the table that turns a similarity into reused steps for approximate reuse, with the
 quality yardstick, on the shipped shapes model; ``--write`` puts it in the model's card.
 
-Each scene's caption is a source; its other prompts (``bench.reuse_trace``: rewordings, left
-out size or position, a changed colour) and the next scene's caption are targets. A target
+First the view: each of the family's views of a prompt (the text encoder's mean, and each
+denoiser block's) is scored by how well it tells a prompt's rewordings from the prompt with
+one attribute changed (``bench.reuse_trace``'s five prompts per scene: rewordings, a left-out
+size or position, a changed colour), and the best is kept. Then the pairs the index returns in that
+view: every prompt is a target with its nearest other prompt as its source, and each scene's
+caption is a target of the previous scene's caption (a neighbour from another scene). A target
 runs exactly (its own seed), and rewritten at each candidate fraction f of the steps (the
 source's first f·N steps, its seed, then the target's prompt). The classifier reads every
 output. Pairs are split into similarity bands at the quantiles of their similarities; a band
@@ -15,12 +19,13 @@ band earns more than a more similar one.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import model_stack, report, serve, workers
+from bench.common import model_stack, print_table, report, serve, workers
 from bench.reuse_trace import TracePrompt, correct, variants
 from cachesvc.connect import open_cache, open_redis
 from encoders.text import prompt_vector
@@ -28,7 +33,7 @@ from keys import GenerationSpec, OutputFormat, PromptSegment
 from training.classifier import AttributeClassifier, load_classifier
 from training.scenes import Scene
 from workers.families import family_of
-from workers.families.base import CPU
+from workers.families.base import CPU, component_config
 from workers.queue.records import Records
 from workers.queue.served_model import MODEL_CARD, request_defaults
 from workers.queue.submit import new_request_id
@@ -81,6 +86,62 @@ def bands(similarity: np.ndarray, scores: dict[float, np.ndarray],
     return rows, table
 
 
+def separation(prompts: list[TracePrompt], groups: list[int], vectors: np.ndarray) -> float:
+    """How well a view tells a prompt's rewordings from the same prompt with one attribute
+    changed: the share of (same attributes, changed attribute) pairs of one scene's prompts in
+    which the first pair is the more similar (the area under the ROC curve); ``groups`` names
+    each prompt's scene. A rewording is what may reuse many steps; a changed colour is what
+    must not."""
+    similarity = vectors @ vectors.T
+    same: list[float] = []
+    changed: list[float] = []
+    for i, j in itertools.permutations(range(len(prompts)), 2):
+        if groups[i] == groups[j]:
+            (same if prompts[i].scene == prompts[j].scene else changed).append(similarity[i, j])
+    return float((np.array(same)[:, None] > np.array(changed)[None, :]).mean())
+
+
+def index_pairs_at(prompts: list[TracePrompt], vectors: np.ndarray) -> list[tuple[int, int]]:
+    """(source, target) positions: each prompt with its nearest other prompt as its source,
+    what the index returns in a bucket that holds them all (the same text passed over, as
+    ``ApproximateReuse.find`` passes it over)."""
+    similarity = vectors @ vectors.T
+    texts = [p.prompt for p in prompts]
+    for i, text in enumerate(texts):
+        similarity[i, [j for j, other in enumerate(texts) if other == text]] = -np.inf
+    return [(int(np.argmax(similarity[t])), t) for t in range(len(prompts))]
+
+
+def index_pairs(prompts: list[TracePrompt],
+                vectors: np.ndarray) -> list[tuple[TracePrompt, TracePrompt]]:
+    return [(prompts[s], prompts[t]) for s, t in index_pairs_at(prompts, vectors)]
+
+
+def view_and_pairs(directory: Path, first: int, count: int) -> tuple[
+        int | None, dict[int | None, float], list[tuple[TracePrompt, TracePrompt]], np.ndarray]:
+    """The view that best tells rewordings from changed attributes (None: the text encoder's
+    mean, else a denoiser block), each view's separation, and the (source, target) pairs to
+    run in it with their similarities: the pairs the index returns, then caption to caption."""
+    family = family_of(directory)
+    text = family.text_encoder(directory, CPU)
+    scenes = range(first, first + count)
+    prompts = [p for i in scenes for p in variants(i)]
+    groups = [i for i in scenes for _ in variants(i)]
+    layers = component_config(directory, "transformer")["num_layers"]
+    views = {layer: family.prompt_view(directory, layer) for layer in (None, *range(layers))}
+    vectors = {layer: np.stack([prompt_vector(text, view, p.prompt) for p in prompts])
+               for layer, view in views.items()}
+    apart = {layer: separation(prompts, groups, v) for layer, v in vectors.items()}
+    layer = max(apart, key=lambda k: apart[k])  # the first of the best: the mean before blocks
+    pairs = index_pairs(prompts, vectors[layer])
+    captions = [p for p in prompts if p.variant == "caption"]  # the last is the first's source
+    pairs += list(zip(captions, captions[1:] + captions[:1], strict=True))
+    at = {p.prompt: n for n, p in enumerate(prompts)}
+    similarity = np.array([float(vectors[layer][at[s.prompt]] @ vectors[layer][at[t.prompt]])
+                           for s, t in pairs])
+    return layer, apart, pairs, similarity
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scenes", type=int, default=48)
@@ -103,16 +164,8 @@ def main() -> None:
                 width=m.width, height=m.height, num_frames=1, num_inference_steps=steps,
                 guidance_scale=m.guidance_scale, seed=seed, output_format=OutputFormat.NPY)
 
-        text = family_of(settings.model_dir).text_encoder(settings.model_dir, CPU)
-        pairs: list[tuple[TracePrompt, TracePrompt]] = []
-        for i in range(args.first, args.first + args.scenes):
-            source, *others = variants(i)
-            # Its own rewordings, and the next scene's caption: a neighbour the index may
-            # return in a bucket of many scenes, which the table must price too.
-            pairs += [(source, other) for other in others]
-            pairs.append((source, variants(i + 1)[0]))
-        similarity = np.array([float(prompt_vector(text, s.prompt) @ prompt_vector(text, t.prompt))
-                               for s, t in pairs])
+        layer, apart, pairs, similarity = view_and_pairs(settings.model_dir, args.first,
+                                                         args.scenes)
         records, cache = Records(open_redis(settings)), open_cache(settings)
         sources = {s.prompt: spec(s.prompt, 10_000 + n) for n, (s, _) in enumerate(pairs)}
         targets = [spec(t.prompt, 20_000 + n) for n, (_, t) in enumerate(pairs)]
@@ -139,11 +192,17 @@ def main() -> None:
     if args.write:
         card = json.loads(SHIPPED_CARD.read_text())
         card["model"]["reuse_table"] = table
+        card["model"]["reuse_layer"] = layer
         SHIPPED_CARD.write_text(json.dumps(card, indent=1) + "\n")
+    print_table("How well each view tells a rewording from a changed attribute (ROC area)",
+                ["view", "separation"],
+                [["text encoder mean" if k is None else f"block {k}'s text values",
+                  f"{v:.3f}"] for k, v in apart.items()])
     report(f"shapes model, {len(pairs)} (source, target) prompt pairs: accuracy on the "
            f"target's attributes, exact and rewritten at each fraction of {steps} steps",
            ["similarity", "pairs", "exact", *(f"f={f}" for f in args.fractions), "earned"],
            rows, {"bench": "reuse_calibrate", "pairs": len(pairs), "reuse_table": table,
+                  "reuse_layer": layer,
                   "tolerance": args.tolerance})
 
 

@@ -52,25 +52,47 @@ class EncodedText:
     hit: bool  # found in the cache (possibly after waiting for another encoder)
     positions: int  # the leading positions of ``tensor`` that hold the text
 
-    def vector(self) -> np.ndarray:
-        return pooled(self.tensor, self.positions)
+
+class PromptView(Protocol):
+    """How approximate reuse compares prompts: a condition embedding made into one unit
+    vector, compared by inner product."""
+
+    # Part of the reuse bucket: vectors of two views are never compared.
+    name: str
+
+    def vector(self, embedding: torch.Tensor, positions: int) -> np.ndarray:
+        """The unit vector of ``embedding``'s first ``positions`` positions."""
+        ...
 
 
-def pooled(embedding: torch.Tensor, positions: int) -> np.ndarray:
-    """An embedding pooled over its text positions and normalised: what approximate reuse
-    compares prompts by (the served model's own encoder, no second model)."""
+def text_rows(embedding: torch.Tensor, positions: int) -> torch.Tensor:
+    """(positions, width): the positions of ``embedding`` that hold the text, in float64 on
+    the CPU (an encoder on a GPU hands back its tensors there)."""
     rows = embedding.reshape(-1, embedding.shape[-1])[:max(1, positions)]
-    # An encoder on a GPU hands back its tensors there.
-    mean = rows.detach().to("cpu", torch.float64).mean(dim=0).numpy().astype(np.float32)
-    norm = float(np.linalg.norm(mean))
-    return mean / norm if norm > 0 else mean
+    return rows.detach().to("cpu", torch.float64)
 
 
-def prompt_vector(model: TextModel, text: str) -> np.ndarray:
-    """``pooled`` for a text encoded here, without the cache (benchmarks)."""
+def unit(vector: torch.Tensor) -> np.ndarray:
+    out = vector.numpy().astype(np.float32)
+    norm = float(np.linalg.norm(out))
+    return out / norm if norm > 0 else out
+
+
+class MeanPooled:
+    """The embedding averaged over its text positions: any family's view, with no weight but
+    the encoder's. It tells prompts apart by their words more than by what the words ask."""
+
+    name = "mean"
+
+    def vector(self, embedding: torch.Tensor, positions: int) -> np.ndarray:
+        return unit(text_rows(embedding, positions).mean(dim=0))
+
+
+def prompt_vector(model: TextModel, view: PromptView, text: str) -> np.ndarray:
+    """``view``'s vector of a text encoded here, without the cache (benchmarks)."""
     tokens = model.tokenize(text)
     embedding = model.encode(tokens)
-    return pooled(embedding, model.text_positions(tokens, embedding))
+    return view.vector(embedding, model.text_positions(tokens, embedding))
 
 
 def encode_texts(cache: TensorCache, model: TextModel, tenant: str,

@@ -245,15 +245,17 @@ def chain_root(
     return ChainLink(spec.tenant, 0, digest("chain-root", payload))
 
 
-def reuse_bucket(root: ChainLink, uncond: StoreKey | None, guidance_scale: float) -> str:
+def reuse_bucket(root: ChainLink, uncond: StoreKey | None, guidance_scale: float,
+                 view: str) -> str:
     """The bucket of requests whose trajectories may share a prefix: everything that shapes
     one but the prompt and the seed. ``root`` is the chain root of the request with its seed
     set to 0 (model and adapters, scheduler, shape, steps, dtype, step and CFG caches);
     ``uncond`` its negative prompt's embedding key and ``guidance_scale`` its guidance, the
-    other inputs of every chain link."""
+    other inputs of every chain link. ``view`` names how its prompts became vectors: vectors
+    of two views are never compared."""
     return digest("reuse-bucket", {"root": root.hex, "tenant": root.tenant,
                                    "uncond": None if uncond is None else str(uncond),
-                                   "guidance": float(guidance_scale)})
+                                   "guidance": float(guidance_scale), "view": view})
 
 
 def chain_next(link: ChainLink, step: StepInputs) -> ChainLink:

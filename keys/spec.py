@@ -175,7 +175,7 @@ class Reuse:
     how similar that request must be and how many of the steps it may supply at most."""
 
     mode: ReuseMode = ReuseMode.EXACT
-    min_similarity: float = 0.9  # cosine of the pooled prompt embeddings
+    min_similarity: float = 0.9  # cosine of the prompt vectors, in the model's view
     max_skip: float = 0.5  # the largest fraction of the steps taken from the other request
 
     def __post_init__(self) -> None:

@@ -73,8 +73,10 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
         from workers.stages.encode import EncodeHandler
 
         trajectory = family.trajectory(directory, placement)
+        card = model_card(directory)
         reuse = ApproximateReuse(ReuseIndex(client), Records(client), cache, trajectory,
-                                 ReuseTable(model_card(directory).reuse_table))
+                                 ReuseTable(card.reuse_table),
+                                 family.prompt_view(directory, card.reuse_layer))
         encode = EncodeHandler(cache, family.text_encoder(directory, placement), trajectory,
                                files, reuse)
         router = (AdapterRouter(client, settings.workers.idle_timeout_s)

@@ -14,7 +14,7 @@ import numpy as np
 
 from cachesvc.reuse_index import ReuseIndex
 from cachesvc.tensor_cache import TensorCache
-from encoders.text import EncodedText
+from encoders.text import EncodedText, PromptView
 from keys import (
     GenerationSpec,
     PromptSegment,
@@ -70,12 +70,16 @@ class ApproximateReuse:
     the search for a checkpoint to start from."""
 
     def __init__(self, index: ReuseIndex, records: Records, cache: TensorCache,
-                 trajectory: Trajectory, table: ReuseTable) -> None:
+                 trajectory: Trajectory, table: ReuseTable, view: PromptView) -> None:
         self.index = index
         self.records = records
         self.cache = cache
         self.trajectory = trajectory
         self.table = table
+        self.view = view  # the table's similarities are measured in this view
+
+    def vector(self, prompt: EncodedText) -> np.ndarray:
+        return self.view.vector(prompt.tensor, prompt.positions)
 
     def bucket(self, spec: GenerationSpec, encoded: dict[str, EncodedText]) -> str:
         t = self.trajectory
@@ -83,7 +87,7 @@ class ApproximateReuse:
         root = chain_root(dataclasses.replace(spec, seed=0), adapted(t.fingerprint, spec.loras),
                           t.scheduler_config, "float32", t.mag_ratios)
         uncond = encoded[segment.negative_prompt].key if spec.segment_uses_cfg(segment) else None
-        return reuse_bucket(root, uncond, spec.guidance_of(segment))
+        return reuse_bucket(root, uncond, spec.guidance_of(segment), self.view.name)
 
     def register(self, spec: GenerationSpec, bucket: str, vector: np.ndarray) -> None:
         """Offer this request's checkpoints to later similar ones, whatever its own mode."""
