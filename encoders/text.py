@@ -18,7 +18,7 @@ import torch
 from cachesvc.ledger import Ledger
 from cachesvc.single_flight import Outcome
 from cachesvc.tensor_cache import TensorCache
-from keys import Fingerprint, StoreKey, embedding_key
+from keys import Fingerprint, GenerationSpec, StoreKey, embedding_key
 
 
 class TokenizedText(Protocol):
@@ -54,45 +54,44 @@ class EncodedText:
 
 
 class PromptView(Protocol):
-    """How approximate reuse compares prompts: a condition embedding made into one unit
-    vector, compared by inner product."""
+    """How approximate reuse compares prompts: a request's condition embedding made into one
+    unit vector, compared by inner product within the request's reuse bucket."""
 
     # Part of the reuse bucket: vectors of two views are never compared.
     name: str
 
-    def vector(self, embedding: torch.Tensor, positions: int) -> np.ndarray:
-        """The unit vector of ``embedding``'s first ``positions`` positions."""
+    def vector(self, embedding: torch.Tensor, positions: int,
+               spec: GenerationSpec) -> np.ndarray:
+        """The unit vector of ``embedding`` (its first ``positions`` positions hold the text)
+        for a request shaped as ``spec``."""
         ...
 
 
-def text_rows(embedding: torch.Tensor, positions: int) -> torch.Tensor:
-    """(positions, width): the positions of ``embedding`` that hold the text, in float64 on
-    the CPU (an encoder on a GPU hands back its tensors there)."""
-    rows = embedding.reshape(-1, embedding.shape[-1])[:max(1, positions)]
-    return rows.detach().to("cpu", torch.float64)
-
-
 def unit(vector: torch.Tensor) -> np.ndarray:
-    out = vector.numpy().astype(np.float32)
+    """``vector`` flattened, as float32 on the CPU, of length 1 (unless it is zero)."""
+    out = vector.detach().to("cpu", torch.float64).flatten().numpy().astype(np.float32)
     norm = float(np.linalg.norm(out))
     return out / norm if norm > 0 else out
 
 
 class MeanPooled:
-    """The embedding averaged over its text positions: any family's view, with no weight but
-    the encoder's. It tells prompts apart by their words more than by what the words ask."""
+    """The embedding averaged over its text positions: any model's view, with no weight but
+    the text encoder's. It compares prompts by their words more than by what they ask for."""
 
-    name = "mean"
+    name = "text-mean"
 
-    def vector(self, embedding: torch.Tensor, positions: int) -> np.ndarray:
-        return unit(text_rows(embedding, positions).mean(dim=0))
+    def vector(self, embedding: torch.Tensor, positions: int,
+               spec: GenerationSpec) -> np.ndarray:
+        rows = embedding.reshape(-1, embedding.shape[-1])[:max(1, positions)]
+        return unit(rows.detach().to("cpu", torch.float64).mean(dim=0))
 
 
-def prompt_vector(model: TextModel, view: PromptView, text: str) -> np.ndarray:
+def prompt_vector(model: TextModel, view: PromptView, text: str,
+                  spec: GenerationSpec) -> np.ndarray:
     """``view``'s vector of a text encoded here, without the cache (benchmarks)."""
     tokens = model.tokenize(text)
     embedding = model.encode(tokens)
-    return view.vector(embedding, model.text_positions(tokens, embedding))
+    return view.vector(embedding, model.text_positions(tokens, embedding), spec)
 
 
 def encode_texts(cache: TensorCache, model: TextModel, tenant: str,

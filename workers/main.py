@@ -71,12 +71,13 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
         from workers.queue.records import Records
         from workers.stages.approximate import ApproximateReuse, ReuseTable
         from workers.stages.encode import EncodeHandler
+        from workers.stages.prompt_view import prompt_view
 
         trajectory = family.trajectory(directory, placement)
         card = model_card(directory)
+        view = prompt_view(card.reuse_vector, lambda: family.denoiser(directory, placement))
         reuse = ApproximateReuse(ReuseIndex(client), Records(client), cache, trajectory,
-                                 ReuseTable(card.reuse_table),
-                                 family.prompt_view(directory, card.reuse_layer))
+                                 ReuseTable(card.reuse_table), view)
         encode = EncodeHandler(cache, family.text_encoder(directory, placement), trajectory,
                                files, reuse)
         router = (AdapterRouter(client, settings.workers.idle_timeout_s)

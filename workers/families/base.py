@@ -17,7 +17,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from encoders.text import MeanPooled, PromptView
 from encoders.text import TextModel as TextEncoder
 from encoders.text import TokenizedText as Tokens
 from keys import Fingerprint, GenerationSpec, StepCache, file_digest, model_fingerprint
@@ -140,16 +139,6 @@ class Family:
     # Read from the folder's configs without loading a weight: what the API's cost estimate
     # and size rule need, published with the served model.
     geometry: Callable[[Path], ModelGeometry]
-    # How one block of the denoiser reads a prompt (the folder, the block), for approximate
-    # reuse where the model card names a block; None: the family has none.
-    denoiser_view: Callable[[Path, int], PromptView] | None = None
-
-    def prompt_view(self, directory: Path, layer: int | None) -> PromptView:
-        """What approximate reuse compares this family's prompts by: the denoiser's view of
-        block ``layer`` where there is one, else the text encoder's mean."""
-        if layer is None or self.denoiser_view is None:
-            return MeanPooled()
-        return self.denoiser_view(directory, layer)
 
 
 def component_config(directory: Path, component: str) -> dict[str, Any]:

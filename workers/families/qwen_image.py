@@ -30,7 +30,6 @@ from workers.families.base import (
     placed_pipeline,
     to_uint8,
 )
-from workers.families.qwen_prompt_view import QwenTextValues
 from workers.families.scheduler_state import SchedulerFields
 from workers.families.step_cache import hook_config, hooks_enabled
 from workers.queue.served_model import FamilyLimits, ModelGeometry, model_card
@@ -432,4 +431,4 @@ FAMILY = Family(name="qwen-image", pipeline_class="QwenImagePipeline",
                 limits=LIMITS, presets=tuple(PRESETS), build=build,
                 text_encoder=QwenTextEncoder, trajectory=QwenTrajectory,
                 denoiser=QwenDenoiser, decoder=QwenDecoder, reference=QwenReference,
-                geometry=geometry, denoiser_view=QwenTextValues)
+                geometry=geometry)

@@ -121,9 +121,9 @@ class ModelCard:
     # Approximate reuse: (least similarity, fraction of the steps reused) rows, measured
     # with the quality yardstick (``bench.reuse_calibrate``); none: the model reuses nothing.
     reuse_table: tuple[tuple[float, float], ...] = ()
-    # The denoiser block whose view of a prompt the table's similarities are measured in (the
-    # family's ``denoiser_view``); none: the text encoder's mean.
-    reuse_layer: int | None = None
+    # The vector the table's similarities are measured in (``workers/stages/prompt_view.py``):
+    # the text encoder's mean, or the denoiser's first prediction.
+    reuse_vector: str = "text-mean"
 
     def warnings(self, spec: GenerationSpec) -> list[str]:
         """What a request asks for outside what the model was trained on: it runs, and

@@ -78,8 +78,8 @@ class ApproximateReuse:
         self.table = table
         self.view = view  # the table's similarities are measured in this view
 
-    def vector(self, prompt: EncodedText) -> np.ndarray:
-        return self.view.vector(prompt.tensor, prompt.positions)
+    def vector(self, spec: GenerationSpec, prompt: EncodedText) -> np.ndarray:
+        return self.view.vector(prompt.tensor, prompt.positions, spec)
 
     def bucket(self, spec: GenerationSpec, encoded: dict[str, EncodedText]) -> str:
         t = self.trajectory

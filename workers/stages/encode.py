@@ -108,7 +108,7 @@ class EncodeHandler:
         the request runs as written."""
         try:
             bucket = reuse.bucket(spec, encoded)
-            vector = reuse.vector(encoded[spec.schedule[0].prompt])
+            vector = reuse.vector(spec, encoded[spec.schedule[0].prompt])
             rewrite = reuse.find(spec, bucket, vector) if spec.reuse.approximate else None
             if rewrite is None and first:
                 reuse.register(spec, bucket, vector)

@@ -1,0 +1,85 @@
+"""The vectors approximate reuse compares prompts by: the denoiser's first prediction, the same
+for any seed and any family, capped in size; the text encoder's mean; a clear error for a card
+naming neither; and vectors of two views never share a bucket."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from encoders.text import MeanPooled, prompt_vector
+from keys import ChainLink, GenerationSpec, OutputFormat, reuse_bucket
+from workers.families import family_of
+from workers.families.base import CPU
+from workers.stages.prompt_view import (
+    FIRST_STEP,
+    MAX_FLOATS,
+    TEXT_MEAN,
+    FirstStep,
+    ReuseViewError,
+    prompt_view,
+)
+
+
+def shaped(width: int = 32, height: int = 32, seed: int = 1) -> GenerationSpec:
+    return GenerationSpec.create(request_id="r", tenant="t", prompt="-", width=width,
+                                 height=height, num_frames=1, num_inference_steps=4,
+                                 guidance_scale=4.0, seed=seed, output_format=OutputFormat.NPY)
+
+
+@pytest.mark.parametrize("folder", ["model_dir", "qwen_model_dir"])
+def test_the_first_step_is_the_prompts_and_not_the_seeds(
+        folder: str, request: pytest.FixtureRequest) -> None:
+    directory: Path = request.getfixturevalue(folder)
+    family = family_of(directory)
+    text = family.text_encoder(directory, CPU)
+    denoiser = family.denoiser(directory, CPU)
+    view = prompt_view(FIRST_STEP, lambda: denoiser)
+    assert isinstance(view, FirstStep)
+    spec = shaped()
+    red = prompt_vector(text, view, "a red fox in the snow", spec)
+    again = prompt_vector(text, view, "a red fox in the snow", dataclasses.replace(spec, seed=9))
+    blue = prompt_vector(text, view, "a blue whale at sea", spec)
+    assert red.dtype == np.float32
+    assert red.size == min(MAX_FLOATS, int(np.prod(denoiser.latent_shape(spec))))
+    assert np.linalg.norm(red) == pytest.approx(1.0, abs=1e-5)
+    assert np.array_equal(red, again)  # every request of a bucket starts from seed 0's noise
+    assert not np.allclose(red, blue)
+
+
+def test_a_large_first_prediction_is_averaged_down(qwen_model_dir: Path) -> None:
+    family = family_of(qwen_model_dir)
+    text = family.text_encoder(qwen_model_dir, CPU)
+    denoiser = family.denoiser(qwen_model_dir, CPU)
+    spec = shaped(width=256, height=256)
+    assert int(np.prod(denoiser.latent_shape(spec))) > MAX_FLOATS
+    vector = prompt_vector(text, FirstStep(denoiser), "a red fox", spec)
+    assert vector.size == MAX_FLOATS
+    assert np.linalg.norm(vector) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_the_text_mean_is_the_encoders_embedding_averaged(qwen_model_dir: Path) -> None:
+    text = family_of(qwen_model_dir).text_encoder(qwen_model_dir, CPU)
+    tokens = text.tokenize("a red fox")
+    embedding = text.encode(tokens)
+    positions = text.text_positions(tokens, embedding)
+    view = prompt_view(TEXT_MEAN, lambda: pytest.fail("the text mean loads no denoiser"))
+    assert isinstance(view, MeanPooled)
+    mean = embedding[0, :positions].double().mean(dim=0).numpy()
+    np.testing.assert_allclose(view.vector(embedding, positions, shaped()),
+                               mean / np.linalg.norm(mean), atol=1e-6)
+
+
+def test_a_card_naming_another_vector_is_refused_with_the_field() -> None:
+    with pytest.raises(ReuseViewError, match=r"reuse_vector is 'clip'.*text-mean"):
+        prompt_view("clip", lambda: pytest.fail("nothing to load"))
+
+
+def test_vectors_of_two_views_never_share_a_bucket() -> None:
+    root = ChainLink("tenant", 0, "ab" * 32)
+    assert reuse_bucket(root, None, 4.0, TEXT_MEAN) != reuse_bucket(root, None, 4.0, FIRST_STEP)
+    assert reuse_bucket(root, None, 4.0, FIRST_STEP) == reuse_bucket(root, None, 4.0,
+                                                                     FIRST_STEP)
