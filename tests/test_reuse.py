@@ -36,11 +36,12 @@ from workers.queue.records import Records
 from workers.queue.schema import PreemptMode, State
 from workers.queue.served_model import MODEL_CARD
 from workers.queue.submit import new_request_id, submit
+from workers.stages.prompt_view import FIRST_STEP
 
 pytestmark = pytest.mark.slow  # starts a worker process of its own
 
-# Any two prompts of the tiny random encoder are this similar: the table is the test's input
-# (a served model's is measured, ``bench.reuse_calibrate``), half the steps for any neighbour.
+# Any two prompts of the tiny random model are this similar: the table is the test's input (a
+# served model's is measured, ``bench.reuse_calibrate``), half the steps for any neighbour.
 TABLE = [[0.05, 0.5]]
 APPROXIMATE = Reuse(ReuseMode.APPROXIMATE, min_similarity=0.05, max_skip=0.5)
 
@@ -55,7 +56,8 @@ def reusing_encoder(worker_settings: Settings, client: redis.Redis,
     shutil.copytree(worker_settings.model.dir, directory)
     card_path = directory / MODEL_CARD
     card = json.loads(card_path.read_text()) if card_path.exists() else {}
-    card.setdefault("model", {})["reuse_table"] = TABLE
+    # The shipped model's vector: the worker loads the denoiser for it at encode.
+    card.setdefault("model", {}).update(reuse_table=TABLE, reuse_vector=FIRST_STEP)
     card_path.write_text(json.dumps(card))
     settings = worker_settings.model_copy(update={"model": worker_settings.model.model_copy(
         update={"dir": directory})})
