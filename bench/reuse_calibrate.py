@@ -106,20 +106,15 @@ def separation(prompts: list[TracePrompt], groups: list[int], vectors: np.ndarra
     return float((np.array(same)[:, None] > np.array(changed)[None, :]).mean())
 
 
-def index_pairs_at(prompts: list[TracePrompt], vectors: np.ndarray) -> list[tuple[int, int]]:
+def index_pairs(prompts: list[TracePrompt], similarity: np.ndarray) -> list[tuple[int, int]]:
     """(source, target) positions: each prompt with its nearest other prompt as its source,
     what the index returns in a bucket that holds them all (the same text passed over, as
     ``ApproximateReuse.find`` passes it over)."""
-    similarity = vectors @ vectors.T
+    similarity = similarity.copy()
     texts = [p.prompt for p in prompts]
     for i, text in enumerate(texts):
         similarity[i, [j for j, other in enumerate(texts) if other == text]] = -np.inf
     return [(int(np.argmax(similarity[t])), t) for t in range(len(prompts))]
-
-
-def index_pairs(prompts: list[TracePrompt],
-                vectors: np.ndarray) -> list[tuple[TracePrompt, TracePrompt]]:
-    return [(prompts[s], prompts[t]) for s, t in index_pairs_at(prompts, vectors)]
 
 
 def view_and_pairs(directory: Path, shape: GenerationSpec, first: int, count: int) -> tuple[
@@ -138,13 +133,12 @@ def view_and_pairs(directory: Path, shape: GenerationSpec, first: int, count: in
         vectors[name] = np.stack([prompt_vector(text, view, p.prompt, shape) for p in prompts])
     apart = {name: separation(prompts, groups, v) for name, v in vectors.items()}
     name = max(apart, key=lambda k: apart[k])
-    pairs = index_pairs(prompts, vectors[name])
-    captions = [p for p in prompts if p.variant == "caption"]  # the last is the first's source
-    pairs += list(zip(captions, captions[1:] + captions[:1], strict=True))
-    at = {p.prompt: n for n, p in enumerate(prompts)}
-    similarity = np.array([float(vectors[name][at[s.prompt]] @ vectors[name][at[t.prompt]])
-                           for s, t in pairs])
-    return name, apart, pairs, similarity
+    similarity = vectors[name] @ vectors[name].T
+    at = index_pairs(prompts, similarity)
+    captions = [n for n, p in enumerate(prompts) if p.variant == "caption"]
+    at += list(zip(captions, captions[1:] + captions[:1], strict=True))  # the last: the first's
+    pairs = [(prompts[s], prompts[t]) for s, t in at]
+    return name, apart, pairs, np.array([float(similarity[s, t]) for s, t in at])
 
 
 def main() -> None:
