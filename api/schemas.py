@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from keys import CfgMode, OutputFormat, Priority, ReuseMode, StepCachePolicy
+from keys import DEFAULT_MAX_SKIP, CfgMode, OutputFormat, Priority, ReuseMode, StepCachePolicy
 from workers.queue.admission import MAX_GUIDANCE, MAX_SEED
 from workers.queue.schema import PreemptMode
 
@@ -81,8 +81,9 @@ class ReuseBody(BaseModel):
     mode: ReuseMode = ReuseMode.EXACT
     min_similarity: float = Field(0.9, gt=0, le=1, description="least cosine similarity of "
                                   "the pooled prompt embeddings")
-    max_skip: float = Field(0.5, ge=0, lt=1, description="largest fraction of the steps taken "
-                            "from the other request")
+    max_skip: float = Field(DEFAULT_MAX_SKIP, ge=0, lt=1, description="largest fraction of "
+                            "the steps taken from the other request (the model's table "
+                            "decides within it)")
 
 
 class LoraBody(BaseModel):

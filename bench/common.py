@@ -153,6 +153,13 @@ def serve(records: Records, cache: TensorCache, specs: Sequence[GenerationSpec]
     order."""
     for spec in specs:
         submit(records.redis, spec)
+    return collect(records, cache, specs)
+
+
+def collect(records: Records, cache: TensorCache, specs: Sequence[GenerationSpec]
+            ) -> tuple[list[RequestRecord], list[np.ndarray]]:
+    """Once every one of ``specs`` (submitted) is done: their records and output frames (npy
+    outputs), in order."""
     done = wait_all(records, specs)
     ordered = [done[s.request_id] for s in specs]
     frames = []

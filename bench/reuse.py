@@ -1,7 +1,10 @@
 """Approximate reuse on a similarity-rich trace through the service, on the shipped shapes
 model: 40 scenes, each asked five ways (``bench.reuse_trace``), every request with its own
 seed, in five waves (the captions, then each other phrasing in turn, as similar prompts keep
-arriving). The trace runs twice in one stack, once per mode, each in a tenant of its own.
+arriving). A wave arrives once the one before has left the queue (its every request has begun
+to denoise), so the service has work throughout, as under steady traffic; with ``--arrival
+served`` it waits until the one before is done. The trace runs twice in one stack, once per
+mode, each in a tenant of its own.
 
 Per mode: denoise forwards, throughput, and the classifier's accuracy on the attributes each
 prompt asks for; for the approximate run, the hit rate, the steps reused, and the hits whose
@@ -13,56 +16,100 @@ compared bit for bit.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from collections.abc import Callable
 
 import numpy as np
 
-from bench.common import model_stack, report, serve, workers
+from bench.common import WAIT_ALL_S, collect, model_stack, report, serve, wait_all, workers
 from bench.reuse_trace import TracePrompt, correct, variants
 from cachesvc.connect import open_cache, open_redis
-from keys import GenerationSpec, OutputFormat, Reuse, ReuseMode
+from cachesvc.tensor_cache import TensorCache
+from cachesvc.waiting import wait_until
+from keys import DEFAULT_MAX_SKIP, GenerationSpec, OutputFormat, Reuse, ReuseMode
 from training.classifier import load_classifier
 from workers.queue.records import Records
-from workers.queue.schema import RequestRecord
-from workers.queue.served_model import request_defaults
-from workers.queue.submit import new_request_id
+from workers.queue.schema import RequestRecord, State
+from workers.queue.served_model import RequestDefaults, request_defaults
+from workers.queue.submit import new_request_id, submit
 
 WAVES = 5
+# One mode's pass over the trace: its seconds, records, outputs and the prompts asked, in order.
+Run = tuple[float, list[RequestRecord], np.ndarray, list[TracePrompt]]
+# A request in one of these states has left the queue for denoise.
+BEGUN = frozenset({State.DENOISING, State.DENOISED, State.DECODING, State.DONE})
+
+
+def wait_begun(records: Records, specs: list[GenerationSpec]) -> None:
+    """Until every one of ``specs`` has begun to denoise; exits if one ended otherwise."""
+
+    def begun() -> bool:
+        states = records.states([(s.tenant, s.request_id) for s in specs])
+        for spec, state in zip(specs, states, strict=True):
+            if state is not None and state.terminal and state is not State.DONE:
+                raise SystemExit(f"request {spec.request_id} ended {state.value}")
+        return all(state in BEGUN for state in states)
+
+    wait_until(begun, timeout_s=WAIT_ALL_S, interval_s=0.02,
+               what=f"{len(specs)} requests begun denoising")
+
+
+def trace_spec(m: RequestDefaults, tenant: str, reuse: Reuse, prompt: str,
+               seed: int) -> GenerationSpec:
+    return GenerationSpec.create(
+        request_id=new_request_id(), tenant=tenant, prompt=prompt, width=m.width,
+        height=m.height, num_frames=1, num_inference_steps=m.num_inference_steps,
+        guidance_scale=m.guidance_scale, seed=seed, output_format=OutputFormat.NPY, reuse=reuse)
+
+
+def run_trace(records: Records, cache: TensorCache, waves: list[list[TracePrompt]],
+              arrival: str, spec: Callable[[str, int], GenerationSpec]) -> Run:
+    """The waves through the service, each arriving as ``arrival`` says (every request with
+    its own seed): the seconds from the first submission to the last output, the records and
+    outputs in order, and the prompts asked."""
+    submitted: list[GenerationSpec] = []
+    asked: list[TracePrompt] = []
+    start = time.perf_counter()
+    for w, wave in enumerate(waves):
+        specs = [spec(p.prompt, 30_000 + w * 1000 + n) for n, p in enumerate(wave)]
+        if submitted:
+            before = submitted[-len(specs):]
+            if arrival == "served":
+                wait_all(records, before)
+            else:
+                wait_begun(records, before)
+        for one in specs:
+            submit(records.redis, one)
+        submitted += specs
+        asked += wave
+    done, frames = collect(records, cache, submitted)
+    return time.perf_counter() - start, done, np.concatenate(frames), asked
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scenes", type=int, default=40)
     parser.add_argument("--min-similarity", type=float, default=0.9)
-    parser.add_argument("--max-skip", type=float, default=0.5)
+    parser.add_argument("--max-skip", type=float, default=DEFAULT_MAX_SKIP)
     parser.add_argument("--verify", type=int, default=5, help="rewritten requests recomputed")
+    parser.add_argument("--arrival", choices=["begun", "served"], default="begun",
+                        help="a wave arrives once the one before has begun denoising, or is "
+                        "served")
     args = parser.parse_args()
     classifier = load_classifier()
     trace = [variants(i) for i in range(args.scenes)]
     waves = [[prompts[w] for prompts in trace] for w in range(WAVES)]
     modes = {"exact": Reuse(),
              "approximate": Reuse(ReuseMode.APPROXIMATE, args.min_similarity, args.max_skip)}
-    runs: dict[str, tuple[float, list[RequestRecord], np.ndarray, list[TracePrompt]]] = {}
+    runs: dict[str, Run] = {}
     with model_stack(model={"preset": "shapes"}) as settings:
         m = request_defaults(settings.model, settings.model_dir)
         records, cache = Records(open_redis(settings)), open_cache(settings)
         with workers(settings, settings.data_dir / "logs"):
             for mode, reuse in modes.items():
-                done, frames, asked = [], [], []
-                start = time.perf_counter()
-                for w, wave in enumerate(waves):
-                    specs = [GenerationSpec.create(
-                        request_id=new_request_id(), tenant=f"trace-{mode}", prompt=p.prompt,
-                        width=m.width, height=m.height, num_frames=1,
-                        num_inference_steps=m.num_inference_steps,
-                        guidance_scale=m.guidance_scale, seed=30_000 + w * 1000 + n,
-                        output_format=OutputFormat.NPY, reuse=reuse)
-                        for n, p in enumerate(wave)]
-                    records_, frames_ = serve(records, cache, specs)
-                    done += records_
-                    frames += frames_
-                    asked += wave
-                runs[mode] = (time.perf_counter() - start, done, np.concatenate(frames), asked)
+                runs[mode] = run_trace(records, cache, waves, args.arrival,
+                                       functools.partial(trace_spec, m, f"trace-{mode}", reuse))
             rewritten = [r for r in runs["approximate"][1] if r.approximate is not None]
             sample = rewritten[:args.verify]
             again = [GenerationSpec.create(

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from keys import ReuseMode, StepCachePolicy
@@ -176,7 +176,12 @@ class WorkerSettings(_Section):
     # than affinity_wait_ms goes to any worker, so none starves behind a busy or dead one.
     adapter_routing: bool = True
     affinity_wait_ms: int = Field(2000, ge=0)
-    decode_credits: int = Field(8, ge=1, description="trajectories denoising or awaiting decode")
+    # Trajectories denoising or awaiting decode, over the whole cluster (None: twice max_batch
+    # for each denoise worker this config starts, or for one if it starts none). A run takes
+    # its credit before its first step, so with fewer credits than the engines hold runs,
+    # rows sit idle whenever decode lags: set it to at least max_batch times the cluster's
+    # denoise workers, plus the backlog decode may keep.
+    decode_credits: int | None = Field(None, ge=1)
     preempt: bool = Field(True, description="waiting interactive work preempts batch work")
     # An interactive entry must wait this long before a full engine makes way for it. An idle
     # worker has read it on arrival, so none is needed for that; with several denoise workers,
@@ -201,6 +206,19 @@ class WorkerSettings(_Section):
     # finish. Past this long the supervisor kills what is left.
     shutdown_grace_s: float = Field(30.0, gt=0)
 
+
+    @model_validator(mode="after")
+    def _credits_fill_an_engine(self) -> WorkerSettings:
+        if self.decode_credits is not None and self.decode_credits < self.max_batch:
+            raise ValueError(f"workers.decode_credits ({self.decode_credits}) is below "
+                             f"workers.max_batch ({self.max_batch}): an engine could never "
+                             "step a full batch")
+        return self
+
+    @property
+    def credit_limit(self) -> int:
+        """``decode_credits``, or its default."""
+        return self.decode_credits or 2 * self.max_batch * max(1, self.denoise_workers)
 
     @property
     def orphan_bound_s(self) -> float:

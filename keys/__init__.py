@@ -26,6 +26,7 @@ from keys.builders import (
 from keys.canonical import canonical_bytes, digest
 from keys.names import KEY_VERSION, InvalidTenantError, KeyKind, StoreKey, check_tenant
 from keys.spec import (
+    DEFAULT_MAX_SKIP,
     CfgCache,
     CfgMode,
     GenerationSpec,
@@ -40,6 +41,7 @@ from keys.spec import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_SKIP",
     "FIELD_POLICIES",
     "KEY_VERSION",
     "CfgCache",

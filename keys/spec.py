@@ -169,6 +169,12 @@ class ReuseMode(StrEnum):
     APPROXIMATE = "approximate"
 
 
+# A request's default cap on the fraction of its steps another request supplies: the model
+# card's table decides how many within it (the shipped table earns up to 0.8 where the prompts
+# are nearly the same, README "Approximate reuse across requests").
+DEFAULT_MAX_SKIP = 0.8
+
+
 @dataclass(frozen=True, slots=True)
 class Reuse:
     """Whether a request may be rewritten to start from a similar request's checkpoint, and
@@ -176,7 +182,7 @@ class Reuse:
 
     mode: ReuseMode = ReuseMode.EXACT
     min_similarity: float = 0.9  # cosine of the prompt vectors, in the model's view
-    max_skip: float = 0.5  # the largest fraction of the steps taken from the other request
+    max_skip: float = DEFAULT_MAX_SKIP  # the largest fraction of the steps another request supplies
 
     def __post_init__(self) -> None:
         if not 0.0 < self.min_similarity <= 1.0:

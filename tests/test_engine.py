@@ -5,6 +5,7 @@ thread per op), whether it joined first or mid-way, and whatever happened to the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import torch
 
 from bench.lora import random_lora
 from cachesvc.processes import ChildProcess
-from cachesvc.settings import ModelSettings, Settings, WorkerSettings
+from cachesvc.settings import ModelSettings, Settings, SettingsError, WorkerSettings, load_settings
 from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, LoraUse, StepCache, StepCachePolicy
@@ -227,6 +228,35 @@ def test_a_run_cancelled_mid_batch_leaves_the_others_unchanged(
     assert [r.state for r in records] == [State.DONE, State.CANCELLED, State.DONE]
     for record in (records[0], records[2]):
         assert np.array_equal(read_frames(worker_settings, record), reference(pipe, record.spec))
+
+
+def test_fewer_decode_credits_than_an_engine_holds_runs_are_refused_naming_the_field() -> None:
+    with pytest.raises(SettingsError, match=r"workers\.decode_credits \(4\).*max_batch \(8\)"):
+        load_settings(workers={"decode_credits": 4, "max_batch": 8})
+    assert load_settings(workers={"denoise_workers": 3, "max_batch": 4}).workers.credit_limit == 24
+
+
+@pytest.mark.slow
+def test_a_full_engine_awaiting_decode_leaves_credits_for_the_next_batch(
+        worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
+        engine: ChildProcess, pipe: object) -> None:
+    """With decode stopped, a whole engine's runs finish denoising and wait for decode; the
+    default credits still let the next runs step, so an engine's rows never sit idle behind
+    one slow decode (with one engine's worth of credits, the last run here would wait)."""
+    assert worker_settings.workers.decode_credits is None  # the default is what is tested
+    specs = [make_spec(seed=2000 + i, prompt=PROMPTS[i % len(PROMPTS)], num_inference_steps=2)
+             for i in range(worker_settings.workers.max_batch + 1)]
+    with only(engine, pool, client, worker_settings), contextlib.ExitStack() as stopped:
+        for decoder in pool[Stage.DECODE]:
+            stopped.enter_context(held(decoder))
+        for spec in specs:
+            submit(client, spec)
+        for spec in specs:
+            wait_for(client, spec, State.DENOISED)
+    records = [wait_done(client, s) for s in specs]
+    assert all(r.state is State.DONE for r in records)
+    assert np.array_equal(read_frames(worker_settings, records[-1]),
+                          reference(pipe, records[-1].spec))
 
 
 @pytest.mark.slow

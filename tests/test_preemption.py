@@ -70,7 +70,7 @@ def decode_entries_for(client: redis.Redis, spec: GenerationSpec) -> int:
 
 def test_denoise_waits_for_a_decode_credit(worker_settings: Settings, client: redis.Redis,
                                           pool: object) -> None:
-    credits = Credits(client, worker_settings.workers.decode_credits)
+    credits = Credits(client, worker_settings.workers.credit_limit)
     holders = [f"holder{n}" for n in range(credits.limit)]
     for holder in holders:  # every credit taken by a trajectory still denoising
         client.hset(request_record("acme", holder), "state", "DENOISING")

@@ -83,7 +83,7 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
         router = (AdapterRouter(client, settings.workers.idle_timeout_s)
                   if settings.workers.adapter_routing else None)
         return Worker(encode, client, settings.workers, router=router), encode
-    credits = Credits(client, settings.workers.decode_credits)
+    credits = Credits(client, settings.workers.credit_limit)
     if stage is Stage.DENOISE:
         from workers.engine.loop import EngineWorker
         from workers.stages.adapters import AdapterStats
