@@ -147,7 +147,8 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=1000, help="the first scene's index: "
                         "apart from bench.reuse's scenes (0 to 39), so the table is not "
                         "measured on the trace it is judged on")
-    parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.4, 0.5])
+    parser.add_argument("--fractions", type=float, nargs="+",
+                        default=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
     parser.add_argument("--bands", type=int, default=4)
     parser.add_argument("--tolerance", type=float, default=0.02)
     parser.add_argument("--write", action="store_true", help=f"write the table to {SHIPPED_CARD}")
