@@ -11,7 +11,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api import adapters, compat, dashboard, errors, routes
+from api import adapters, compat, dashboard, errors, images, routes
 from api.metrics import ClusterCollector, registry_with, tenant_labeller
 from api.schemas import ErrorBody
 from api.service import Service
@@ -28,7 +28,7 @@ class BodyTooLargeError(HTTPException):
         super().__init__(413, f"body is larger than {limit} bytes ({setting})")
 
 
-# Paths whose bodies have a limit of their own: adapter uploads are files, not JSON.
+# Paths whose bodies have a limit of their own: uploads are files, not JSON.
 ADAPTER_UPLOADS = "/v1/adapters"
 
 
@@ -40,17 +40,16 @@ class BodyLimit:
     raises, which the app's HTTPException handler turns into the error body.
     """
 
-    def __init__(self, app: ASGIApp, limit: int, adapter_limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, uploads: dict[str, tuple[int, str]]) -> None:
         self.app = app
         self.limits = (limit, "api.max_body_bytes")
-        self.adapter_limits = (adapter_limit, "api.max_adapter_bytes")
+        self.uploads = uploads  # path -> (limit, the setting that sets it)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit, setting = (self.adapter_limits if scope["path"] == ADAPTER_UPLOADS
-                          else self.limits)
+        limit, setting = self.uploads.get(scope["path"], self.limits)
         length = Headers(scope=scope).get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
             await self._refuse(scope, receive, send, limit, setting)
@@ -105,10 +104,12 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="diffcache", version="0.1.0", lifespan=lifespan, responses=ERRORS)
     app.state.settings = settings
     errors.install(app, settings.api.retry_after_s)
-    app.add_middleware(BodyLimit, limit=settings.api.max_body_bytes,
-                       adapter_limit=settings.api.max_adapter_bytes)
+    app.add_middleware(BodyLimit, limit=settings.api.max_body_bytes, uploads={
+        ADAPTER_UPLOADS: (settings.api.max_adapter_bytes, "api.max_adapter_bytes"),
+        images.UPLOADS: (settings.api.max_image_bytes, "api.max_image_bytes")})
     app.include_router(routes.router)
     app.include_router(adapters.router)
+    app.include_router(images.router)
     app.include_router(compat.router)
     app.include_router(dashboard.router)
     return app

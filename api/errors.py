@@ -22,8 +22,7 @@ from api.service import (
     RecomputingError,
     WaitTimeoutError,
 )
-from cachesvc.adapters import AdapterError
-from cachesvc.errors import StoreUnavailableError
+from cachesvc.errors import StoreUnavailableError, UploadError
 from workers.queue.admission import FieldError, QueueFullError, UnknownModelError
 from workers.queue.client import NotReadyError, UnknownRequestError
 from workers.queue.served_model import NotPublishedError
@@ -103,9 +102,9 @@ def install(app: FastAPI, retry_after_s: int) -> None:
     async def out_of_limits(request: Request, exc: FieldError) -> JSONResponse:
         return _body(request, 422, str(exc), exc.field)
 
-    @app.exception_handler(AdapterError)
-    async def bad_adapter(request: Request, exc: AdapterError) -> JSONResponse:
-        return _body(request, 422, str(exc), exc.field)
+    @app.exception_handler(UploadError)
+    async def bad_upload(request: Request, exc: UploadError) -> JSONResponse:
+        return _body(request, exc.status, str(exc), exc.field)
 
     # Exception type -> status, and whether the client should retry after a pause. Subclasses
     # map as their base does: redis-py's BusyLoadingError is a ConnectionError, for one.

@@ -106,6 +106,15 @@ class AdapterOut(BaseModel):
     targets: int = Field(description="linear layers of the denoiser it adapts")
 
 
+class ImageOut(BaseModel):
+    """An uploaded input image, as the service keeps it."""
+
+    hash: str = Field(description="xxh3-128 of its size and 8-bit RGB pixels, after EXIF "
+                      "orientation: the same picture in any encoding has one hash")
+    width: int
+    height: int
+
+
 class GenerateBody(BaseModel):
     """``POST /v1/generate``. Deployment limits are applied by ``check_limits``."""
 

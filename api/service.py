@@ -38,6 +38,7 @@ from cachesvc.adapters import AdapterInfo, AdapterRegistry
 from cachesvc.cache_link import CacheLink
 from cachesvc.connect import RedisClient
 from cachesvc.errors import CacheError, StoreUnavailableError
+from cachesvc.images import ImageStore, InputImage, normalise
 from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from cachesvc.supervisor import ChildStatus, read_published
@@ -151,6 +152,7 @@ class Service:
     store: CacheLink  # the store client, connected in the background
     queue: QueueClient = field(init=False)
     adapters: AdapterRegistry = field(init=False)
+    images: ImageStore = field(init=False)
     files: OutputFiles | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +160,7 @@ class Service:
         self._limits_published = False
         self.adapters = AdapterRegistry(lambda: self.cache, self.redis,
                                         self.settings.data_dir / "adapters")
+        self.images = ImageStore(lambda: self.cache, self.settings.data_dir / "images")
         self._forget = self.redis.register_script(_FORGET)
         cache = self.settings.cache
         self.files = (OutputFiles(self.settings.outputs_dir, cache.output_ttl_s)
@@ -224,6 +227,12 @@ class Service:
             raise NoDenoiserError("no denoise worker has said which layers it serves yet; "
                                   "retry once one has started")
         return self.adapters.add(tenant, name, data, linears)
+
+    def add_image(self, tenant: str, data: bytes) -> InputImage:
+        api = self.settings.api
+        image = normalise(data, api.max_image_bytes, api.max_image_pixels)
+        self.images.add(tenant, image)
+        return image
 
     def served(self) -> ServedModel:
         """The model the workers said they serve; NotPublishedError (503) before any has."""

@@ -16,6 +16,7 @@ import xxhash
 from pydantic import TypeAdapter
 
 from cachesvc.connect import RedisClient
+from cachesvc.errors import UploadError
 from cachesvc.output_files import OutputFiles
 from cachesvc.wire import UNVERSIONED, Wire
 from keys import adapter_key
@@ -28,12 +29,8 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _LORA_KEY = re.compile(r"^transformer\.(?P<module>.+)\.lora_(?P<half>[AB])\.weight$")
 
 
-class AdapterError(ValueError):
-    """An upload or a use the service refuses; ``field`` names what is wrong."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+class AdapterError(UploadError):
+    """An adapter's upload or use the service refuses; ``field`` names what is wrong."""
 
 
 @dataclass(frozen=True, slots=True)

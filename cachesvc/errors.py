@@ -46,3 +46,13 @@ class EntryTooLargeError(CacheError):
 
 class CodecError(ValueError):
     """Bytes that are not a well-formed tensor entry (bad magic, version or lengths)."""
+
+
+class UploadError(ValueError):
+    """An upload (an adapter, an image) the service refuses; ``field`` names what is wrong,
+    ``status`` the HTTP answer (413 for too large, else 422)."""
+
+    def __init__(self, field: str, message: str, status: int = 422) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.status = status

@@ -39,5 +39,7 @@ def policies(settings: CacheSettings) -> Mapping[KeyKind, KindPolicy]:
                                    delete_on_consume=False),
         # Uploaded, not computed: pinned, never expired (``DELETE /v1/adapters`` removes one).
         KeyKind.ADAPTER: KindPolicy(soft_pin=True, ttl_s=None, delete_on_consume=False),
+        # Uploaded too, and kept on disk: pinned, never expired.
+        KeyKind.IMAGE: KindPolicy(soft_pin=True, ttl_s=None, delete_on_consume=False),
         KeyKind.SCRATCH: KindPolicy(soft_pin=False, ttl_s=None, delete_on_consume=False),
     }

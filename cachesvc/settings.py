@@ -245,6 +245,10 @@ class ApiSettings(_Section):
     metrics_tenant_labels: Literal["auto", "plain", "hashed"] = "auto"
     max_body_bytes: int = Field(65536, ge=1024)
     max_adapter_bytes: int = Field(512 * 2**20, ge=1024, description="largest LoRA upload")
+    max_image_bytes: int = Field(32 * 2**20, ge=1024, description="largest image upload")
+    # Checked from the image's header, before any pixel is decoded: a small file may claim
+    # billions of pixels (a decompression bomb).
+    max_image_pixels: int = Field(4096 * 4096, ge=64 * 64)
     max_loras: int = Field(4, ge=1, description="adapters one request may apply")
     # Tenant -> the step-cache policy (at its default parameters) of its requests that name
     # none: a tenant may opt all its traffic into an approximate policy.

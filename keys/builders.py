@@ -149,6 +149,11 @@ def adapter_key(tenant: str, content_hash: str) -> StoreKey:
     return StoreKey(check_tenant(tenant), KeyKind.ADAPTER, content_hash)
 
 
+def image_key(tenant: str, content_hash: str) -> StoreKey:
+    """An input image's normalised pixels (PNG), named by the hash of those pixels."""
+    return StoreKey(check_tenant(tenant), KeyKind.IMAGE, content_hash)
+
+
 # --- store keys -------------------------------------------------------------------------------
 
 

@@ -47,6 +47,7 @@ class KeyKind(StrEnum):
     LATENTS = "latents"
     OUTPUT = "output"
     ADAPTER = "adapter"  # a LoRA's safetensors, by content hash, uploaded per tenant
+    IMAGE = "image"  # an input image's normalised pixels as PNG, by their hash, per tenant
     # Denoiser forwards under a step-cache policy: counted (a hit is a forward the policy
     # skipped part of), never stored; its state travels inside checkpoints.
     STEP = "step"

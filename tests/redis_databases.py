@@ -28,6 +28,7 @@ EXTERNAL_REDIS = 6  # a `diffcache up` given the worker-free stack's Valkey as i
 API_START = 7  # an API process whose store does not answer
 FIRST_DAY = 8  # an API serving the shipped model, with no workers
 ADMISSION = 9  # the API and `diffcache submit` admitting against one published model
+IMAGES = 10  # the API keeping uploaded images
 
 
 def on_database(settings: Settings, db: int) -> Settings:

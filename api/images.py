@@ -1,0 +1,30 @@
+"""``/v1/images``: upload a tenant's input images, and read one back. An upload is the raw
+file as the body (PNG, JPEG, WebP, ...), kept as its normalised pixels under their hash."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from api.deps import Svc, Tenant
+from api.schemas import ImageOut
+from api.service import NotFoundError
+
+router = APIRouter()
+UPLOADS = "/v1/images"
+
+
+@router.post(UPLOADS, status_code=201, response_model=ImageOut)
+async def upload(request: Request, who: Tenant, svc: Svc) -> ImageOut:
+    """Store an image; requests refer to it by the hash answered."""
+    image = svc.add_image(who, await request.body())
+    return ImageOut(hash=image.hash, width=image.width, height=image.height)
+
+
+@router.get(UPLOADS + "/{content_hash}", response_class=Response,
+            responses={200: {"content": {"image/png": {}}}})
+def read(content_hash: str, who: Tenant, svc: Svc) -> Response:
+    """The image as kept (PNG of its normalised pixels); another tenant's reads as unknown."""
+    png = svc.images.read(who, content_hash)
+    if png is None:
+        raise NotFoundError(f"no image {content_hash}; upload it with POST {UPLOADS}")
+    return Response(png, media_type="image/png")

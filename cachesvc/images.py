@@ -1,0 +1,117 @@
+"""Input images as content: an upload decoded safely (its pixel count checked before any pixel
+is decoded), turned upright by its EXIF orientation and into 8-bit RGB, named by the hash of
+those pixels, and stored per tenant in the store and on disk beside it, as adapters are."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import xxhash
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from cachesvc.errors import UploadError
+from cachesvc.output_files import OutputFiles
+from keys import image_key
+
+if TYPE_CHECKING:
+    from cachesvc.byte_entries import ByteEntries
+
+# Modes of 8 bits or fewer a channel, which ``convert("RGB")`` (as the diffusers pipelines'
+# image processors call it) maps without losing precision; alpha is dropped, as it does.
+_CONVERTIBLE = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr",
+                          "La", "RGBa"})
+
+
+class ImageError(UploadError):
+    """An image upload the service refuses."""
+
+
+@dataclass(frozen=True, slots=True)
+class InputImage:
+    """An upload as it is kept: its normalised pixels as PNG, named by their hash."""
+
+    hash: str
+    width: int
+    height: int
+    png: bytes
+
+
+def pixel_hash(image: Image.Image) -> str:
+    """xxh3-128 of an RGB image's size and pixels: one name for the same picture however it
+    was encoded."""
+    header = f"rgb8:{image.width}x{image.height}:".encode()
+    return xxhash.xxh3_128_hexdigest(header + image.tobytes())
+
+
+def normalise(data: bytes, max_bytes: int, max_pixels: int, field: str = "image"
+              ) -> InputImage:
+    """The upload ``data`` as an InputImage; ImageError naming ``field`` for anything that is
+    not a whole image of at most ``max_bytes`` and ``max_pixels`` in a mode kept exactly."""
+    if len(data) > max_bytes:
+        raise ImageError(field, f"{len(data)} bytes; at most {max_bytes} (api.max_image_bytes)",
+                         413)
+    try:
+        with warnings.catch_warnings():
+            # PIL warns of a large image and raises past twice its own bound; ours is checked
+            # below, from the header, before any pixel is decoded.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            opened = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        raise ImageError(field, f"more than {max_pixels} pixels (api.max_image_pixels)",
+                         413) from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        raise ImageError(field, "not an image PIL can read (PNG, JPEG, WebP, ...)") from None
+    with opened:
+        width, height = opened.size
+        if width * height > max_pixels:
+            raise ImageError(field, f"{width}x{height} is more than {max_pixels} pixels "
+                             "(api.max_image_pixels)", 413)
+        if opened.mode not in _CONVERTIBLE:
+            raise ImageError(field, f"mode {opened.mode} (16-bit or floating point) would "
+                             "lose precision in 8-bit RGB; send an 8-bit image")
+        try:
+            opened.load()
+            upright = ImageOps.exif_transpose(opened)
+            rgb = upright.convert("RGB")
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise ImageError(field, f"truncated or corrupt image ({exc})") from None
+    out = io.BytesIO()
+    rgb.save(out, format="PNG")
+    return InputImage(pixel_hash(rgb), rgb.width, rgb.height, out.getvalue())
+
+
+def decode_png(png: bytes) -> Image.Image:
+    """A stored image's pixels (written by ``normalise``, so an RGB PNG)."""
+    with Image.open(io.BytesIO(png), formats=["PNG"]) as image:
+        return image.convert("RGB")
+
+
+class ImageStore:
+    """A tenant's input images: PNG bytes in the store, and on disk beside it (an image is
+    uploaded, not computed: the store's copy is a cache of the file)."""
+
+    def __init__(self, cache: Callable[[], ByteEntries], files_dir: Path) -> None:
+        self._cache = cache  # the store client as it stands (the API connects it late)
+        self.files = OutputFiles(files_dir, ttl_s=float("inf"))
+
+    def add(self, tenant: str, image: InputImage) -> None:
+        key = image_key(tenant, image.hash)
+        self.files.write(key, image.png)
+        self._cache().write(key, image.png)
+
+    def read(self, tenant: str, content_hash: str) -> bytes | None:
+        """The image's PNG, put back in the store from its file if the store lost it; None if
+        the tenant has no image of that hash."""
+        key = image_key(tenant, content_hash)
+        data = self._cache().read(key)
+        if data is not None:
+            return data
+        data = self.files.read(key)
+        if data is not None:
+            self._cache().write(key, data)
+        return data
