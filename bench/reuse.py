@@ -69,19 +69,19 @@ def run_trace(records: Records, cache: TensorCache, waves: list[list[TracePrompt
     its own seed): the seconds from the first submission to the last output, the records and
     outputs in order, and the prompts asked."""
     submitted: list[GenerationSpec] = []
+    previous: list[GenerationSpec] = []  # the wave before
     asked: list[TracePrompt] = []
     start = time.perf_counter()
     for w, wave in enumerate(waves):
-        specs = [spec(p.prompt, 30_000 + w * 1000 + n) for n, p in enumerate(wave)]
-        if submitted:
-            before = submitted[-len(specs):]
+        if previous:
             if arrival == "served":
-                wait_all(records, before)
+                wait_all(records, previous)
             else:
-                wait_begun(records, before)
-        for one in specs:
+                wait_begun(records, previous)
+        previous = [spec(p.prompt, 30_000 + w * 1000 + n) for n, p in enumerate(wave)]
+        for one in previous:
             submit(records.redis, one)
-        submitted += specs
+        submitted += previous
         asked += wave
     done, frames = collect(records, cache, submitted)
     return time.perf_counter() - start, done, np.concatenate(frames), asked

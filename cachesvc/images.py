@@ -85,12 +85,6 @@ def normalise(data: bytes, max_bytes: int, max_pixels: int, field: str = "image"
     return InputImage(pixel_hash(rgb), rgb.width, rgb.height, out.getvalue())
 
 
-def decode_png(png: bytes) -> Image.Image:
-    """A stored image's pixels (written by ``normalise``, so an RGB PNG)."""
-    with Image.open(io.BytesIO(png), formats=["PNG"]) as image:
-        return image.convert("RGB")
-
-
 class ImageStore:
     """A tenant's input images: PNG bytes in the store, and on disk beside it (an image is
     uploaded, not computed: the store's copy is a cache of the file)."""

@@ -206,7 +206,6 @@ class WorkerSettings(_Section):
     # finish. Past this long the supervisor kills what is left.
     shutdown_grace_s: float = Field(30.0, gt=0)
 
-
     @model_validator(mode="after")
     def _credits_fill_an_engine(self) -> WorkerSettings:
         if self.decode_credits is not None and self.decode_credits < self.max_batch:

@@ -20,7 +20,7 @@ from PIL import Image
 
 from api.app import create_app
 from cachesvc.connect import open_cache
-from cachesvc.images import ImageError, decode_png, normalise, pixel_hash
+from cachesvc.images import ImageError, normalise, pixel_hash
 from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
 from keys import image_key
@@ -38,6 +38,11 @@ def encoded(image: Image.Image, fmt: str, **options: object) -> bytes:
     out = io.BytesIO()
     image.save(out, format=fmt, **options)
     return out.getvalue()
+
+
+def decode_png(png: bytes) -> Image.Image:
+    with Image.open(io.BytesIO(png), formats=["PNG"]) as image:
+        return image.convert("RGB")
 
 
 def pixels_of(data: bytes) -> np.ndarray:
