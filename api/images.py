@@ -3,7 +3,9 @@ file as the body (PNG, JPEG, WebP, ...), kept as its normalised pixels under the
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request, Response
 
 from api.deps import Svc, Tenant
 from api.schemas import ImageOut
@@ -11,6 +13,8 @@ from api.service import NotFoundError
 
 router = APIRouter()
 UPLOADS = "/v1/images"
+# An image's name is the xxh3-128 of its pixels; anything else is refused before the store.
+ContentHash = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")]
 
 
 @router.post(UPLOADS, status_code=201, response_model=ImageOut)
@@ -22,7 +26,7 @@ async def upload(request: Request, who: Tenant, svc: Svc) -> ImageOut:
 
 @router.get(UPLOADS + "/{content_hash}", response_class=Response,
             responses={200: {"content": {"image/png": {}}}})
-def read(content_hash: str, who: Tenant, svc: Svc) -> Response:
+def read(content_hash: ContentHash, who: Tenant, svc: Svc) -> Response:
     """The image as kept (PNG of its normalised pixels); another tenant's reads as unknown."""
     png = svc.images.read(who, content_hash)
     if png is None:

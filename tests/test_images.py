@@ -157,6 +157,9 @@ def test_an_upload_is_kept_per_tenant_and_read_back_after_the_store_lost_it(
     assert png.headers["content-type"] == "image/png"
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(png.content))), np.asarray(image))
     assert http.get(f"/v1/images/{info['hash']}", headers=B).status_code == 404
+    # Only a content hash names an image: anything else is refused naming the parameter.
+    odd = http.get("/v1/images/:", headers=A)
+    assert odd.status_code == 422 and odd.json()["error"]["param"] == "content_hash", odd.text
     # The store is a cache of the file: an evicted image comes back from disk.
     cache = open_cache(workerless_stack)
     try:
