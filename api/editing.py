@@ -71,15 +71,15 @@ def step_cache_from(body: StepCacheBody | None, default: StepCachePolicy,
     return cache
 
 
-def reuse_from(body: ReuseBody | None, default: ReuseMode, schedule: bool) -> Reuse:
-    """The request's reuse mode (the tenant's ``default`` when it names none). A prompt
-    schedule says what each step conditions on, so it is never rewritten: approximate reuse
-    with one is refused when asked for, and a tenant default does not apply to it."""
+def reuse_from(body: ReuseBody | None, default: ReuseMode, fixed: str | None) -> Reuse:
+    """The request's reuse mode (the tenant's ``default`` when it names none). ``fixed`` says
+    why the request cannot be rewritten, if it cannot (a prompt schedule says what each step
+    conditions on): approximate reuse is then refused when asked for, and a tenant default
+    does not apply."""
     if body is None:
-        return Reuse(ReuseMode.EXACT if schedule else default)
-    if schedule and body.mode is ReuseMode.APPROXIMATE:
-        raise FieldError("reuse.mode", "approximate reuse rewrites a request's prompt; a "
-                         "request with a schedule cannot use it (give prompt instead)")
+        return Reuse(ReuseMode.EXACT if fixed else default)
+    if fixed and body.mode is ReuseMode.APPROXIMATE:
+        raise FieldError("reuse.mode", f"approximate reuse rewrites a request's prompt; {fixed}")
     return Reuse(body.mode, body.min_similarity, body.max_skip)
 
 

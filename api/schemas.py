@@ -10,7 +10,15 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from keys import DEFAULT_MAX_SKIP, CfgMode, OutputFormat, Priority, ReuseMode, StepCachePolicy
+from keys import (
+    DEFAULT_MAX_SKIP,
+    DEFAULT_STRENGTH,
+    CfgMode,
+    OutputFormat,
+    Priority,
+    ReuseMode,
+    StepCachePolicy,
+)
 from workers.queue.admission import MAX_GUIDANCE, MAX_SEED
 from workers.queue.schema import PreemptMode
 
@@ -142,6 +150,12 @@ class GenerateBody(BaseModel):
                                   "(at most api.max_loras), uploaded with POST /v1/adapters")
     reuse: ReuseBody | None = Field(None, description="default: the tenant's mode "
                                     "(api.reuse_defaults), else exact")
+    image: str | None = Field(None, pattern=r"^[0-9a-f]{32}$", description="image-to-image: "
+                              "the hash of an image uploaded with POST /v1/images, which "
+                              "is resized to width x height")
+    strength: float | None = Field(None, gt=0, le=1, description="with image: how far it is "
+                                   "noised (1: from noise, as with no image); default "
+                                   f"{DEFAULT_STRENGTH}")
 
 
 class Overrides(BaseModel):

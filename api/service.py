@@ -43,12 +43,15 @@ from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from cachesvc.supervisor import ChildStatus, read_published
 from keys import (
+    DEFAULT_STRENGTH,
     GenerationSpec,
+    ImageInput,
     KeyKind,
     LoraUse,
     ReuseMode,
     StepCachePolicy,
     StoreKey,
+    start_step,
 )
 from keys.names import KEY_VERSION, call_waiters, check_tenant
 from workers.queue.admission import Asked, FieldError, Limits, QueueFullError, publish_limits
@@ -185,6 +188,10 @@ class Service:
         if body.schedule is not None:
             schedule = segments_from(body.schedule, body.negative_prompt, "schedule", 0,
                                      asked.steps)
+        image = self.image_for(tenant, body, served, asked.steps)
+        fixed = ("a request with a schedule cannot use it (give prompt instead)"
+                 if body.schedule is not None else
+                 "an image-to-image request cannot use it yet" if image else None)
         spec = GenerationSpec.create(
             request_id=new_request_id(), tenant=tenant, prompt=body.prompt or "",
             negative_prompt=body.negative_prompt, schedule=schedule, width=asked.width,
@@ -196,10 +203,31 @@ class Service:
             step_cache=step_cache_from(
                 body.step_cache, self.settings.api.step_cache_defaults.get(tenant,
                                                                          StepCachePolicy.OFF),
-                served.step_caches, served.family),
+                # no tenant default applies to an image-to-image request (``image_for``)
+                frozenset() if image else served.step_caches, served.family),
             reuse=reuse_from(body.reuse, self.settings.api.reuse_defaults.get(
-                tenant, ReuseMode.EXACT), body.schedule is not None))
+                tenant, ReuseMode.EXACT), fixed), image=image)
         return self.queue.admission.within_cost(spec, served)
+
+    def image_for(self, tenant: str, body: GenerateBody, served: ServedModel,
+                  steps: int) -> ImageInput | None:
+        """The input image a request starts from, put back in the store if it was lost;
+        another tenant's reads as unknown (404)."""
+        if body.image is None:
+            if body.strength is not None:
+                raise FieldError("strength", "applies to image-to-image only; give image too")
+            return None
+        if not served.limits.image_to_image:
+            raise FieldError("image", f"the served {served.family} model takes no input image")
+        if body.step_cache is not None and body.step_cache.policy is not StepCachePolicy.OFF:
+            # Its hooks count a trajectory's steps from 0; this one starts part of the way.
+            raise FieldError("step_cache.policy", "image-to-image requests run without a "
+                             "step cache")
+        strength = DEFAULT_STRENGTH if body.strength is None else body.strength
+        if start_step(steps, strength) >= steps:
+            raise FieldError("strength", f"{strength} leaves none of the {steps} steps to run")
+        self.images.ensure_stored(tenant, body.image)
+        return ImageInput(body.image, strength)
 
     def loras_for(self, tenant: str, loras: list[LoraBody]) -> tuple[LoraUse, ...]:
         """The tenant's adapters a request names; another tenant's read as unknown (404)."""

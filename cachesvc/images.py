@@ -98,6 +98,19 @@ class ImageStore:
         self.files.write(key, image.png)
         self._cache().write(key, image.png)
 
+    def ensure_stored(self, tenant: str, content_hash: str, field: str = "image") -> None:
+        """Put an image the store lost back from its file, before a request that names it
+        reaches a worker; ImageError (404, naming ``field``) if the tenant has no such
+        image."""
+        key = image_key(tenant, content_hash)
+        if self._cache().exists(key):
+            return
+        data = self.files.read(key)
+        if data is None:
+            raise ImageError(field, f"no image {content_hash}; upload it with POST /v1/images",
+                             404)
+        self._cache().write(key, data)
+
     def read(self, tenant: str, content_hash: str) -> bytes | None:
         """The image's PNG, put back in the store from its file if the store lost it; None if
         the tenant has no image of that hash."""

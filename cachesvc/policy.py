@@ -41,5 +41,8 @@ def policies(settings: CacheSettings) -> Mapping[KeyKind, KindPolicy]:
         KeyKind.ADAPTER: KindPolicy(soft_pin=True, ttl_s=None, delete_on_consume=False),
         # Uploaded too, and kept on disk: pinned, never expired.
         KeyKind.IMAGE: KindPolicy(soft_pin=True, ttl_s=None, delete_on_consume=False),
+        # Computed from an uploaded image, shared by every request that edits it at a size:
+        # pinned like a text's embedding.
+        KeyKind.IMAGE_LATENT: KindPolicy(soft_pin=True, ttl_s=None, delete_on_consume=False),
         KeyKind.SCRATCH: KindPolicy(soft_pin=False, ttl_s=None, delete_on_consume=False),
     }

@@ -18,6 +18,7 @@ from keys.builders import (
     embedding_key,
     file_digest,
     image_key,
+    image_latent_key,
     latents_key,
     model_fingerprint,
     output_key,
@@ -28,9 +29,11 @@ from keys.canonical import canonical_bytes, digest
 from keys.names import KEY_VERSION, InvalidTenantError, KeyKind, StoreKey, check_tenant
 from keys.spec import (
     DEFAULT_MAX_SKIP,
+    DEFAULT_STRENGTH,
     CfgCache,
     CfgMode,
     GenerationSpec,
+    ImageInput,
     LoraUse,
     OutputFormat,
     Priority,
@@ -39,10 +42,12 @@ from keys.spec import (
     ReuseMode,
     StepCache,
     StepCachePolicy,
+    start_step,
 )
 
 __all__ = [
     "DEFAULT_MAX_SKIP",
+    "DEFAULT_STRENGTH",
     "FIELD_POLICIES",
     "KEY_VERSION",
     "CfgCache",
@@ -51,6 +56,7 @@ __all__ = [
     "FieldPolicy",
     "Fingerprint",
     "GenerationSpec",
+    "ImageInput",
     "InvalidTenantError",
     "KeyKind",
     "LoraUse",
@@ -75,9 +81,11 @@ __all__ = [
     "embedding_key",
     "file_digest",
     "image_key",
+    "image_latent_key",
     "latents_key",
     "model_fingerprint",
     "output_key",
     "reuse_bucket",
+    "start_step",
     "tensor_digest",
 ]

@@ -58,15 +58,18 @@ EMBEDDING_FIELDS = FieldPolicy(
         "output_format": "applied after decode",
         "cfg_cache": "applied after the encoder",
         "step_cache": "applied to the denoiser",
+        # Image-to-image starts the denoiser from the image; the prompt is encoded alone.
+        "image": "the text encoder never sees an image-to-image input",
     },
 )
 CHAIN_FIELDS = FieldPolicy(
     # cfg_cache counts only in its approximate mode; the exact tier never changes an output.
     # step_cache counts whenever a policy is on: every policy changes the output.
     # loras enter through the denoiser's fingerprint (``adapted``), which every DiT key holds.
+    # image enters with its strength: both decide where the trajectory starts and from what.
     includes=frozenset(
         {"tenant", "schedule", "width", "height", "num_frames", "num_inference_steps",
-         "guidance_scale", "seed", "cfg_cache", "loras", "step_cache"}
+         "guidance_scale", "seed", "cfg_cache", "loras", "step_cache", "image"}
     ),
     ignores={**_ROUTING, "output_format": "applied after decode"},
 )
@@ -154,6 +157,16 @@ def image_key(tenant: str, content_hash: str) -> StoreKey:
     return StoreKey(check_tenant(tenant), KeyKind.IMAGE, content_hash)
 
 
+def image_latent_key(tenant: str, encoder: Fingerprint, content_hash: str, width: int,
+                     height: int) -> StoreKey:
+    """The VAE's encoding of an input image resized to ``width`` x ``height``: one per
+    image and size, whatever the prompt, seed or strength."""
+    payload: dict[str, Canonical] = {"encoder": encoder.hex, "image": content_hash,
+                                     "size": [width, height]}
+    return StoreKey(check_tenant(tenant), KeyKind.IMAGE_LATENT,
+                    digest("image-latent", payload))
+
+
 # --- store keys -------------------------------------------------------------------------------
 
 
@@ -227,10 +240,11 @@ def chain_root(
     dtype: str,
     mag_ratios: Sequence[float] = (),
 ) -> ChainLink:
-    """``h0 = H(model fp, scheduler config, shape, seed, steps, dtype)``, plus the CFG reuse
-    interval when the request asked for the approximate tier and the step-cache policy with
-    its parameters when one is on (MagCache's with the model's calibrated ``mag_ratios``, which
-    decide its skips as much as its parameters do): such a trajectory is its own."""
+    """``h0 = H(model fp, scheduler config, shape, seed, steps, dtype)``, plus the input
+    image and its strength for image-to-image, the CFG reuse interval when the request asked
+    for the approximate tier, and the step-cache policy with its parameters when one is on
+    (MagCache's with the model's calibrated ``mag_ratios``, which decide its skips as much as
+    its parameters do): such a trajectory is its own."""
     payload: dict[str, Canonical] = {
         "model": model.hex,
         "scheduler": scheduler_config,
@@ -239,6 +253,8 @@ def chain_root(
         "steps": spec.num_inference_steps,
         "dtype": dtype,
     }
+    if spec.image is not None:
+        payload["image"] = {"hash": spec.image.hash, "strength": spec.image.strength}
     if spec.cfg_cache.approximate:
         payload["cfg_interval"] = spec.cfg_cache.interval
     if spec.step_cache.on:

@@ -48,6 +48,9 @@ class KeyKind(StrEnum):
     OUTPUT = "output"
     ADAPTER = "adapter"  # a LoRA's safetensors, by content hash, uploaded per tenant
     IMAGE = "image"  # an input image's normalised pixels as PNG, by their hash, per tenant
+    # The VAE's encoding of an input image at a request's size (its latent distribution),
+    # by the image, the size and the encoder: what image-to-image starts from.
+    IMAGE_LATENT = "image_latent"
     # Denoiser forwards under a step-cache policy: counted (a hit is a forward the policy
     # skipped part of), never stored; its state travels inside checkpoints.
     STEP = "step"

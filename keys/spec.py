@@ -147,6 +147,7 @@ def _like(default: float | int, value: float | int | None) -> float | int:
     return float(value) if isinstance(default, float) else int(value)
 
 
+# Adapters and images are named by the xxh3-128 of their content.
 _ADAPTER_HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -195,6 +196,32 @@ class Reuse:
         return self.mode is ReuseMode.APPROXIMATE
 
 
+# A Qwen-Image image-to-image pipeline's default ``strength``.
+DEFAULT_STRENGTH = 0.6
+
+
+def start_step(steps: int, strength: float) -> int:
+    """The step an image-to-image trajectory of ``steps`` starts at: the steps ``strength``
+    leaves out, counted as the diffusers pipelines count them (``get_timesteps``)."""
+    return int(max(steps - min(steps * strength, steps), 0))
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    """The image a request starts from (image-to-image): the hash of its normalised pixels,
+    and ``strength``, how far back along the trajectory it is noised (1: from pure noise, yet
+    with the image's encoding drawn first, as the pipeline draws it)."""
+
+    hash: str
+    strength: float = DEFAULT_STRENGTH
+
+    def __post_init__(self) -> None:
+        if not _ADAPTER_HASH_RE.fullmatch(self.hash):
+            raise ValueError(f"image hash {self.hash!r} must be 32 lowercase hex digits")
+        if not 0.0 < self.strength <= 1.0:
+            raise ValueError(f"image.strength must be in (0, 1], got {self.strength}")
+
+
 @dataclass(frozen=True, slots=True)
 class PromptSegment:
     """Prompt, negative prompt and guidance in force for the steps before ``until_step``.
@@ -229,6 +256,7 @@ class GenerationSpec:
     loras: tuple[LoraUse, ...] = ()
     step_cache: StepCache = StepCache()
     reuse: Reuse = Reuse()
+    image: ImageInput | None = None  # image-to-image: the trajectory starts at ``first_step``
 
     def __post_init__(self) -> None:
         check_tenant(self.tenant)
@@ -250,6 +278,12 @@ class GenerationSpec:
                 f"the last schedule segment must end at num_inference_steps="
                 f"{self.num_inference_steps}, it ends at {bounds[-1]}"
             )
+        if self.image is not None and self.step_cache.on:
+            # Its hooks count a trajectory's steps from 0; this one starts part of the way.
+            raise ValueError("step_cache: image-to-image requests run without a step cache")
+        if self.image is not None and self.first_step >= self.num_inference_steps:
+            raise ValueError(f"image.strength {self.image.strength} leaves no step of "
+                             f"{self.num_inference_steps} to run; raise it or the steps")
 
     @classmethod
     def create(
@@ -272,6 +306,7 @@ class GenerationSpec:
         loras: tuple[LoraUse, ...] = (),
         step_cache: StepCache = StepCache(),
         reuse: Reuse = Reuse(),
+        image: ImageInput | None = None,
     ) -> GenerationSpec:
         """Build a spec; without ``schedule``, prompt and negative prompt hold for every step."""
         if schedule is None:
@@ -292,7 +327,15 @@ class GenerationSpec:
             loras=tuple(sorted(loras, key=lambda lora: lora.hash)),
             step_cache=step_cache,
             reuse=reuse,
+            image=image,
         )
+
+    @property
+    def first_step(self) -> int:
+        """The step the trajectory starts at: 0, or for image-to-image the steps its strength
+        leaves out (``start_step``)."""
+        return 0 if self.image is None else start_step(self.num_inference_steps,
+                                                       self.image.strength)
 
     def segment_at(self, step: int) -> PromptSegment:
         """The schedule segment in force at ``step`` (0-based)."""
@@ -306,9 +349,9 @@ class GenerationSpec:
         """A new request that shares this one's first ``from_step`` steps and then follows
         ``tail`` (edit-and-resume). The prefix keeps its guidance explicitly, so the branch's
         hash chain matches this one's up to ``h(from_step)`` whatever the tail sets."""
-        if not 0 < from_step < self.num_inference_steps:
-            raise ValueError(f"from_step must be from 1 to {self.num_inference_steps - 1}, "
-                             f"got {from_step}")
+        if not self.first_step < from_step < self.num_inference_steps:
+            raise ValueError(f"from_step must be from {self.first_step + 1} to "
+                             f"{self.num_inference_steps - 1}, got {from_step}")
         if not tail or tail[0].until_step <= from_step:
             raise ValueError(f"the edited schedule must run past step {from_step}")
         prefix: list[PromptSegment] = []

@@ -127,6 +127,10 @@ def test_generate_events_and_result_match_the_pipeline(http: TestClient, pipe: o
     ({"prompt": None, "schedule": [{"prompt": "a", "until_step": 4}],
       "num_inference_steps": 4, "reuse": {"mode": "approximate"}}, "reuse.mode",
      "cannot use it"),
+    ({"image": "0" * 32}, "image", "takes no input image"),
+    ({"image": "not-a-hash"}, "image", "should match pattern"),
+    ({"strength": 0.5}, "strength", "give image too"),
+    ({"strength": 0}, "strength", "greater than 0"),
 ])
 def test_bad_input_names_the_field_and_its_limit(http: TestClient, change: dict[str, object],
                                                  field: str, limit: str) -> None:

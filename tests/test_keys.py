@@ -7,8 +7,10 @@ import dataclasses
 import json
 import subprocess
 import sys
+import types
 
 import pytest
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageImg2ImgPipeline
 from hypothesis import given
 from hypothesis import strategies as st
 from redis.crc import key_slot
@@ -35,7 +37,7 @@ from keys import (
     names,
     output_key,
 )
-from keys.spec import SPEC_FIELDS, Reuse, ReuseMode
+from keys.spec import SPEC_FIELDS, ImageInput, Reuse, ReuseMode, start_step
 from workers.queue.messages import RefName, Role, Stage
 from workers.queue.scripts import events_channel
 from workers.stages.trajectory import chain_head, chain_links
@@ -199,6 +201,9 @@ CHANGES = {
     "step_cache": st.one_of(
         st.floats(0.01, 1.0).map(lambda t: StepCache.create("first_block", threshold=t)),
         st.integers(1, 9).map(lambda k: StepCache.create("taylorseer", interval=k))),
+    # Another image, or the same image at another strength, is another trajectory.
+    "image": st.builds(ImageInput, st.from_regex(r"[0-9a-f]{32}", fullmatch=True),
+                       st.floats(0.01, 1.0)),
     "reuse": st.builds(Reuse, st.sampled_from(list(ReuseMode)), st.floats(0.01, 1.0),
                        st.floats(0.0, 0.99)),
 }
@@ -277,6 +282,38 @@ def test_prompt_schedule_shares_the_chain_prefix() -> None:
     la, lb = links(a), links(b)
     assert la[:3] == lb[:3]  # h0, h1, h2: the shared two steps
     assert la[3] != lb[3]
+
+
+@given(st.integers(1, 60), st.floats(0.0, 1.0, exclude_min=True))
+def test_an_image_trajectory_starts_where_the_diffusers_pipeline_starts(steps: int,
+                                                                       strength: float) -> None:
+    scheduler = FlowMatchEulerDiscreteScheduler()
+    scheduler.set_timesteps(steps)
+    pipeline = types.SimpleNamespace(scheduler=scheduler)
+    timesteps, left = QwenImageImg2ImgPipeline.get_timesteps(pipeline, steps, strength, "cpu")
+    assert start_step(steps, strength) == steps - left
+    assert timesteps.tolist() == scheduler.timesteps[start_step(steps, strength):].tolist()
+
+
+def test_an_image_spec_refuses_what_it_cannot_run() -> None:
+    image = ImageInput("0" * 32, strength=0.5)
+    spec = base_spec(image=image)
+    assert spec.first_step == 2
+    with pytest.raises(ValueError, match="step_cache"):
+        base_spec(image=image, step_cache=StepCache.create("taylorseer", interval=2))
+    # diffusers truncates the steps left out, so only a strength lost in rounding runs none.
+    assert base_spec(image=ImageInput("0" * 32, strength=0.01)).first_step == 3
+    with pytest.raises(ValueError, match="leaves no step"):
+        base_spec(image=ImageInput("0" * 32, strength=1e-20))
+    with pytest.raises(ValueError, match="32 lowercase hex"):
+        ImageInput("not-a-hash")
+    with pytest.raises(ValueError, match="strength"):
+        ImageInput("0" * 32, strength=0.0)
+    # A branch shares steps the image trajectory ran, never those it skipped.
+    tail = (PromptSegment("a grey wolf", "blurry", 4),)
+    with pytest.raises(ValueError, match="from 3 to 3"):
+        spec.branch("r2", 2, tail)
+    assert spec.branch("r2", 3, tail).image == image
 
 
 def test_exact_and_off_cfg_modes_share_every_key() -> None:

@@ -19,18 +19,17 @@ import redis
 
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.processes import ChildProcess
-from cachesvc.settings import ApiSettings, Settings, load_settings
-from cachesvc.stack import EmbeddedStack
+from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, StepCache, StepCachePolicy, StoreKey
 from tests.workers_harness import (
+    embedded_serving,
     lose_output,
     make_spec,
     reference,
     rewind,
     run_request,
     serve_api,
-    serving,
     start_worker,
     stop_owner_when,
     wait_done,
@@ -57,11 +56,8 @@ def qwen_settings(tmp_path_factory: pytest.TempPathFactory,
                        RequestDefaults(width=64, height=64, num_inference_steps=8))
     card = qwen_model_dir / MODEL_CARD
     card.write_text(json.dumps({"model": {"magcache_ratios": ratios}}))
-    settings = load_settings(data_dir=str(tmp_path_factory.mktemp("qwen-stack")),
-                             store={"segment_mib": 64})
-    stack = EmbeddedStack(settings)
-    with stack as addresses:
-        yield serving(stack.resolved(addresses), qwen_model_dir)
+    with embedded_serving(tmp_path_factory.mktemp("qwen-stack"), qwen_model_dir) as settings:
+        yield settings
 
 
 @pytest.fixture(scope="module")

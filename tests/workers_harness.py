@@ -24,7 +24,9 @@ from cachesvc.settings import (
     Settings,
     WorkerSettings,
     child_environ,
+    load_settings,
 )
+from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import WaitTimeout, wait_until
 from keys import GenerationSpec, Priority, StoreKey
@@ -63,6 +65,16 @@ def serving(settings: Settings, model_dir: Path) -> Settings:
     return settings.model_copy(update={
         "model": ModelSettings(dir=model_dir, preset="test"),
         "workers": WorkerSettings(idle_timeout_s=3.0, block_ms=200)})
+
+
+@contextmanager
+def embedded_serving(data_dir: Path, model_dir: Path) -> Iterator[Settings]:
+    """An embedded stack kept in ``data_dir`` (a 64 MiB store segment), with settings for
+    workers serving the model in ``model_dir`` (``serving``)."""
+    settings = load_settings(data_dir=str(data_dir), store={"segment_mib": 64})
+    stack = EmbeddedStack(settings)
+    with stack as addresses:
+        yield serving(stack.resolved(addresses), model_dir)
 
 
 @contextmanager

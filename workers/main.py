@@ -78,8 +78,11 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
         view = prompt_view(card.reuse_vector, lambda: family.denoiser(directory, placement))
         reuse = ApproximateReuse(ReuseIndex(client), Records(client), cache, trajectory,
                                  ReuseTable(card.reuse_table), view)
+        image_encoder = family.image_encoder
+        images = (None if image_encoder is None
+                  else lambda: image_encoder(directory, placement))
         encode = EncodeHandler(cache, family.text_encoder(directory, placement), trajectory,
-                               files, reuse)
+                               files, reuse, images)
         router = (AdapterRouter(client, settings.workers.idle_timeout_s)
                   if settings.workers.adapter_routing else None)
         return Worker(encode, client, settings.workers, router=router), encode

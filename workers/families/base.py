@@ -16,7 +16,9 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from PIL import Image
 
+from encoders.image import ImageModel
 from encoders.text import TextModel as TextEncoder
 from encoders.text import TokenizedText as Tokens
 from keys import Fingerprint, GenerationSpec, StepCache, file_digest, model_fingerprint
@@ -24,8 +26,9 @@ from keys.canonical import Canonical
 from workers.families.scheduler_state import SchedulerFields
 from workers.queue.served_model import FamilyLimits, ModelGeometry
 
-__all__ = ["CPU", "Decoder", "Denoiser", "Family", "Placement", "PlacementError",
-           "TextEncoder", "Tokens", "Trajectory", "component_fingerprint", "to_uint8"]
+__all__ = ["CPU", "Decoder", "Denoiser", "Family", "ImageModel", "Placement", "PlacementError",
+           "Reference", "TextEncoder", "Tokens", "Trajectory", "component_fingerprint",
+           "to_uint8"]
 
 
 class PlacementError(ValueError):
@@ -87,8 +90,11 @@ class Denoiser(Trajectory, Protocol):
     def latent_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
         """The shape of one request's latents, batch dimension included."""
 
-    def initial_latents(self, spec: GenerationSpec) -> tuple[torch.Tensor, torch.Generator]:
-        """The pipeline's starting noise, and the generator it came from."""
+    def initial_latents(self, spec: GenerationSpec, image: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Generator]:
+        """The latents at ``spec.first_step`` and the generator they came from: the
+        pipeline's starting noise, or for image-to-image the input ``image``'s encoding
+        (``ImageModel.encode``) sampled and noised to the first step's timestep."""
 
     def tokens(self, spec: GenerationSpec) -> int:
         """The image tokens one row of ``spec`` puts through the transformer."""
@@ -118,6 +124,13 @@ class Decoder(Protocol):
     def frames(self, latents: torch.Tensor, spec: GenerationSpec) -> Iterator[np.ndarray]: ...
 
 
+class Reference(Protocol):
+    def __call__(self, spec: GenerationSpec, image: Image.Image | None = None) -> np.ndarray:
+        """The pipeline's uint8 frames for ``spec``; ``image`` is the input image its hash
+        names, for image-to-image."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Family:
     """One model family: its name, the diffusers pipeline class its folders name in
@@ -135,10 +148,13 @@ class Family:
     # The family's monolithic diffusers pipeline, placed as the workers place the stages and
     # run on a request's first prompt segment: what the stages' output must equal bit for bit
     # (tests and benchmarks).
-    reference: Callable[[Path, Placement], Callable[[GenerationSpec], np.ndarray]]
+    reference: Callable[[Path, Placement], Reference]
     # Read from the folder's configs without loading a weight: what the API's cost estimate
     # and size rule need, published with the served model.
     geometry: Callable[[Path], ModelGeometry]
+    # The VAE encode of input images, for a family that takes them (``limits`` says which
+    # workflows); None for one that takes text only.
+    image_encoder: Callable[[Path, Placement], ImageModel] | None = None
 
 
 def component_config(directory: Path, component: str) -> dict[str, Any]:

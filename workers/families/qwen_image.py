@@ -4,7 +4,8 @@ Euler with a resolution-dependent shift, and true CFG with a norm rescale.
 ``build`` makes a tiny random pipeline with the real checkpoint's component classes (the
 tokenizer too: a byte-level BPE trained locally); a real ``Qwen/Qwen-Image`` folder loads
 through the same ``from_pretrained`` path. The stage code reproduces ``QwenImagePipeline``
-(diffusers 0.42) step for step, which makes outputs bit-identical to it.
+(diffusers 0.42) step for step, and ``QwenImageImg2ImgPipeline`` for a request that starts
+from an input image, which makes outputs bit-identical to them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from keys import GenerationSpec, StepCache
 from workers.families.base import (
@@ -250,6 +252,33 @@ class QwenTextEncoder:
         return int(embedding.shape[-2])
 
 
+class QwenImageEncoder:
+    """The Qwen-Image VAE's encoding of an input image, as ``QwenImageImg2ImgPipeline``
+    prepares it: resized and scaled to [-1, 1] by the pipeline's image processor, cast to
+    the prompt embeddings' dtype, encoded to the latent distribution it samples from."""
+
+    def __init__(self, directory: Path, placement: Placement = CPU) -> None:
+        from diffusers import AutoencoderKLQwenImage
+        from diffusers.image_processor import VaeImageProcessor
+
+        self.device = placement.device
+        self.dtype = placement.text_dtype
+        self.vae = AutoencoderKLQwenImage.from_pretrained(
+            directory / "vae", dtype=placement.vae_dtype).to(self.device).eval()
+        self.processor = VaeImageProcessor(
+            vae_scale_factor=2 ** len(self.vae.temperal_downsample) * 2,
+            vae_latent_channels=self.vae.config.z_dim)
+        self.fingerprint = component_fingerprint(directory, "vae", self.vae.dtype, self.device)
+
+    @torch.no_grad()
+    def encode(self, image: Image.Image, width: int, height: int) -> torch.Tensor:
+        pixels = self.processor.preprocess(image, height=height, width=width)
+        pixels = pixels.to(torch.float32).unsqueeze(2).to(self.device, self.dtype)
+        parameters: torch.Tensor = self.vae.encode(pixels.to(self.vae.dtype)).latent_dist \
+            .parameters
+        return parameters.contiguous()
+
+
 # --- Denoise --------------------------------------------------------------------------------
 
 
@@ -279,6 +308,9 @@ class QwenTrajectory:
         vae_config = json.loads((directory / "vae" / "config.json").read_text())
         # 2 ** len(...), as the pipeline computes it (not the sum of the downsampling flags).
         self.vae_scale_factor = 2 ** len(vae_config["temperal_downsample"])
+        # How an input image's VAE sample is normalised into the DiT's latent space.
+        self.latents_mean = torch.tensor(vae_config["latents_mean"]).view(1, -1, 1, 1, 1)
+        self.latents_std = torch.tensor(vae_config["latents_std"]).view(1, -1, 1, 1, 1)
         self.fingerprint = component_fingerprint(directory, "transformer",
                                                  placement.dit_dtype, self.device)
         self.decoder_fingerprint = component_fingerprint(directory, "vae", placement.vae_dtype,
@@ -296,7 +328,9 @@ class QwenTrajectory:
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps),
                                 device=self.device,
                                 mu=_calculate_shift(rows * cols, self.scheduler_config))
-        scheduler.set_begin_index(0)
+        # Image-to-image starts part of the way down: the first timestep it runs is where
+        # its input image is noised to (``initial_latents``).
+        scheduler.set_begin_index(spec.first_step)
         return scheduler
 
 
@@ -316,18 +350,36 @@ class QwenDenoiser(QwenTrajectory):
         rows, cols = self.tokens_per_side(spec)
         return (1, rows * cols, self.transformer.config.in_channels)
 
-    def initial_latents(self, spec: GenerationSpec) -> tuple[torch.Tensor, torch.Generator]:
+    def initial_latents(self, spec: GenerationSpec, image: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Generator]:
         """``prepare_latents``: noise over (1, 1, C, 2 rows, 2 cols) from a CPU generator
         seeded once, in the text encoder's dtype (the pipeline draws it in the prompt
-        embeddings' dtype), then packed into 2x2 patches."""
+        embeddings' dtype), then packed into 2x2 patches. For image-to-image
+        (``QwenImageImg2ImgPipeline``), the same generator first samples the image's latent
+        distribution, and the noise is mixed into that sample at the first step's sigma."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
         from diffusers.utils.torch_utils import randn_tensor
 
         rows, cols = self.tokens_per_side(spec)
         channels = self.transformer.config.in_channels // 4
+        shape = (1, 1, channels, 2 * rows, 2 * cols)
         generator = torch.Generator(device="cpu").manual_seed(spec.seed)
-        noise = randn_tensor((1, 1, channels, 2 * rows, 2 * cols), generator=generator,
-                             device=self.device, dtype=self.placement.text_dtype)
-        return pack_latents(noise[:, 0]), generator
+        if spec.image is None:
+            noise = randn_tensor(shape, generator=generator, device=self.device,
+                                 dtype=self.placement.text_dtype)
+            return pack_latents(noise[:, 0]), generator
+        if image is None:
+            raise ValueError(f"request {spec.request_id} starts from image {spec.image.hash}, "
+                             "but its encoding was not given")
+        sample = DiagonalGaussianDistribution(image.to(self.device)).sample(generator)
+        mean = self.latents_mean.to(sample.device, sample.dtype)
+        scale = 1.0 / self.latents_std.to(sample.device, sample.dtype)
+        start = ((sample - mean) * scale).transpose(1, 2)  # (1, 1, C, H, W) as the noise
+        noise = randn_tensor(shape, generator=generator, device=self.device,
+                             dtype=self.placement.text_dtype)
+        scheduler = self.scheduler(spec)
+        t = scheduler.timesteps[spec.first_step:spec.first_step + 1]
+        return pack_latents(scheduler.scale_noise(start, t, noise)[:, 0]), generator
 
     def tokens(self, spec: GenerationSpec) -> int:
         rows, cols = self.tokens_per_side(spec)
@@ -392,24 +444,33 @@ class QwenDecoder:
 
 
 class QwenReference:
-    """The monolithic ``QwenImagePipeline``: what the three stages must equal."""
+    """The monolithic ``QwenImagePipeline`` (``QwenImageImg2ImgPipeline`` over the same
+    components for a request with an input image): what the three stages must equal."""
 
     def __init__(self, directory: Path, placement: Placement = CPU) -> None:
-        from diffusers import QwenImagePipeline
+        from diffusers import QwenImageImg2ImgPipeline, QwenImagePipeline
 
         self.pipe = placed_pipeline(QwenImagePipeline, directory, placement)
+        img2img: Any = QwenImageImg2ImgPipeline(**self.pipe.components)
+        img2img.set_progress_bar_config(disable=True)
+        self.img2img = img2img
         self.mag_ratios = model_card(directory).magcache_ratios
 
-    def __call__(self, spec: GenerationSpec) -> np.ndarray:
+    def __call__(self, spec: GenerationSpec, image: Image.Image | None = None) -> np.ndarray:
         segment = spec.schedule[0]
         config = (hook_config(spec.step_cache, spec.num_inference_steps,
                               mag_ratios=self.mag_ratios) if spec.step_cache.on else None)
-        with hooks_enabled(self.pipe.transformer, config):
-            images = self.pipe(segment.prompt, negative_prompt=segment.negative_prompt,
-                               true_cfg_scale=spec.guidance_scale, height=spec.height,
-                               width=spec.width, num_inference_steps=spec.num_inference_steps,
-                               generator=torch.Generator().manual_seed(spec.seed),
-                               output_type="np").images
+        call: dict[str, Any] = dict(
+            negative_prompt=segment.negative_prompt, true_cfg_scale=spec.guidance_scale,
+            height=spec.height, width=spec.width, num_inference_steps=spec.num_inference_steps,
+            generator=torch.Generator().manual_seed(spec.seed), output_type="np")
+        pipe = self.pipe
+        if spec.image is not None:
+            if image is None:
+                raise ValueError(f"request {spec.request_id} starts from an image; give it")
+            pipe, call = self.img2img, call | {"image": image, "strength": spec.image.strength}
+        with hooks_enabled(pipe.transformer, config):
+            images = pipe(segment.prompt, **call).images
         return to_uint8(images)
 
 
@@ -424,11 +485,11 @@ def geometry(directory: Path) -> ModelGeometry:
 # What a request may ask of this family: the text encoder keeps 512 tokens after the template's
 # system prefix, which ends in five tokens of its own.
 LIMITS = FamilyLimits(video=False, frame_multiple=1, spatial_multiple=16,
-                      max_prompt_tokens=507)
+                      max_prompt_tokens=507, image_to_image=True)
 
 
 FAMILY = Family(name="qwen-image", pipeline_class="QwenImagePipeline",
                 limits=LIMITS, presets=tuple(PRESETS), build=build,
                 text_encoder=QwenTextEncoder, trajectory=QwenTrajectory,
                 denoiser=QwenDenoiser, decoder=QwenDecoder, reference=QwenReference,
-                geometry=geometry)
+                geometry=geometry, image_encoder=QwenImageEncoder)

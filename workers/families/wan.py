@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from keys import GenerationSpec, StepCache
 from workers.families.base import (
@@ -232,12 +233,16 @@ class WanDenoiser(WanTrajectory):
                 (spec.num_frames - 1) // self.temporal_factor + 1,
                 spec.height // self.spatial_factor, spec.width // self.spatial_factor)
 
-    def initial_latents(self, spec: GenerationSpec) -> tuple[torch.Tensor, torch.Generator]:
+    def initial_latents(self, spec: GenerationSpec, image: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Generator]:
         """The pipeline's starting noise: ``randn_tensor`` from a CPU generator seeded once,
         then moved to the device, as the pipeline does with a CPU generator.
         The generator comes back too: a stochastic scheduler would draw from it per step, so
         checkpoints carry its state."""
         from diffusers.utils.torch_utils import randn_tensor
+
+        if spec.image is not None or image is not None:
+            raise ValueError(f"request {spec.request_id}: the wan family takes no input image")
 
         generator = torch.Generator(device="cpu").manual_seed(spec.seed)
         latents = randn_tensor(self.latent_shape(spec), generator=generator,
@@ -326,9 +331,11 @@ class WanReference:
         self.pipe = placed_pipeline(WanPipeline, directory, placement)
         self.mag_ratios = model_card(directory).magcache_ratios
 
-    def __call__(self, spec: GenerationSpec) -> np.ndarray:
+    def __call__(self, spec: GenerationSpec, image: Image.Image | None = None) -> np.ndarray:
         """The pipeline's frames for ``spec``; a schedule switches the prompt embeddings at
         each segment's end through the pipeline's step-end callback (guidance stays one)."""
+        if spec.image is not None or image is not None:
+            raise ValueError(f"request {spec.request_id}: the wan family takes no input image")
         segment = spec.schedule[0]
         if any(spec.guidance_of(s) != spec.guidance_scale for s in spec.schedule):
             raise ValueError("the reference switches prompts, not guidance, mid-schedule")

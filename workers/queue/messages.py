@@ -47,6 +47,7 @@ class Role(StrEnum):
     PROMPT = "prompt"  # a schedule segment's condition embedding
     NEGATIVE = "negative"  # a segment's unconditional (negative prompt) embedding
     LATENTS = "latents"  # the final latents, from denoise to decode
+    IMAGE = "image"  # an input image's encoding, which image-to-image starts from
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,7 @@ class RefName:
 
 
 LATENTS = RefName(Role.LATENTS)
+IMAGE = RefName(Role.IMAGE)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from workers.engine.run import AdapterSet, DenoiseRun, Embeddings
 from workers.engine.step_cache import RunStepCache
 from workers.families.base import Denoiser
 from workers.queue.credits import Credits
-from workers.queue.messages import LATENTS, Job, Stage, TensorRef
+from workers.queue.messages import IMAGE, LATENTS, Job, Stage, TensorRef
 from workers.queue.runtime import InputLostError, JobContext, Outcome
 from workers.queue.schema import Field, State, checkpoint_field
 from workers.queue.scripts import RecordWrite, tally_fields
@@ -85,7 +85,8 @@ class DenoiseHandler:
                  f"{sizes[0]} to {sizes[-1]} rows" if sizes else "no batch size")
 
     def start(self, ctx: JobContext, delivery: Delivery) -> DenoiseRun:
-        """The job as a run: its embeddings read, at its latest cached checkpoint or step 0.
+        """The job as a run: its embeddings read, at its latest cached checkpoint or its first
+        step (0, or where an input image is noised to).
         Its adapters are set when the engine takes it in."""
         spec = ctx.spec()
         embeds = self._embeddings(ctx)
@@ -100,9 +101,10 @@ class DenoiseHandler:
         saves = frozenset(checkpoint_steps(spec, self.settings.checkpoint_every))
         adapters: AdapterSet = (spec.tenant, tuple(spec.loras)) if spec.loras else ()
         if found is None:
-            latents, rng = self.model.initial_latents(spec)
-            run = DenoiseRun(ctx, delivery, spec, embeds, links, scheduler, rng, latents, 0,
-                             0.0, self._guidance(spec, ledger, None), saves,
+            image = embeds.get(IMAGE)
+            latents, rng = self.model.initial_latents(spec, None if image is None else image[1])
+            run = DenoiseRun(ctx, delivery, spec, embeds, links, scheduler, rng, latents,
+                             spec.first_step, 0.0, self._guidance(spec, ledger, None), saves,
                              spec.step_segments(),
                              adapters, _step_cache(spec, {}))
         else:
@@ -172,10 +174,10 @@ class DenoiseHandler:
         tensors = self.cache.batch_get(keys, lookup=False)  # a handoff, not reuse
         tensors = [None if t is None else t.to(self.model.device) for t in tensors]
         missing = [r.key for r, t in zip(job.refs, tensors, strict=True) if t is None]
-        if missing:
-            raise InputLostError(job, KeyKind.EMBEDDING, Job(job.request_id, job.tenant,
-                                                        Stage.ENCODE, priority=job.priority),
-                            missing)
+        if missing:  # text embeddings, or an input image's encoding: encode makes both
+            raise InputLostError(job, StoreKey.parse(missing[0]).kind,
+                                 Job(job.request_id, job.tenant, Stage.ENCODE,
+                                     priority=job.priority), missing)
         return {r.ref_name: (k, t) for r, k, t in zip(job.refs, keys, tensors, strict=True)
                 if t is not None}
 

@@ -3,6 +3,8 @@
 Reads: the encode stream; the request record for its spec.
 Writes: one condition embedding per distinct prompt and negative prompt (``embed`` entries,
 soft-pinned, shared by every request and tenant-namespaced).
+For image-to-image, also the input image's VAE encoding at the request's size
+(``image_latent``, soft-pinned, one per image and size).
 Feeds: the denoise stream, with a typed reference (``RefName``: role and segment) to each;
 or nothing, when the request's output is already cached: an identical request (same seed) is
 then DONE without denoising. A request in approximate reuse mode may first be rewritten to
@@ -13,6 +15,7 @@ offers its own to later ones.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import redis
 import torch
@@ -22,10 +25,11 @@ from cachesvc.ledger import Ledger
 from cachesvc.output_files import OutputFiles
 from cachesvc.reuse_index import ReuseIndexError
 from cachesvc.tensor_cache import TensorCache
+from encoders.image import ImageLostError, ImageModel, encode_image
 from encoders.text import EncodedText, TextModel, encode_texts
 from keys import GenerationSpec, KeyKind, StoreKey, adapted, output_key
 from workers.families.base import Trajectory
-from workers.queue.messages import RefName, Role, Stage, TensorRef
+from workers.queue.messages import IMAGE, RefName, Role, Stage, TensorRef
 from workers.queue.reuse_metrics import steps_reused
 from workers.queue.runtime import JobContext, Outcome
 from workers.queue.schema import Field, State
@@ -42,12 +46,17 @@ class EncodeHandler:
 
     def __init__(self, cache: TensorCache, model: TextModel, trajectory: Trajectory,
                  files: OutputFiles | None = None,
-                 reuse: ApproximateReuse | None = None) -> None:
+                 reuse: ApproximateReuse | None = None,
+                 images: Callable[[], ImageModel] | None = None) -> None:
         self.cache = cache
         self.model = model
         self.trajectory = trajectory
         self.files = files
         self.reuse = reuse  # None: this worker neither offers nor takes approximate reuse
+        # Loads the family's image encoder (its VAE) at the first request with an image;
+        # None: the family takes none.
+        self._load_images = images
+        self._images: ImageModel | None = None
 
     def handle(self, ctx: JobContext) -> Outcome:
         job = ctx.job
@@ -75,8 +84,21 @@ class EncodeHandler:
         if cached is not None:
             return Outcome(None, State.DONE,
                            RecordWrite({Field.OUTPUT_KEY: str(cached)}) | counts)
+        if spec.image is not None:  # only now: a cached output needs no image encoded
+            refs.append(self._image_ref(spec, ledger))
+            counts = counts | tally_fields(ledger.take())
         return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=counts,
                        affinity=tuple(lora.hash for lora in spec.loras))
+
+    def _image_ref(self, spec: GenerationSpec, ledger: Ledger) -> TensorRef:
+        if self._load_images is None:
+            raise ImageLostError(f"request {spec.request_id} names an input image, but the "
+                                 "served family takes none")
+        if self._images is None:
+            self._images = self._load_images()
+        encoded = encode_image(self.cache, self._images, spec, ledger)
+        shape = TensorSpec.of(encoded.tensor)
+        return TensorRef.of(IMAGE, str(encoded.key), shape.dtype, shape.shape)
 
     def _encode(self, spec: GenerationSpec, ledger: Ledger,
                 have: dict[str, EncodedText] | None = None) -> dict[str, EncodedText]:

@@ -1,0 +1,69 @@
+"""Image conditions: an uploaded input image encoded by the family's VAE at a request's size,
+looked up with single-flight and computed on a miss from the stored image. The key names the
+image by the hash of its pixels, so every request that edits it at that size shares one
+encode, whatever its prompt, seed or strength."""
+
+from __future__ import annotations
+
+import functools
+import io
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from PIL import Image
+
+from cachesvc.ledger import Ledger
+from cachesvc.single_flight import Outcome
+from cachesvc.tensor_cache import TensorCache
+from keys import Fingerprint, GenerationSpec, StoreKey, image_key, image_latent_key
+
+
+class ImageModel(Protocol):
+    """What a model family that takes input images provides."""
+
+    fingerprint: Fingerprint
+
+    def encode(self, image: Image.Image, width: int, height: int) -> torch.Tensor:
+        """``image`` resized to ``width`` x ``height`` as the family's pipeline resizes it,
+        encoded to the VAE's latent distribution (its parameters: the pipeline samples from
+        it with the request's seed, so the sample is the denoiser's to draw)."""
+        ...
+
+
+class ImageLostError(LookupError):
+    """An image a request names is not in the store. Images are uploaded, not computed: the
+    API puts a lost one back from disk before it admits a request, so only a store lost since
+    then (or a deleted upload) leads here, and uploading it again is the remedy."""
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedImage:
+    key: StoreKey
+    tensor: torch.Tensor
+    hit: bool  # found in the cache (possibly after waiting for another encoder)
+
+
+def encode_image(cache: TensorCache, model: ImageModel, spec: GenerationSpec,
+                 ledger: Ledger | None = None) -> EncodedImage:
+    """The encoding of ``spec``'s input image at its size, from the cache where possible; the
+    lookup counted in the job's ``ledger``."""
+    if spec.image is None:
+        raise ValueError(f"request {spec.request_id} names no input image")
+    key = image_latent_key(spec.tenant, model.fingerprint, spec.image.hash, spec.width,
+                           spec.height)
+    compute = functools.partial(_encode_stored, cache, model, spec)
+    cached = cache.get_or_compute(key, compute, ledger)
+    return EncodedImage(key, cached.tensor, cached.outcome in (Outcome.HIT, Outcome.WAITED))
+
+
+def _encode_stored(cache: TensorCache, model: ImageModel, spec: GenerationSpec) -> torch.Tensor:
+    assert spec.image is not None
+    stored = cache.get(image_key(spec.tenant, spec.image.hash), lookup=False)  # an input
+    if stored is None:
+        raise ImageLostError(f"request {spec.request_id}: input image {spec.image.hash} of "
+                             f"tenant {spec.tenant} is not in the store; upload it again")
+    # The PNG the API wrote from pixels it had checked (size, mode), read back checksummed.
+    with Image.open(io.BytesIO(stored.numpy().tobytes())) as opened:
+        image = opened.convert("RGB")
+    return model.encode(image, spec.width, spec.height)

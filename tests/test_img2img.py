@@ -1,0 +1,181 @@
+"""Image-to-image on the Qwen-Image family through the three workers: outputs bit-identical to
+``QwenImageImg2ImgPipeline`` over the same components (one thread per op, CPU, float32),
+also when resumed from a checkpoint with the image's encoding lost; one VAE encode per image
+and size; the API route and its refusals, each naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import redis
+import torch
+from PIL import Image
+
+from cachesvc.connect import open_cache, open_redis
+from cachesvc.images import normalise
+from cachesvc.settings import ApiSettings, Settings
+from cachesvc.waiting import wait_until
+from keys import GenerationSpec, ImageInput, KeyKind, image_key, image_latent_key
+from tests.workers_harness import (
+    embedded_serving,
+    make_spec,
+    reference,
+    rewind,
+    run_request,
+    serve_api,
+    wait_done,
+    worker_pool,
+)
+from workers.families import family_named
+from workers.families.base import CPU, component_fingerprint
+from workers.queue.records import Records
+from workers.queue.schema import KindField, RequestRecord, State
+from workers.queue.submit import new_request_id
+
+pytestmark = pytest.mark.slow
+TENANT = "img2img"
+
+
+@pytest.fixture(scope="module")
+def img_settings(tmp_path_factory: pytest.TempPathFactory,
+                 qwen_model_dir: Path) -> Iterator[Settings]:
+    with embedded_serving(tmp_path_factory.mktemp("img2img-stack"), qwen_model_dir) as settings:
+        yield settings
+
+
+@pytest.fixture(scope="module")
+def img_client(img_settings: Settings) -> redis.Redis:
+    return open_redis(img_settings)
+
+
+@pytest.fixture(scope="module")
+def img_pool(img_settings: Settings, img_client: redis.Redis,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with worker_pool(img_settings, img_client, tmp_path_factory.mktemp("img2img-logs"), "img"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def img_pipe(qwen_model_dir: Path) -> Callable[..., np.ndarray]:
+    return family_named("qwen-image").reference(qwen_model_dir)
+
+
+def picture(seed: int, size: int = 48) -> Image.Image:
+    """Coloured blocks, smoothed by the resize to the request's size: not a square of it, so
+    the pipeline's resize does something."""
+    blocks = np.random.default_rng(seed).integers(0, 256, (6, 6, 3), dtype=np.uint8)
+    return Image.fromarray(blocks).resize((size, size // 2 * 3), Image.Resampling.NEAREST)
+
+
+def stored(settings: Settings, image: Image.Image, tenant: str = TENANT) -> str:
+    """Put ``image`` in the store as ``POST /v1/images`` keeps it; its hash."""
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    kept = normalise(out.getvalue(), 2**20, 2**20)
+    cache = open_cache(settings)
+    try:
+        cache.put(image_key(tenant, kept.hash),
+                  torch.frombuffer(bytearray(kept.png), dtype=torch.uint8))
+    finally:
+        cache.close()
+    return kept.hash
+
+
+def lookups(record: RequestRecord) -> dict[str, int]:
+    return record.per_kind(KindField.LOOKUPS)
+
+
+def edit(content_hash: str, strength: float, **changes: object) -> GenerationSpec:
+    fields: dict[str, object] = dict(tenant=TENANT, width=64, height=64, num_frames=1,
+                                     num_inference_steps=6, guidance_scale=4.0, seed=7,
+                                     image=ImageInput(content_hash, strength))
+    fields.update(changes)
+    return make_spec(**fields)
+
+
+def test_image_to_image_is_bit_identical_and_each_image_is_encoded_once(
+        img_settings: Settings, img_client: redis.Redis, img_pipe: Callable[..., np.ndarray],
+        img_pool: object) -> None:
+    image = picture(1)
+    content_hash = stored(img_settings, image)
+    first = edit(content_hash, 0.6)
+    frames = run_request(img_settings, img_client, first)
+    assert np.array_equal(frames, reference(lambda s: img_pipe(s, image), first))
+    record = wait_done(img_client, first)
+    assert record.fields["resumed_from"] == str(first.first_step) == "2"
+    # The image did something: the same request without it is another picture.
+    assert not np.array_equal(frames, reference(img_pipe, dataclasses.replace(first,
+                                                                                image=None)))
+
+    # Another prompt, seed and strength on the same image at the same size: its encoding is
+    # read, not computed again (the sample drawn from it is the seed's).
+    second = edit(content_hash, 1.0, prompt="a small boat at sea", seed=3)
+    frames = run_request(img_settings, img_client, second)
+    assert np.array_equal(frames, reference(lambda s: img_pipe(s, image), second))
+    kind = KeyKind.IMAGE_LATENT.value
+    assert lookups(record).get(kind) == 1 and record.hits().get(kind, 0) == 0
+    again = wait_done(img_client, second)
+    assert lookups(again).get(kind) == 1 and again.hits().get(kind) == 1
+
+
+def test_a_request_resumed_with_its_image_encoding_lost_gives_the_same_bytes(
+        img_settings: Settings, img_client: redis.Redis, img_pipe: Callable[..., np.ndarray],
+        img_pool: object, qwen_model_dir: Path) -> None:
+    image = picture(2)
+    content_hash = stored(img_settings, image)
+    spec = edit(content_hash, 0.8, seed=21)  # starts at step 1 of 6
+    frames = run_request(img_settings, img_client, spec)
+    assert np.array_equal(frames, reference(lambda s: img_pipe(s, image), spec))
+    record = wait_done(img_client, spec)
+    assert min(record.checkpoints()) > spec.first_step  # none before the trajectory starts
+    cache = open_cache(img_settings)
+    try:
+        rewind(img_settings, cache, record, 3)
+        vae = component_fingerprint(qwen_model_dir, "vae", torch.float32, CPU.device)
+        assert cache.remove(image_latent_key(TENANT, vae, content_hash, 64, 64))
+    finally:
+        cache.close()
+
+    repeat = dataclasses.replace(spec, request_id=new_request_id())
+    assert np.array_equal(run_request(img_settings, img_client, repeat), frames)
+    resumed = wait_done(img_client, repeat)
+    assert resumed.fields["resumed_from"] == "3"
+    assert resumed.hits().get(KeyKind.IMAGE_LATENT.value, 0) == 0  # encoded again
+
+
+def test_the_generate_route_takes_an_uploaded_image_and_names_what_it_refuses(
+        img_settings: Settings, img_client: redis.Redis, img_pool: object) -> None:
+    png = io.BytesIO()
+    picture(3).save(png, format="PNG")
+    with serve_api(img_settings, ApiSettings()) as url, httpx.Client(base_url=url) as http:
+        # The API connects to the store in the background: 503 until it has.
+        answer = wait_until(lambda: (r := http.post("/v1/images", content=png.getvalue()))
+                            .status_code != 503 and r, timeout_s=60,
+                            what="the API's store connected")
+        assert answer.status_code == 201, answer.text
+        content_hash = answer.json()["hash"]
+        body = {"prompt": "a red fox", "image": content_hash, "strength": 0.5, "width": 64,
+                "height": 64, "num_inference_steps": 4, "seed": 5, "output_format": "npy"}
+        accepted = http.post("/v1/generate", json=body)
+        assert accepted.status_code == 202, accepted.text
+        request_id = accepted.json()["id"]
+        record = wait_until(
+            lambda: (r := Records(img_client).get(img_settings.default_tenant, request_id))
+            is not None and r.state.terminal and r, timeout_s=120, what="the request done")
+        assert record.state is State.DONE, record
+        assert record.spec.image == ImageInput(content_hash, 0.5)
+
+        for change, field, status in [
+            ({"image": "f" * 32}, "image", 404),
+            ({"step_cache": {"policy": "first_block"}}, "step_cache.policy", 422),
+            ({"reuse": {"mode": "approximate"}}, "reuse.mode", 422),
+        ]:
+            refused = http.post("/v1/generate", json=body | change)
+            assert refused.status_code == status, refused.text
+            assert field in refused.text, refused.text
