@@ -66,7 +66,9 @@ def bands(similarity: np.ndarray, scores: dict[float, np.ndarray],
     rows, table = [], []
     earned_above = max(fractions)
     for b in reversed(range(count)):  # from the most similar band down
-        inside = (similarity >= edges[b]) & (similarity <= edges[b + 1])
+        # Half-open as the table is read (a band from its least similarity up to the next
+        # band's), so a pair at an edge counts once, in the band that serves it.
+        inside = (similarity >= edges[b]) & ((similarity < edges[b + 1]) | (b == count - 1))
         base = float(scores[0.0][inside].mean())
         # The largest fraction that, with every smaller one, keeps the band's accuracy within
         # the tolerance and its share of outputs showing the source's attributes (where the

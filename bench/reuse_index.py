@@ -63,9 +63,9 @@ def lookups(index: ReuseIndex, buckets: list[str], vectors: np.ndarray, queries:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--vectors", type=int, default=1_000_000)
-    parser.add_argument("--dim", type=int, default=64, help="floats per vector: 64, as the "
-                        "README's first figures were measured (the shipped shapes model's "
-                        "first-step vector is 1,024)")
+    parser.add_argument("--dim", type=int, default=256, help="floats per vector: 256, the "
+                        "most a first-step vector keeps (prompt_view.MAX_FLOATS); the "
+                        "README's first figures were measured at 64")
     parser.add_argument("--buckets", type=int, default=10_000)
     parser.add_argument("--queries", type=int, default=2_000)
     args = parser.parse_args()
