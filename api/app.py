@@ -106,7 +106,10 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app, settings.api.retry_after_s)
     app.add_middleware(BodyLimit, limit=settings.api.max_body_bytes, uploads={
         ADAPTER_UPLOADS: (settings.api.max_adapter_bytes, "api.max_adapter_bytes"),
-        images.UPLOADS: (settings.api.max_image_bytes, "api.max_image_bytes")})
+        images.UPLOADS: (settings.api.max_image_bytes, "api.max_image_bytes"),
+        # An image and a few form fields: its own bound applies to the image once read.
+        compat.EDITS: (settings.api.max_image_bytes + settings.api.max_body_bytes,
+                       "api.max_image_bytes + api.max_body_bytes")})
     app.include_router(routes.router)
     app.include_router(adapters.router)
     app.include_router(images.router)

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Annotated
 
 import anyio.from_thread
 import xxhash
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, File, Form, Header, Request, Response, UploadFile
 
 from api.deps import Svc, Tenant
 from api.schemas import (
+    EditsForm,
     GenerateBody,
     ImagesBody,
     ModelFacts,
@@ -30,7 +31,7 @@ from api.service import (
     reuse_status,
 )
 from keys import OutputFormat
-from workers.queue.admission import check_model, model_ids
+from workers.queue.admission import FieldError, check_model, model_ids
 from workers.queue.client import NotReadyError
 from workers.queue.schema import RequestRecord, State
 from workers.queue.served_model import ServedModel
@@ -80,36 +81,96 @@ def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request,
     (the same ``Idempotency-Key``, or the official SDK's own retry of the same body, which it
     marks with ``X-Stainless-Retry-Count``) joins the request the first call made, resuming it
     from its checkpoint if the abandonment cancelled it, instead of queueing another."""
-    served = svc.served()
-    check_model(body.model, served)
+    check_model(body.model, svc.served())
     width, height = _size(body.size)
     generate = GenerateBody(
         prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
         height=height, num_frames=1, num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale, seed=body.seed,
         output_format=OutputFormat.PNG, loras=body.loras, reuse=body.reuse)
-    # The SDK sends no key: its retry is the same body, marked as a retry.
-    call = idempotency_key or (
-        f"openai-call:{xxhash.xxh3_128_hexdigest(body.model_dump_json().encode())}")
-    svc.attend_call(who, call)
+    call = SyncCall(body, body.model_dump_json().encode(), idempotency_key,
+                    x_stainless_retry_count)
+    return _answered(svc, who, request, generate, call)
+
+
+EDITS = "/v1/images/edits"
+
+
+@router.post(EDITS)
+def edits(form: Annotated[EditsForm, Form()], who: Tenant, svc: Svc, request: Request,
+          image: Annotated[list[UploadFile] | None, File(description="the image to "
+                                                         "edit")] = None,
+          images: Annotated[list[UploadFile] | None, File(
+              alias="image[]", description="as the client sends a list; one is served")] = None,
+          mask: Annotated[UploadFile | None, File(description="refused: inpainting is not "
+                                                  "served yet")] = None,
+          idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+          x_stainless_retry_count: Annotated[int | None, Header(ge=0)] = None
+          ) -> dict[str, object]:
+    """OpenAI-compatible and synchronous, as ``/v1/images/generations``: the uploaded image
+    is kept as ``POST /v1/images`` keeps it and the prompt runs image-to-image from it."""
+    served = svc.served()
+    check_model(form.model, served)
+    if mask is not None:
+        raise FieldError("mask", "inpainting is not served yet; send the image alone")
+    files = [*(image or ()), *(images or ())]
+    field = "image[]" if images and not image else "image"
+    if len(files) != 1:
+        raise FieldError(field, f"give exactly one image (got {len(files)}): the served "
+                         "model edits one image at a time")
+    kept = svc.add_image(who, files[0].file.read(), field)
+    width, height = _size(form.size)
+    generate = GenerateBody(
+        prompt=form.prompt, negative_prompt=form.negative_prompt, width=width,
+        height=height, num_frames=1, num_inference_steps=form.num_inference_steps,
+        guidance_scale=form.guidance_scale, seed=form.seed, output_format=OutputFormat.PNG,
+        image=kept.hash, strength=form.strength)
+    # The same fields on the same pixels are the same call, however the file was encoded.
+    call = SyncCall(form, form.model_dump_json().encode() + kept.hash.encode(),
+                    idempotency_key, x_stainless_retry_count)
+    return _answered(svc, who, request, generate, call)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncCall:
+    """One call of a synchronous OpenAI route: what it asked, and what names it for a retry
+    (the ``Idempotency-Key``, else a digest of what it asked)."""
+
+    asked: ImagesBody | EditsForm
+    content: bytes
+    idempotency_key: str | None
+    retry_count: int | None
+
+    @property
+    def name(self) -> str:
+        # The SDK sends no key: its retry is the same call, marked as a retry.
+        return self.idempotency_key or f"openai-call:{xxhash.xxh3_128_hexdigest(self.content)}"
+
+
+def _answered(svc: Service, who: str, request: Request, generate: GenerateBody,
+              call: SyncCall) -> dict[str, object]:
+    """Queue ``generate`` for ``call`` (or join the request an earlier try of it made), wait
+    for it, and answer as OpenAI's image routes do."""
+    name = call.name
+    svc.attend_call(who, name)
     try:
-        if idempotency_key is not None:
-            request_id = (svc.join_call(who, idempotency_key)
-                          or svc.generate(who, generate, idempotency_key))
+        if call.idempotency_key is not None:
+            request_id = (svc.join_call(who, call.idempotency_key)
+                          or svc.generate(who, generate, call.idempotency_key))
         else:
-            joined = svc.join_call(who, call) if x_stainless_retry_count else None
+            joined = svc.join_call(who, name) if call.retry_count else None
             request_id = joined or svc.generate(who, generate)
-            svc.remember_call(who, call, request_id)
+            svc.remember_call(who, name, request_id)
     except BaseException:
-        svc.leave_call(who, call)
+        svc.leave_call(who, name)
         raise
 
     def gone() -> bool:
         return bool(anyio.from_thread.run(request.is_disconnected))
 
-    record = _wait(svc, who, request_id, svc.settings.api.sync_timeout_s, gone, body.keep,
-                   call)
-    if body.response_format == "url":
+    record = _wait(svc, who, request_id, svc.settings.api.sync_timeout_s, gone,
+                   call.asked.keep, name)
+    if call.asked.response_format == "url":
         # OpenAI clients fetch the URL as given: it must be absolute.
         base = svc.settings.api.public_url or str(request.base_url)
         item = {"url": f"{base.rstrip('/')}/v1/requests/{request_id}/result"}

@@ -311,13 +311,13 @@ class ErrorBody(BaseModel):
 # --- OpenAI- and SGLang-compatible bodies ------------------------------------------------------
 
 
-class ImagesBody(BaseModel):
-    """OpenAI ``POST /v1/images/generations`` (the fields a diffusion server can honour)."""
+class _ImageCall(BaseModel):
+    """What OpenAI's image routes share (the fields a diffusion server can honour)."""
 
     model_config = ConfigDict(extra="ignore")
 
     prompt: str = Field(min_length=1)
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=1, description="one image per call")
     size: Annotated[str, Field(pattern=r"^\d{1,4}x\d{1,4}$")] | None = None
     response_format: Literal["b64_json", "url"] = "b64_json"
     model: str | None = None
@@ -325,13 +325,28 @@ class ImagesBody(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     num_inference_steps: Steps | None = None
     guidance_scale: float | None = Field(None, ge=0.0, le=MAX_GUIDANCE)
+    keep: bool = Field(False, description="extension: keep the request running when the "
+                       "call is abandoned (the client goes away, or the wait times out); by "
+                       "default it is cancelled, and a retry of the call resumes it")
+
+
+class ImagesBody(_ImageCall):
+    """OpenAI ``POST /v1/images/generations``."""
+
     loras: list[LoraBody] = Field(default_factory=list, description="extension: LoRA "
                                   "adapters, as in POST /v1/generate")
     reuse: ReuseBody | None = Field(None, description="extension: approximate reuse, as in "
                                     "POST /v1/generate")
-    keep: bool = Field(False, description="extension: keep the request running when the "
-                       "call is abandoned (the client goes away, or the wait times out); by "
-                       "default it is cancelled, and a retry of the call resumes it")
+
+
+class EditsForm(_ImageCall):
+    """OpenAI ``POST /v1/images/edits``, multipart as the official client sends it: the
+    image (``image``, or ``image[]`` when the client sends a list) is served as image-to-image
+    from it; its files are taken apart from these fields."""
+
+    strength: float | None = Field(None, gt=0, le=1, description="extension: how far the "
+                                   f"image is noised, as in POST /v1/generate (default "
+                                   f"{DEFAULT_STRENGTH})")
 
 
 class ModelFacts(BaseModel):

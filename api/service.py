@@ -256,9 +256,9 @@ class Service:
                                   "retry once one has started")
         return self.adapters.add(tenant, name, data, linears)
 
-    def add_image(self, tenant: str, data: bytes) -> InputImage:
+    def add_image(self, tenant: str, data: bytes, field: str = "image") -> InputImage:
         api = self.settings.api
-        image = normalise(data, api.max_image_bytes, api.max_image_pixels)
+        image = normalise(data, api.max_image_bytes, api.max_image_pixels, field)
         self.images.add(tenant, image)
         return image
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import Progress
@@ -27,6 +27,9 @@ from workers.queue.client import QueueClient
 from workers.queue.schema import RequestRecord, State
 from workers.queue.served_model import NotPublishedError
 from workers.queue.submit import new_request_id
+
+if TYPE_CHECKING:
+    import httpx  # imported where it is used: ``submit`` needs no HTTP client
 
 # How long ``diffcache submit`` follows a request by default (its --timeout).
 SUBMIT_TIMEOUT_S = 3600.0
@@ -147,13 +150,14 @@ def format_for(out: str, asked: str | None, video: bool | None = None) -> str:
 
 
 def call_and_follow(api_url: str, api_key: str | None, path: str, body: Mapping[str, object],
-                    out: str, console: Console) -> None:
+                    out: str, console: Console, image: Path | None = None) -> None:
     """POST a request (``/v1/generate`` or ``/v1/resume``), follow its events with a progress
-    bar, then fetch the result. Every failure it can foresee is one line."""
+    bar, then fetch the result; with ``image``, upload it first and start from it. Every
+    failure it can foresee is one line."""
     import httpx
 
     try:
-        _call_and_follow(api_url, api_key, path, body, out, console)
+        _call_and_follow(api_url, api_key, path, body, out, console, image)
     except httpx.ConnectError:
         raise SystemExit(f"error: no API at {api_url}; is `diffcache up` running?") from None
     except httpx.TimeoutException as exc:
@@ -163,17 +167,19 @@ def call_and_follow(api_url: str, api_key: str | None, path: str, body: Mapping[
 
 
 def _call_and_follow(api_url: str, api_key: str | None, path: str,
-                     body: Mapping[str, object], out: str, console: Console) -> None:
+                     body: Mapping[str, object], out: str, console: Console,
+                     image: Path | None) -> None:
     import json
 
     import httpx
 
     headers = {"X-API-Key": api_key} if api_key else {}
     with httpx.Client(base_url=api_url, headers=headers, timeout=30) as http:
+        if image is not None:
+            body = {**body, "image": _uploaded(http, image)}
         accepted = http.post(path, json=body)
         if accepted.status_code != 202:
-            raise SystemExit(f"error: refused ({accepted.status_code}): "
-                             f"{accepted.json().get('error', accepted.text)}")
+            raise SystemExit(f"error: refused ({accepted.status_code}): {_error(accepted)}")
         request_id = accepted.json()["id"]
         status: dict[str, Any] = {}
         with Progress(console=console, transient=True) as progress, \
@@ -199,3 +205,22 @@ def _call_and_follow(api_url: str, api_key: str | None, path: str,
         console.print(f"approximate: the first {reuse['steps_reused']} steps are those of "
                       f"request {reuse['source_request_id']} (prompt similarity "
                       f"{reuse['similarity']:.3f}, seed {reuse['effective_seed']})")
+
+
+def _uploaded(http: httpx.Client, image: Path) -> str:
+    """The hash the API keeps ``image`` under, uploaded with ``POST /v1/images`` (the same
+    pixels uploaded again are the same image, so nothing is kept twice)."""
+    kept = http.post("/v1/images", content=image.read_bytes())
+    if kept.status_code != 201:
+        raise SystemExit(f"error: --image {image} refused ({kept.status_code}): "
+                         f"{_error(kept)}")
+    return str(kept.json()["hash"])
+
+
+def _error(answer: httpx.Response) -> str:
+    """The message of an error body, in the native shape or OpenAI's (``/v1/images``)."""
+    try:
+        error = answer.json().get("error", answer.text)
+    except ValueError:
+        return answer.text
+    return str(error.get("message", error) if isinstance(error, dict) else error)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -281,6 +282,11 @@ def generate(
     priority: str = typer.Option("interactive", help="interactive or batch"),
     reuse: str | None = typer.Option(None, help="exact or approximate: may start from a "
                                      "similar earlier request's checkpoint (and says so)"),
+    image: Path | None = typer.Option(None, exists=True, dir_okay=False, readable=True,
+                                      help="image-to-image: start from this picture "
+                                      "(uploaded, then referred to by its hash)"),
+    strength: float | None = typer.Option(None, help="with --image: how far it is noised, "
+                                          "from 0 to 1 (default: the server's, 0.6)"),
     api_key: str | None = typer.Option(None, help="sent as X-API-Key"),
 ) -> None:
     """Generate through the REST API with a progress bar; prints cache hits and timings.
@@ -296,8 +302,9 @@ def generate(
         "output_format": format_for(out, output_format), "width": width, "height": height,
         "num_frames": num_frames, "num_inference_steps": steps,
         "guidance_scale": guidance_scale, "priority": priority,
-        "reuse": None if reuse is None else {"mode": reuse}}.items() if v is not None}
-    call_and_follow(_api_base(), api_key, "/v1/generate", body, out, console)
+        "reuse": None if reuse is None else {"mode": reuse},
+        "strength": strength}.items() if v is not None}
+    call_and_follow(_api_base(), api_key, "/v1/generate", body, out, console, image)
 
 
 @app.command()

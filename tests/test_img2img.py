@@ -1,30 +1,37 @@
 """Image-to-image on the Qwen-Image family through the three workers: outputs bit-identical to
 ``QwenImageImg2ImgPipeline`` over the same components (one thread per op, CPU, float32),
 also when resumed from a checkpoint with the image's encoding lost; one VAE encode per image
-and size; the API route and its refusals, each naming the field."""
+and size; the generate route, the command line and OpenAI's ``images.edit`` (from the official
+client), and their refusals, each naming the field."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import io
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import imageio.v3 as iio
 import numpy as np
+import openai
 import pytest
 import redis
 import torch
 from PIL import Image
+from typer.testing import CliRunner
 
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.images import normalise
 from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
+from cli.main import app
 from keys import GenerationSpec, ImageInput, KeyKind, image_key, image_latent_key
 from tests.workers_harness import (
     embedded_serving,
     make_spec,
+    read_frames,
     reference,
     rewind,
     run_request,
@@ -37,6 +44,7 @@ from workers.families.base import CPU, component_fingerprint
 from workers.queue.records import Records
 from workers.queue.schema import KindField, RequestRecord, State
 from workers.queue.submit import new_request_id
+from workers.stages.media import decode_npy
 
 pytestmark = pytest.mark.slow
 TENANT = "img2img"
@@ -150,7 +158,8 @@ def test_a_request_resumed_with_its_image_encoding_lost_gives_the_same_bytes(
 
 
 def test_the_generate_route_takes_an_uploaded_image_and_names_what_it_refuses(
-        img_settings: Settings, img_client: redis.Redis, img_pool: object) -> None:
+        img_settings: Settings, img_client: redis.Redis, img_pool: object,
+        tmp_path: Path) -> None:
     png = io.BytesIO()
     picture(3).save(png, format="PNG")
     with serve_api(img_settings, ApiSettings()) as url, httpx.Client(base_url=url) as http:
@@ -179,3 +188,57 @@ def test_the_generate_route_takes_an_uploaded_image_and_names_what_it_refuses(
             refused = http.post("/v1/generate", json=body | change)
             assert refused.status_code == status, refused.text
             assert field in refused.text, refused.text
+
+        # The command line uploads a file and asks the same: the same request's output.
+        photo, out = tmp_path / "fox.png", tmp_path / "edited.npy"
+        photo.write_bytes(png.getvalue())
+        ran = CliRunner().invoke(app, [
+            "generate", "a red fox", "--image", str(photo), "--strength", "0.5", "--width",
+            "64", "--height", "64", "--steps", "4", "--seed", "5", "--out", str(out)],
+            env={"DIFFCACHE_API__PORT": url.rsplit(":", 1)[1],
+                 "DIFFCACHE_DATA_DIR": str(tmp_path)})
+        assert ran.exit_code == 0, ran.output
+        assert np.array_equal(decode_npy(out.read_bytes()), read_frames(img_settings, record))
+
+
+def test_openai_images_edit_from_the_official_client_is_the_same_image_to_image(
+        img_settings: Settings, img_client: redis.Redis, img_pipe: Callable[..., np.ndarray],
+        img_pool: object) -> None:
+    image = picture(4)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    # Diffusion settings travel as the SDK sends extension fields: form fields beside its own.
+    extension = {"seed": 9, "num_inference_steps": 4, "strength": 0.7, "size": "64x64"}
+    with serve_api(img_settings, ApiSettings()) as url, httpx.Client(base_url=url) as http:
+        wait_until(lambda: http.post("/v1/images", content=png.getvalue()).status_code == 201,
+                   timeout_s=60, what="the API's store connected")
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        answer = sdk.images.edit(image=("fox.png", png.getvalue(), "image/png"),
+                                 prompt="a red fox", response_format="url",
+                                 extra_body=extension)
+        assert answer.data and answer.data[0].url
+        request_id = answer.data[0].url.rsplit("/", 2)[-2]
+        record = Records(img_client).get(img_settings.default_tenant, request_id)
+        assert record is not None and record.spec.image is not None
+        assert (record.spec.image.strength, record.spec.seed) == (0.7, 9)
+        kept = http.get(answer.data[0].url)
+        assert kept.status_code == 200, kept.text
+        pixels = iio.imread(kept.content, extension=".png")
+        assert np.array_equal(pixels, reference(lambda s: img_pipe(s, image), record.spec)[0])
+
+        # The same edit as base64, the image sent as a list (image[]): the same pixels.
+        again = sdk.images.edit(image=[("fox.png", png.getvalue(), "image/png")],
+                                prompt="a red fox", extra_body=extension)
+        assert again.data and again.data[0].b64_json
+        assert base64.b64decode(again.data[0].b64_json) == kept.content
+
+        for call, field in [
+            (dict(image=("fox.png", png.getvalue()), mask=("m.png", png.getvalue())), "mask"),
+            (dict(image=[("a.png", png.getvalue()), ("b.png", png.getvalue())]), "image[]"),
+            (dict(image=("fox.txt", b"not an image")), "image"),
+            (dict(image=("fox.png", png.getvalue()), n=2), "n"),
+        ]:
+            with pytest.raises(openai.UnprocessableEntityError) as refused:
+                sdk.images.edit(prompt="a red fox", extra_body=extension, **call)
+            assert isinstance(refused.value.body, dict), refused.value
+            assert refused.value.body["param"] == field, refused.value
