@@ -123,6 +123,10 @@ class ImageOut(BaseModel):
     height: int
 
 
+# An uploaded image's hash, or an image inline as a base64 data URL.
+INPUT_IMAGE = r"^([0-9a-f]{32}|data:image/[a-z0-9.+-]+;base64,[A-Za-z0-9+/=]+)$"
+
+
 class GenerateBody(BaseModel):
     """``POST /v1/generate``. Deployment limits are applied by ``check_limits``."""
 
@@ -150,9 +154,10 @@ class GenerateBody(BaseModel):
                                   "(at most api.max_loras), uploaded with POST /v1/adapters")
     reuse: ReuseBody | None = Field(None, description="default: the tenant's mode "
                                     "(api.reuse_defaults), else exact")
-    image: str | None = Field(None, pattern=r"^[0-9a-f]{32}$", description="image-to-image: "
-                              "the hash of an image uploaded with POST /v1/images, which "
-                              "is resized to width x height")
+    image: str | None = Field(None, pattern=INPUT_IMAGE, description="image-to-image: the "
+                              "hash of an image uploaded with POST /v1/images, or the image "
+                              "itself inline as a data URL (data:image/png;base64,...; within "
+                              "api.max_body_bytes), resized to width x height")
     strength: float | None = Field(None, gt=0, le=1, description="with image: how far it is "
                                    "noised (1: from noise, as with no image); default "
                                    f"{DEFAULT_STRENGTH}")

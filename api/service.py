@@ -6,6 +6,8 @@ It holds the Redis client and the store connection, and talks to workers only th
 
 from __future__ import annotations
 
+import base64
+import binascii
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -226,8 +228,18 @@ class Service:
         strength = DEFAULT_STRENGTH if body.strength is None else body.strength
         if start_step(steps, strength) >= steps:
             raise FieldError("strength", f"{strength} leaves none of the {steps} steps to run")
+        if body.image.startswith("data:"):
+            return ImageInput(self.inline_image(tenant, body.image).hash, strength)
         self.images.ensure_stored(tenant, body.image)
         return ImageInput(body.image, strength)
+
+    def inline_image(self, tenant: str, data_url: str) -> InputImage:
+        """An image given inline, kept as an upload is: requests name it by its hash after."""
+        try:
+            data = base64.b64decode(data_url.partition(",")[2], validate=True)
+        except binascii.Error as exc:
+            raise FieldError("image", f"is not valid base64 ({exc})") from None
+        return self.add_image(tenant, data)
 
     def loras_for(self, tenant: str, loras: list[LoraBody]) -> tuple[LoraUse, ...]:
         """The tenant's adapters a request names; another tenant's read as unknown (404)."""

@@ -3,12 +3,13 @@
 A fixed set of (prompt, seed) pairs (each prompt the full caption of a scene of a held-out
 dataset seed) goes through the service: once exact, once per interval CFG tier, and once more
 exact with each prompt in a free phrasing (no articles, "on white", commas, background
-first), and once per step-cache policy setting. The shipped attribute classifier reads every
-output; the report gives, per attribute, the share that shows what the prompt asked; per tier
-and policy, the forwards saved (for a step cache: the share of forwards it stood in for part
-of), the change in accuracy, and paired PSNR and SSIM against the exact output of the same
-pair; and for every run an FID-style distance to the ground-truth renders, on the classifier's
-features.
+first), and once per step-cache policy setting. Each scene's render is also recoloured by
+prompt (image-to-image) at two strengths. The shipped attribute classifier reads every
+output; the report gives, per attribute, the share that shows what the prompt asked (for
+image-to-image: the colour asked, and the input's shape kept); per tier and policy, the
+forwards saved (for a step cache: the share of forwards it stood in for part of), the change
+in accuracy, and paired PSNR and SSIM against the exact output of the same pair; and for every
+run an FID-style distance to the ground-truth renders, on the classifier's features.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 
 from bench.cfg_cache import run
 from bench.common import model_stack, report, serve, workers
+from bench.image_inputs import STRENGTHS, other_colours, readings, recoloured
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings
+from cachesvc.tensor_cache import TensorCache
 from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat, StepCache, StepCachePolicy
 from training.classifier import AttributeClassifier, load_classifier
 from training.scenes import Colour, Scene, Shape, Size, free_caption, scene_at
@@ -108,6 +111,17 @@ def write_grid(frames: np.ndarray, columns: int, path: Path, scale: int = 4) -> 
     image.save(path)
 
 
+def image_to_image(settings: Settings, records: Records, cache: TensorCache,
+                   scenes: list[Scene]) -> dict[float, tuple[int, float, float]]:
+    """Each scene's render recoloured by prompt (a colour of its others, in turn) at each
+    strength: per strength, the count, the colour asked read back and the shape kept."""
+    edits = [edit for i, scene in enumerate(scenes) for edit in recoloured(
+        settings, cache, scene, [(other_colours(scene)[i % 6], strength)
+                                 for strength in STRENGTHS], 1000 + 2 * i)]
+    _, frames = serve(records, cache, [edit.spec for edit in edits])
+    return readings(np.concatenate(frames), edits)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=160)
@@ -155,6 +169,7 @@ def main() -> None:
             forwards, frames = run(records, cache, specs_for(
                 settings, "free", scenes, CfgCache(CfgMode.EXACT), 1000, free))
             results["free"] = Outputs(np.concatenate(frames), forwards)
+            recolour = image_to_image(settings, records, cache, scenes)
             if args.grid is not None:
                 examples = grid_scenes()
                 _, frames = run(records, cache, specs_for(
@@ -166,13 +181,16 @@ def main() -> None:
     exact_acc = accuracy(classifier, exact.frames, scenes)
     exact_fid = distance(classifier, exact.frames, truth)
     on_renders = accuracy(classifier, truth, scenes)
+    free_acc = accuracy(classifier, results["free"].frames, scenes)
     rows: list[list[object]] = [
         ["ground-truth renders", *(on_renders[a] for a in READ), "", "", "", "",
          distance(classifier, truth, truth)],
-        ["exact", *(exact_acc[a] for a in READ), exact.forwards, "", "", "", exact_fid]]
-    free_acc = accuracy(classifier, results["free"].frames, scenes)
-    rows.append(["free phrasing", *(free_acc[a] for a in READ), results["free"].forwards,
-                 "", "", "", distance(classifier, results["free"].frames, truth)])
+        ["exact", *(exact_acc[a] for a in READ), exact.forwards, "", "", "", exact_fid],
+        ["free phrasing", *(free_acc[a] for a in READ), results["free"].forwards,
+         "", "", "", distance(classifier, results["free"].frames, truth)],
+        # Colour: the one the edit asked for; shape: the input image's, kept.
+        *([f"image-to-image, strength {strength}", asked, shape, "", "", "", "", "", ""]
+          for strength, (_, asked, shape) in recolour.items())]
 
     def scored(label: str, tier: Outputs, saved: float) -> dict[str, object]:
         """An approximate run against the exact one; its row joins the table."""
@@ -203,7 +221,10 @@ def main() -> None:
                "fid": exact_fid},
             "free_phrasing": {f"{a}_acc": free_acc[a] for a in free_acc},
             "classifier_on_renders": {f"{a}_acc": on_renders[a] for a in on_renders},
-            "interval": interval, "step_cache": steps})
+            "interval": interval, "step_cache": steps,
+            "image_to_image": [{"strength": strength, "color_asked_acc": asked,
+                                "shape_kept_acc": shape}
+                               for strength, (_, asked, shape) in recolour.items()]})
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ output format is what its file says, and a read whose store lease expired is rea
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import os
 import signal
@@ -25,6 +26,7 @@ import redis
 from cachesvc.mooncake_store import LEASE_EXPIRED, MooncakeStore, StoreEndpoints
 from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
+from keys import ImageInput
 from keys.names import request_index, stage_stream
 from tests.redis_databases import FIRST_DAY, emptied, on_database
 from tests.workers_harness import make_spec, serve_api, worker_named
@@ -68,6 +70,9 @@ def test_the_shipped_models_cost_comes_from_its_geometry(
     assert model.geometry is not None and model.geometry.spatial_factor == 8  # VAE x4, patch 2
     big = make_spec(width=1024, height=1024, num_frames=1, num_inference_steps=20)
     assert model.cost(big) == (1024 // 8) ** 2 * 20 * 2 > ApiSettings().interactive_max_cost
+    # Image-to-image runs the steps its strength leaves: 0.25 of 20 starts at step 15.
+    edit = dataclasses.replace(big, image=ImageInput("0" * 32, strength=0.25))
+    assert model.cost(edit) == (1024 // 8) ** 2 * 5 * 2
     url, client = shapes_api
     answer = httpx.post(f"{url}/v1/generate", json={"prompt": "a red circle", "width": 1024,
                                                     "height": 1024, "num_inference_steps": 20},

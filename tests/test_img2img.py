@@ -180,8 +180,17 @@ def test_the_generate_route_takes_an_uploaded_image_and_names_what_it_refuses(
         assert record.state is State.DONE, record
         assert record.spec.image == ImageInput(content_hash, 0.5)
 
+        # The same picture inline is the same image, under the same hash.
+        inline = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+        accepted = http.post("/v1/generate", json=body | {"image": inline, "seed": 6})
+        assert accepted.status_code == 202, accepted.text
+        inlined = Records(img_client).get(img_settings.default_tenant, accepted.json()["id"])
+        assert inlined is not None and inlined.spec.image == ImageInput(content_hash, 0.5)
+
         for change, field, status in [
             ({"image": "f" * 32}, "image", 404),
+            ({"image": "data:image/png;base64,AAA"}, "image", 422),  # not base64
+            ({"image": "data:image/png;base64,bm90IGFuIGltYWdl"}, "image", 422),  # no image
             ({"step_cache": {"policy": "first_block"}}, "step_cache.policy", 422),
             ({"reuse": {"mode": "approximate"}}, "reuse.mode", 422),
         ]:

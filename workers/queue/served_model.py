@@ -57,11 +57,12 @@ class ModelGeometry:
 
     def cost(self, spec: GenerationSpec) -> int:
         """A request's estimated compute in token-forwards: the DiT's tokens (latent frames
-        times patches) times the forwards it runs (a step with CFG runs two)."""
+        times patches) times the forwards it runs (a step with CFG runs two; image-to-image
+        runs only the steps from ``first_step``)."""
         frames = (spec.num_frames - 1) // self.frame_factor + 1
         patches = (spec.height // self.spatial_factor) * (spec.width // self.spatial_factor)
         forwards = sum(2 if spec.segment_uses_cfg(spec.schedule[seg]) else 1
-                       for seg in spec.step_segments())
+                       for seg in spec.step_segments()[spec.first_step:])
         return frames * patches * forwards
 
 

@@ -1,0 +1,187 @@
+"""Image inputs: requests that start from an uploaded image, served by diffcache and by the
+monolithic pipeline, one workload.
+
+Ten input images (renders of held-out scenes of the shapes dataset), each edited by six
+prompts: the scene's caption with the shape in each other colour, at strengths 0.6 and 0.8 in
+turn. The shipped shapes model serves them as image-to-image (``QwenImageImg2ImgPipeline``).
+The report gives the condition-image encodes (the ``image_latent`` kind's lookups that
+missed: the goal is one per image and size), whether a sample of outputs equals the
+pipeline's (one thread per op, as the workers run), the throughput against the pipeline
+serving the same requests one after another, and what the attribute classifier reads in the
+outputs: the colour asked for, and the shape kept. Image-to-video and instruction editing are
+not served yet, so the workload is this one workflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from bench.common import collect, model_stack, report, workers
+from bench.e2e import placement_of
+from cachesvc.connect import open_cache, open_redis
+from cachesvc.images import normalise
+from cachesvc.settings import Settings
+from cachesvc.tensor_cache import TensorCache
+from keys import GenerationSpec, ImageInput, KeyKind, OutputFormat, image_key
+from training.classifier import load_classifier
+from training.scenes import ATTRIBUTES, Colour, Scene, scene_at
+from workers.families import family_named
+from workers.queue.records import Records
+from workers.queue.schema import KindField, RequestRecord
+from workers.queue.served_model import request_defaults
+from workers.queue.submit import new_request_id, submit
+from workers.stages.media import encode_frames
+
+SEED = 800  # the input scenes' dataset seed: no other bench's, the model's or the classifier's
+STRENGTHS = (0.6, 0.8)
+TENANT = "bench"
+
+
+@dataclass(frozen=True, slots=True)
+class Edit:
+    """One request: a scene's render, recoloured by prompt at a strength."""
+
+    source: Scene
+    image: Image.Image
+    target: Scene
+    spec: GenerationSpec
+
+
+def kept(cache: TensorCache, image: Image.Image) -> str:
+    """Put ``image`` in the store as ``POST /v1/images`` keeps it; its hash."""
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    normalised = normalise(png.getvalue(), 2**20, 2**20)
+    cache.put(image_key(TENANT, normalised.hash),
+              torch.frombuffer(bytearray(normalised.png), dtype=torch.uint8))
+    return normalised.hash
+
+
+def recoloured(settings: Settings, cache: TensorCache, scene: Scene,
+               targets: list[tuple[Colour, float]], first_seed: int) -> list[Edit]:
+    """``scene``'s render, kept, then edited by prompt into each (colour, strength)."""
+    m = request_defaults(settings.model, settings.model_dir)
+    render = scene.render()
+    image = kept(cache, render)
+    edits = []
+    for n, (colour, strength) in enumerate(targets):
+        target = dataclasses.replace(scene, colour=colour)
+        spec = GenerationSpec.create(
+            request_id=new_request_id(), tenant=TENANT, prompt=target.caption, width=m.width,
+            height=m.height, num_frames=1, num_inference_steps=m.num_inference_steps,
+            guidance_scale=m.guidance_scale, seed=first_seed + n,
+            output_format=OutputFormat.NPY, image=ImageInput(image, strength))
+        edits.append(Edit(scene, render, target, spec))
+    return edits
+
+
+def other_colours(scene: Scene) -> list[Colour]:
+    """The colours neither its shape nor its background has: six of the eight."""
+    return [c for c in Colour if c not in (scene.colour, scene.background)]
+
+
+def workload(settings: Settings, cache: TensorCache, images: int) -> list[Edit]:
+    """Each scene edited into each of its other colours, at the strengths in turn."""
+    edits: list[Edit] = []
+    for index in range(images):
+        scene = scene_at(SEED, index)
+        targets = [(c, STRENGTHS[n % len(STRENGTHS)])
+                   for n, c in enumerate(other_colours(scene))]
+        edits += recoloured(settings, cache, scene, targets, 1000 + len(edits))
+    return edits
+
+
+def run_baseline(settings: Settings, edits: list[Edit], threads: int | None = None
+                 ) -> tuple[float, list[np.ndarray]]:
+    """Seconds for the monolithic pipeline to serve ``edits`` one after another, and its
+    frames; with ``threads``, torch runs that many per op."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        pipeline = family_named("qwen-image").reference(settings.model_dir,
+                                                        placement_of(settings))
+        start = time.perf_counter()
+        frames = []
+        for edit in edits:
+            frames.append(pipeline(edit.spec, edit.image))
+            encode_frames([frames[-1]], OutputFormat.NPY, settings.workers.fps)
+        return time.perf_counter() - start, frames
+    finally:
+        torch.set_num_threads(before)
+
+
+def image_encodes(records: list[RequestRecord]) -> tuple[int, int]:
+    """Lookups of condition-image encodings, and how many of them missed (an encode)."""
+    kind = KeyKind.IMAGE_LATENT.value
+    lookups = sum(r.per_kind(KindField.LOOKUPS).get(kind, 0) for r in records)
+    hits = sum(r.hits().get(kind, 0) for r in records)
+    return lookups, lookups - hits
+
+
+def readings(frames: np.ndarray, edits: list[Edit]) -> dict[float, tuple[int, float, float]]:
+    """Per strength: how many outputs, the share the classifier reads in the colour asked
+    for, and the share with the input's shape."""
+    read = load_classifier().read(frames)
+    colours, shapes = ATTRIBUTES["color"], ATTRIBUTES["shape"]
+    out = {}
+    for strength in STRENGTHS:
+        at = [i for i, e in enumerate(edits)
+              if e.spec.image is not None and e.spec.image.strength == strength]
+        asked = np.mean([read["color"][i] == colours.index(edits[i].target.colour) for i in at])
+        shape = np.mean([read["shape"][i] == shapes.index(edits[i].source.shape) for i in at])
+        out[strength] = (len(at), round(float(asked), 3), round(float(shape), 3))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--images", type=int, default=10)
+    parser.add_argument("--sample", type=int, default=6, help="outputs compared with the "
+                        "pipeline's, one thread per op")
+    args = parser.parse_args()
+    with model_stack(model={"preset": "shapes"}) as settings:
+        cache = open_cache(settings)
+        records = Records(open_redis(settings))
+        edits = workload(settings, cache, args.images)
+        baseline_s, _ = run_baseline(settings, edits)
+        with workers(settings, settings.data_dir / "logs"):
+            start = time.perf_counter()
+            for edit in edits:
+                submit(records.redis, edit.spec)
+            done, frames = collect(records, cache, [e.spec for e in edits])
+            diffcache_s = time.perf_counter() - start
+        cache.close()
+        sample = edits[:: max(1, len(edits) // args.sample)][: args.sample]
+        _, expected = run_baseline(settings, sample, threads=1)
+        identical = all(np.array_equal(frames[edits.index(e)], want)
+                        for e, want in zip(sample, expected, strict=True))
+
+    lookups, encodes = image_encodes(done)
+    requests = len(edits)
+    result = {"bench": "image_inputs", "requests": requests, "image_encodes": encodes,
+              "image_encode_hit_rate": round(1 - encodes / lookups, 4) if lookups else 0.0,
+              "identical": identical, "throughput_ratio": round(baseline_s / diffcache_s, 4)}
+    rows: list[list[object]] = [
+        ["baseline (QwenImageImg2ImgPipeline), one after another", baseline_s,
+         requests / baseline_s, "", ""],
+        ["diffcache (3 stage workers), all submitted at once", diffcache_s,
+         requests / diffcache_s, "", ""],
+        [f"image encodes for {args.images} images at one size", encodes, "", "", ""],
+        *[[f"outputs at strength {strength}", count, "", asked, shape]
+          for strength, (count, asked, shape) in readings(np.concatenate(frames),
+                                                          edits).items()]]
+    report(f"{requests} image-to-image requests on {args.images} input images",
+           ["run", "seconds or count", "requests/s", "colour asked", "shape kept"], rows,
+           result)
+
+
+if __name__ == "__main__":
+    main()
