@@ -1,14 +1,17 @@
 """Image-to-image on the Qwen-Image family through the three workers: outputs bit-identical to
 ``QwenImageImg2ImgPipeline`` over the same components (one thread per op, CPU, float32),
-also when resumed from a checkpoint with the image's encoding lost; one VAE encode per image
-and size; the generate route, the command line and OpenAI's ``images.edit`` (from the official
-client), and their refusals, each naming the field."""
+also when parked and resumed, branched by an edit, and resumed from a checkpoint with the
+image's encoding lost; one VAE encode per image and size; the generate route, the command line
+and OpenAI's ``images.edit`` (from the official client), and their refusals, each naming the
+field."""
 
 from __future__ import annotations
 
 import base64
 import dataclasses
 import io
+import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,10 +27,11 @@ from typer.testing import CliRunner
 
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.images import normalise
+from cachesvc.processes import ChildProcess
 from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
 from cli.main import app
-from keys import GenerationSpec, ImageInput, KeyKind, image_key, image_latent_key
+from keys import GenerationSpec, ImageInput, KeyKind, PromptSegment, image_key, image_latent_key
 from tests.workers_harness import (
     embedded_serving,
     make_spec,
@@ -36,18 +40,23 @@ from tests.workers_harness import (
     rewind,
     run_request,
     serve_api,
+    stop_owner_when,
     wait_done,
+    wait_for,
     worker_pool,
 )
 from workers.families import family_named
 from workers.families.base import CPU, component_fingerprint
+from workers.queue.lifecycle import Lifecycle
+from workers.queue.messages import Stage
 from workers.queue.records import Records
-from workers.queue.schema import KindField, RequestRecord, State
-from workers.queue.submit import new_request_id
+from workers.queue.schema import KindField, PreemptMode, RequestRecord, State
+from workers.queue.submit import new_request_id, submit
 from workers.stages.media import decode_npy
 
 pytestmark = pytest.mark.slow
 TENANT = "img2img"
+OTHER = "img2img-other"  # shares nothing with TENANT, so computes everything itself
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +73,11 @@ def img_client(img_settings: Settings) -> redis.Redis:
 
 @pytest.fixture(scope="module")
 def img_pool(img_settings: Settings, img_client: redis.Redis,
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    with worker_pool(img_settings, img_client, tmp_path_factory.mktemp("img2img-logs"), "img"):
-        yield
+             tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[dict[Stage, list[ChildProcess]]]:
+    with worker_pool(img_settings, img_client, tmp_path_factory.mktemp("img2img-logs"),
+                     "img") as workers:
+        yield workers
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +166,44 @@ def test_a_request_resumed_with_its_image_encoding_lost_gives_the_same_bytes(
     resumed = wait_done(img_client, repeat)
     assert resumed.fields["resumed_from"] == "3"
     assert resumed.hits().get(KeyKind.IMAGE_LATENT.value, 0) == 0  # encoded again
+
+
+def test_an_image_request_parked_resumed_and_branched_is_exact(
+        img_settings: Settings, img_client: redis.Redis, img_pipe: Callable[..., np.ndarray],
+        img_pool: dict[Stage, list[ChildProcess]]) -> None:
+    image = picture(5)
+    content_hash = stored(img_settings, image)
+    spec = edit(content_hash, 0.9, seed=33, num_inference_steps=60)  # starts at step 6
+    submit(img_client, spec)
+    # Asked while its worker is stopped three steps in, so the request cannot finish first.
+    worker, _ = stop_owner_when(img_client, spec, Stage.DENOISE, img_pool[Stage.DENOISE],
+                                lambda f: int(f.get("step", 0)) >= spec.first_step + 3)
+    lifecycle = Lifecycle(img_client)
+    try:
+        assert lifecycle.ask_preempt(spec.tenant, spec.request_id, PreemptMode.PARK)
+    finally:
+        assert worker.pid is not None
+        os.kill(worker.pid, signal.SIGCONT)
+    wait_for(img_client, spec, State.PREEMPTED)
+    parked = Records(img_client).get(spec.tenant, spec.request_id)
+    assert parked is not None
+    lifecycle.resume(parked)
+    record = wait_done(img_client, spec)
+    assert record.counter("preemptions") == 1
+    assert record.counter("resumed_from") > spec.first_step
+    assert np.array_equal(read_frames(img_settings, record),
+                          reference(lambda s: img_pipe(s, image), spec))
+
+    # An edit of the last steps branches from the checkpoint at its switch, and gives what the
+    # branched request computes from scratch where nothing is shared (another tenant).
+    tail = (PromptSegment("a small boat at sea", spec.schedule[0].negative_prompt, 60),)
+    branch = spec.branch(new_request_id(), 30, tail)
+    branched = run_request(img_settings, img_client, branch)
+    assert wait_done(img_client, branch).counter("resumed_from") == 30
+    elsewhere = dataclasses.replace(branch, request_id=new_request_id(), tenant=OTHER)
+    stored(img_settings, image, tenant=OTHER)
+    assert np.array_equal(run_request(img_settings, img_client, elsewhere), branched)
+    assert wait_done(img_client, elsewhere).counter("resumed_from") == spec.first_step
 
 
 def test_the_generate_route_takes_an_uploaded_image_and_names_what_it_refuses(
