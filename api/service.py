@@ -205,8 +205,9 @@ class Service:
             step_cache=step_cache_from(
                 body.step_cache, self.settings.api.step_cache_defaults.get(tenant,
                                                                          StepCachePolicy.OFF),
-                # no tenant default applies to an image-to-image request (``image_for``)
-                frozenset() if image else served.step_caches, served.family),
+                # MagCache's ratios describe a trajectory from step 0 (``image_for``)
+                served.step_caches - {StepCachePolicy.MAGCACHE} if image
+                else served.step_caches, served.family),
             reuse=reuse_from(body.reuse, self.settings.api.reuse_defaults.get(
                 tenant, ReuseMode.EXACT), fixed), image=image)
         return self.queue.admission.within_cost(spec, served)
@@ -221,10 +222,10 @@ class Service:
             return None
         if not served.limits.image_to_image:
             raise FieldError("image", f"the served {served.family} model takes no input image")
-        if body.step_cache is not None and body.step_cache.policy is not StepCachePolicy.OFF:
-            # Its hooks count a trajectory's steps from 0; this one starts part of the way.
-            raise FieldError("step_cache.policy", "image-to-image requests run without a "
-                             "step cache")
+        if body.step_cache is not None and body.step_cache.policy is StepCachePolicy.MAGCACHE:
+            # Its ratios were calibrated on trajectories from step 0; this one starts part way.
+            raise FieldError("step_cache.policy", "image-to-image requests cannot use "
+                             "magcache (its ratios describe a trajectory from step 0)")
         strength = DEFAULT_STRENGTH if body.strength is None else body.strength
         if start_step(steps, strength) >= steps:
             raise FieldError("strength", f"{strength} leaves none of the {steps} steps to run")

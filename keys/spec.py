@@ -278,9 +278,10 @@ class GenerationSpec:
                 f"the last schedule segment must end at num_inference_steps="
                 f"{self.num_inference_steps}, it ends at {bounds[-1]}"
             )
-        if self.image is not None and self.step_cache.on:
-            # Its hooks count a trajectory's steps from 0; this one starts part of the way.
-            raise ValueError("step_cache: image-to-image requests run without a step cache")
+        if self.image is not None and self.step_cache.policy is StepCachePolicy.MAGCACHE:
+            # Its ratios were calibrated on trajectories from step 0; this one starts part way.
+            raise ValueError("step_cache.policy: image-to-image requests cannot use magcache "
+                             "(its ratios describe a trajectory from step 0)")
         if self.image is not None and self.first_step >= self.num_inference_steps:
             raise ValueError(f"image.strength {self.image.strength} leaves no step of "
                              f"{self.num_inference_steps} to run; raise it or the steps")

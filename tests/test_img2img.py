@@ -31,7 +31,16 @@ from cachesvc.processes import ChildProcess
 from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
 from cli.main import app
-from keys import GenerationSpec, ImageInput, KeyKind, PromptSegment, image_key, image_latent_key
+from keys import (
+    GenerationSpec,
+    ImageInput,
+    KeyKind,
+    PromptSegment,
+    StepCache,
+    StepCachePolicy,
+    image_key,
+    image_latent_key,
+)
 from tests.workers_harness import (
     embedded_serving,
     make_spec,
@@ -168,6 +177,39 @@ def test_a_request_resumed_with_its_image_encoding_lost_gives_the_same_bytes(
     assert resumed.hits().get(KeyKind.IMAGE_LATENT.value, 0) == 0  # encoded again
 
 
+@pytest.mark.parametrize("step_cache", [
+    StepCache.create(StepCachePolicy.FIRST_BLOCK, threshold=0.3),
+    StepCache.create(StepCachePolicy.TAYLORSEER, interval=2, warmup=1)],
+    ids=lambda c: c.policy.value)
+def test_a_step_cache_on_an_image_trajectory_is_the_pipelines_from_every_checkpoint(
+        img_settings: Settings, img_client: redis.Redis, img_pipe: Callable[..., np.ndarray],
+        img_pool: object, step_cache: StepCache) -> None:
+    """The hooks start with the trajectory, at its first step, as the pipeline's do; their
+    state travels in each checkpoint."""
+    image = picture(6)
+    content_hash = stored(img_settings, image)
+    spec = edit(content_hash, 0.8, seed=41, num_inference_steps=8, step_cache=step_cache)
+    assert spec.first_step == 1
+    expected = reference(lambda s: img_pipe(s, image), spec)
+    assert not np.array_equal(expected, reference(lambda s: img_pipe(s, image),
+                                                  dataclasses.replace(spec,
+                                                                      step_cache=StepCache())))
+    assert np.array_equal(run_request(img_settings, img_client, spec), expected)
+    record = wait_done(img_client, spec)
+    assert record.counter("lookups:step") == 14  # every forward of the 7 guided steps run
+    assert 0 < record.counter("hits:step") < 14
+    cache = open_cache(img_settings)
+    try:
+        for k in range(7, spec.first_step, -1):
+            rewind(img_settings, cache, record, k)
+            again = dataclasses.replace(spec, request_id=new_request_id())
+            frames = run_request(img_settings, img_client, again)
+            assert wait_done(img_client, again).counter("resumed_from") == k
+            assert np.array_equal(frames, expected), f"resumed from step {k}"
+    finally:
+        cache.close()
+
+
 def test_an_image_request_parked_resumed_and_branched_is_exact(
         img_settings: Settings, img_client: redis.Redis, img_pipe: Callable[..., np.ndarray],
         img_pool: dict[Stage, list[ChildProcess]]) -> None:
@@ -240,7 +282,7 @@ def test_the_generate_route_takes_an_uploaded_image_and_names_what_it_refuses(
             ({"image": "f" * 32}, "image", 404),
             ({"image": "data:image/png;base64,AAA"}, "image", 422),  # not base64
             ({"image": "data:image/png;base64,bm90IGFuIGltYWdl"}, "image", 422),  # no image
-            ({"step_cache": {"policy": "first_block"}}, "step_cache.policy", 422),
+            ({"step_cache": {"policy": "magcache"}}, "step_cache.policy", 422),
             ({"reuse": {"mode": "approximate"}}, "reuse.mode", 422),
         ]:
             refused = http.post("/v1/generate", json=body | change)

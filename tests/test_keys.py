@@ -299,8 +299,9 @@ def test_an_image_spec_refuses_what_it_cannot_run() -> None:
     image = ImageInput("0" * 32, strength=0.5)
     spec = base_spec(image=image)
     assert spec.first_step == 2
-    with pytest.raises(ValueError, match="step_cache"):
-        base_spec(image=image, step_cache=StepCache.create("taylorseer", interval=2))
+    with pytest.raises(ValueError, match="magcache"):
+        base_spec(image=image, step_cache=StepCache.create("magcache", threshold=0.1))
+    assert base_spec(image=image, step_cache=StepCache.create("taylorseer", interval=2))
     # diffusers truncates the steps left out, so only a strength lost in rounding runs none.
     assert base_spec(image=ImageInput("0" * 32, strength=0.01)).first_step == 3
     with pytest.raises(ValueError, match="leaves no step"):
