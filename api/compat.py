@@ -1,5 +1,5 @@
-"""OpenAI-compatible image generation and SGLang-compatible video jobs, mapped onto the same
-queue as ``/v1/generate``."""
+"""OpenAI-compatible image generation and editing (image-to-image), and SGLang-compatible
+video jobs, mapped onto the same queue as ``/v1/generate``."""
 
 from __future__ import annotations
 

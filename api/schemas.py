@@ -263,7 +263,8 @@ class RequestStatus(BaseModel):
     stage_seconds: dict[str, float]
     cache_hits: dict[str, int]
     resumed_from: int = Field(description="the step this attempt started at: >0 when it "
-                              "resumed from a checkpoint (preemption, crash, shared prefix)")
+                              "resumed from a checkpoint (preemption, crash, shared prefix), "
+                              "or for image-to-image where its strength starts the trajectory")
     checkpoints: list[int] = Field(description="steps with a checkpoint to branch from")
     preemptions: int
     model: dict[str, str] | None = Field(description="the family and model folder that serve "

@@ -363,6 +363,7 @@ class Service:
             raise GoneError(f"the output of {request_id} has expired (cache.output_ttl_s)")
         # Lost before its time, with the store or its file: the request is seeded, so running
         # it again gives the same output.
+        self.uploads_stored(record.spec)
         self.queue.recompute_output(record)
         raise RecomputingError(f"the output of {request_id} was lost from the cache and is "
                                "being made again from the request; retry shortly")
@@ -381,6 +382,7 @@ class Service:
             if body.from_step is not None:
                 raise FieldError("from_step", "applies with overrides only: a plain resume "
                                  "continues from the latest checkpoint")
+            self.uploads_stored(record.spec)
             return self.queue.resume(record)
         from_step, key = branch_point(record, body.from_step)
         if not self.cache.exists(StoreKey.parse(key)):
@@ -389,7 +391,17 @@ class Service:
         served = self.served()
         spec = branched_spec(record.spec, new_request_id(), from_step, body.overrides,
                              self.queue.admission.text_limits(served))
+        self.uploads_stored(spec)
         return self.submit(spec, served)
+
+    def uploads_stored(self, spec: GenerationSpec) -> None:
+        """Put what a request reads from uploads (its input image, its adapters) back in the
+        store from their files if the store lost them, before it runs again: a worker can
+        recompute anything but an upload."""
+        if spec.image is not None:
+            self.images.ensure_stored(spec.tenant, spec.image.hash)
+        for lora in spec.loras:
+            self.adapters.ensure_stored(spec.tenant, lora.hash)
 
     def readiness(self) -> Readiness:
         checks: dict[str, bool] = {}

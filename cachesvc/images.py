@@ -16,7 +16,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from cachesvc.errors import UploadError
 from cachesvc.output_files import OutputFiles
-from keys import image_key
+from keys import StoreKey, image_key
 
 if TYPE_CHECKING:
     from cachesvc.byte_entries import ByteEntries
@@ -103,21 +103,19 @@ class ImageStore:
         reaches a worker; ImageError (404, naming ``field``) if the tenant has no such
         image."""
         key = image_key(tenant, content_hash)
-        if self._cache().exists(key):
-            return
-        data = self.files.read(key)
-        if data is None:
+        if not self._cache().exists(key) and self._restored(key) is None:
             raise ImageError(field, f"no image {content_hash}; upload it with POST /v1/images",
                              404)
-        self._cache().write(key, data)
 
     def read(self, tenant: str, content_hash: str) -> bytes | None:
         """The image's PNG, put back in the store from its file if the store lost it; None if
         the tenant has no image of that hash."""
         key = image_key(tenant, content_hash)
         data = self._cache().read(key)
-        if data is not None:
-            return data
+        return data if data is not None else self._restored(key)
+
+    def _restored(self, key: StoreKey) -> bytes | None:
+        """The image's file, written back to the store; None if there is no file."""
         data = self.files.read(key)
         if data is not None:
             self._cache().write(key, data)

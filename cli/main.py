@@ -286,7 +286,8 @@ def generate(
                                       help="image-to-image: start from this picture "
                                       "(uploaded, then referred to by its hash)"),
     strength: float | None = typer.Option(None, help="with --image: how far it is noised, "
-                                          "from 0 to 1 (default: the server's, 0.6)"),
+                                          "above 0 and at most 1 (default: the server's, "
+                                          "0.6)"),
     api_key: str | None = typer.Option(None, help="sent as X-API-Key"),
 ) -> None:
     """Generate through the REST API with a progress bar; prints cache hits and timings.

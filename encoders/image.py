@@ -14,7 +14,6 @@ import torch
 from PIL import Image
 
 from cachesvc.ledger import Ledger
-from cachesvc.single_flight import Outcome
 from cachesvc.tensor_cache import TensorCache
 from keys import Fingerprint, GenerationSpec, StoreKey, image_key, image_latent_key
 
@@ -41,7 +40,6 @@ class ImageLostError(LookupError):
 class EncodedImage:
     key: StoreKey
     tensor: torch.Tensor
-    hit: bool  # found in the cache (possibly after waiting for another encoder)
 
 
 def encode_image(cache: TensorCache, model: ImageModel, spec: GenerationSpec,
@@ -54,7 +52,7 @@ def encode_image(cache: TensorCache, model: ImageModel, spec: GenerationSpec,
                            spec.height)
     compute = functools.partial(_encode_stored, cache, model, spec)
     cached = cache.get_or_compute(key, compute, ledger)
-    return EncodedImage(key, cached.tensor, cached.outcome in (Outcome.HIT, Outcome.WAITED))
+    return EncodedImage(key, cached.tensor)
 
 
 def _encode_stored(cache: TensorCache, model: ImageModel, spec: GenerationSpec) -> torch.Tensor:

@@ -66,7 +66,8 @@ CHAIN_FIELDS = FieldPolicy(
     # cfg_cache counts only in its approximate mode; the exact tier never changes an output.
     # step_cache counts whenever a policy is on: every policy changes the output.
     # loras enter through the denoiser's fingerprint (``adapted``), which every DiT key holds.
-    # image enters with its strength: both decide where the trajectory starts and from what.
+    # image enters as its hash and the step its strength starts at: they decide where the
+    # trajectory starts and from what.
     includes=frozenset(
         {"tenant", "schedule", "width", "height", "num_frames", "num_inference_steps",
          "guidance_scale", "seed", "cfg_cache", "loras", "step_cache", "image"}
@@ -239,12 +240,15 @@ def chain_root(
     scheduler_config: Mapping[str, Canonical],
     dtype: str,
     mag_ratios: Sequence[float] = (),
+    image_encoder: Fingerprint | None = None,
 ) -> ChainLink:
-    """``h0 = H(model fp, scheduler config, shape, seed, steps, dtype)``, plus the input
-    image and its strength for image-to-image, the CFG reuse interval when the request asked
-    for the approximate tier, and the step-cache policy with its parameters when one is on
-    (MagCache's with the model's calibrated ``mag_ratios``, which decide its skips as much as
-    its parameters do): such a trajectory is its own."""
+    """``h0 = H(model fp, scheduler config, shape, seed, steps, dtype)``, plus for
+    image-to-image the input image, the step its strength starts at (strengths that start at
+    one step run one trajectory) and the ``image_encoder`` that turns it into latents, the CFG
+    reuse interval when the request asked for the approximate tier, and the step-cache policy
+    with its parameters when one is on (MagCache's with the model's calibrated
+    ``mag_ratios``, which decide its skips as much as its parameters do): such a trajectory
+    is its own."""
     payload: dict[str, Canonical] = {
         "model": model.hex,
         "scheduler": scheduler_config,
@@ -254,7 +258,11 @@ def chain_root(
         "dtype": dtype,
     }
     if spec.image is not None:
-        payload["image"] = {"hash": spec.image.hash, "strength": spec.image.strength}
+        if image_encoder is None:
+            raise ValueError(f"request {spec.request_id} starts from an image: its chain "
+                             "root needs the encoder that turns it into latents")
+        payload["image"] = {"hash": spec.image.hash, "first_step": spec.first_step,
+                            "encoder": image_encoder.hex}
     if spec.cfg_cache.approximate:
         payload["cfg_interval"] = spec.cfg_cache.interval
     if spec.step_cache.on:

@@ -148,7 +148,7 @@ def _like(default: float | int, value: float | int | None) -> float | int:
 
 
 # Adapters and images are named by the xxh3-128 of their content.
-_ADAPTER_HASH_RE = re.compile(r"^[0-9a-f]{32}$")
+_CONTENT_HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +159,7 @@ class LoraUse:
     scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if not _ADAPTER_HASH_RE.fullmatch(self.hash):
+        if not _CONTENT_HASH_RE.fullmatch(self.hash):
             raise ValueError(f"lora hash {self.hash!r} must be 32 lowercase hex digits")
 
 
@@ -216,7 +216,7 @@ class ImageInput:
     strength: float = DEFAULT_STRENGTH
 
     def __post_init__(self) -> None:
-        if not _ADAPTER_HASH_RE.fullmatch(self.hash):
+        if not _CONTENT_HASH_RE.fullmatch(self.hash):
             raise ValueError(f"image hash {self.hash!r} must be 32 lowercase hex digits")
         if not 0.0 < self.strength <= 1.0:
             raise ValueError(f"image.strength must be in (0, 1], got {self.strength}")

@@ -54,8 +54,8 @@ from tests.workers_harness import (
     wait_for,
     worker_pool,
 )
-from workers.families import family_named
-from workers.families.base import CPU, component_fingerprint
+from workers.families import family_named, qwen_image
+from workers.families.base import CPU
 from workers.queue.lifecycle import Lifecycle
 from workers.queue.messages import Stage
 from workers.queue.records import Records
@@ -165,7 +165,7 @@ def test_a_request_resumed_with_its_image_encoding_lost_gives_the_same_bytes(
     cache = open_cache(img_settings)
     try:
         rewind(img_settings, cache, record, 3)
-        vae = component_fingerprint(qwen_model_dir, "vae", torch.float32, CPU.device)
+        vae = qwen_image.image_encoder_fingerprint(qwen_model_dir, CPU)
         assert cache.remove(image_latent_key(TENANT, vae, content_hash, 64, 64))
     finally:
         cache.close()

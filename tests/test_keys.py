@@ -20,6 +20,7 @@ from keys import (
     FIELD_POLICIES,
     CfgCache,
     CfgMode,
+    Fingerprint,
     GenerationSpec,
     KeyKind,
     LoraUse,
@@ -47,6 +48,7 @@ ENCODER = model_fingerprint("text_encoder", {"d_model": 32}, {"model.safetensors
 MODEL = model_fingerprint("transformer", {"layers": 2}, {"w.safetensors": "cd"}, "float32", "cpu")
 DECODER = model_fingerprint("vae", {"base_dim": 16}, {"vae.safetensors": "ef"}, "float32", "cpu")
 SCHEDULER = {"_class_name": "UniPCMultistepScheduler", "flow_shift": 3.0}
+IMAGE_ENCODER = Fingerprint("vae-encode", "1" * 32)
 
 
 def base_spec(**changes: object) -> GenerationSpec:
@@ -87,7 +89,8 @@ def all_keys(spec: GenerationSpec) -> dict[KeyKind, str]:
     call: the chain is ``trajectory.chain_links``, so a change there changes these keys."""
     # The denoiser as the request runs it, adapters applied, as denoise and encode key it.
     model = adapted(MODEL, spec.loras)
-    links = chain_links(spec, embedding_keys(spec), model, SCHEDULER, timesteps(spec))
+    links = chain_links(spec, embedding_keys(spec), model, SCHEDULER, timesteps(spec),
+                        image_encoder=IMAGE_ENCODER)
     first = spec.schedule[0]
     # The digest of the latent a step sees carries the trajectory so far: the chain head stands in.
     latent_digest = links[-1].hex
@@ -201,7 +204,7 @@ CHANGES = {
     "step_cache": st.one_of(
         st.floats(0.01, 1.0).map(lambda t: StepCache.create("first_block", threshold=t)),
         st.integers(1, 9).map(lambda k: StepCache.create("taylorseer", interval=k))),
-    # Another image, or the same image at another strength, is another trajectory.
+    # Starting from an image is another trajectory (which strengths share one: below).
     "image": st.builds(ImageInput, st.from_regex(r"[0-9a-f]{32}", fullmatch=True),
                        st.floats(0.01, 1.0)),
     "reuse": st.builds(Reuse, st.sampled_from(list(ReuseMode)), st.floats(0.01, 1.0),
@@ -293,6 +296,20 @@ def test_an_image_trajectory_starts_where_the_diffusers_pipeline_starts(steps: i
     timesteps, left = QwenImageImg2ImgPipeline.get_timesteps(pipeline, steps, strength, "cpu")
     assert start_step(steps, strength) == steps - left
     assert timesteps.tolist() == scheduler.timesteps[start_step(steps, strength):].tolist()
+
+
+def test_an_image_trajectory_is_named_by_its_image_start_and_encoder() -> None:
+    def root(strength: float, encoder: Fingerprint = IMAGE_ENCODER,
+             content_hash: str = "0" * 32) -> str:
+        spec = base_spec(num_inference_steps=20, image=ImageInput(content_hash, strength))
+        return chain_root(spec, MODEL, SCHEDULER, "float32", image_encoder=encoder).hex
+
+    # 0.61 and 0.62 of 20 steps both start at step 7: one trajectory, one set of keys.
+    assert root(0.61) == root(0.62) != root(0.7)
+    assert root(0.61) != root(0.61, content_hash="1" * 32)
+    assert root(0.61) != root(0.61, encoder=Fingerprint("vae-encode", "2" * 32))
+    with pytest.raises(ValueError, match="encoder"):
+        chain_root(base_spec(image=ImageInput("0" * 32)), MODEL, SCHEDULER, "float32")
 
 
 def test_an_image_spec_refuses_what_it_cannot_run() -> None:

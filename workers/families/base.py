@@ -1,8 +1,9 @@
 """The interface every model family implements: the stages know a family only through it.
 
 A family holds everything model-specific: how a text becomes conditioning, the scheduler for
-a request and its resumable state, the latents and their noise, how the two CFG branches
-combine, and the decoder. A new family is one module and one registry entry.
+a request and its resumable state, the latents and their noise (or an input image's encoding,
+for a family that takes one), how the two CFG branches combine, and the decoder. A new family
+is one module and one registry entry.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class Trajectory(Protocol):
     device: torch.device
     fingerprint: Fingerprint
     decoder_fingerprint: Fingerprint
+    # What turns an input image into the latents it starts from (``ImageModel.fingerprint``),
+    # which image-to-image keys hold; None for a family that takes no image.
+    image_fingerprint: Fingerprint | None
     # MagCache's ratios from the model's card (none: it cannot run MagCache); they decide a
     # MagCache trajectory's skips, so its keys hold them.
     mag_ratios: tuple[float, ...]

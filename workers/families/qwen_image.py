@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from keys import GenerationSpec, StepCache
+from keys import Fingerprint, GenerationSpec, StepCache, digest
 from workers.families.base import (
     CPU,
     Family,
@@ -252,6 +252,14 @@ class QwenTextEncoder:
         return int(embedding.shape[-2])
 
 
+def image_encoder_fingerprint(directory: Path, placement: Placement) -> Fingerprint:
+    """The VAE as it encodes an input image: its weights, dtype and device, and the precision
+    the pixels are cast to first (the prompt embeddings', as the pipeline casts them)."""
+    vae = component_fingerprint(directory, "vae", placement.vae_dtype, placement.device)
+    return Fingerprint("vae-encode", digest("vae-encode", {
+        "vae": vae.hex, "pixels": str(placement.text_dtype)}))
+
+
 class QwenImageEncoder:
     """The Qwen-Image VAE's encoding of an input image, as ``QwenImageImg2ImgPipeline``
     prepares it: resized and scaled to [-1, 1] by the pipeline's image processor, cast to
@@ -268,7 +276,7 @@ class QwenImageEncoder:
         self.processor = VaeImageProcessor(
             vae_scale_factor=2 ** len(self.vae.temperal_downsample) * 2,
             vae_latent_channels=self.vae.config.z_dim)
-        self.fingerprint = component_fingerprint(directory, "vae", self.vae.dtype, self.device)
+        self.fingerprint = image_encoder_fingerprint(directory, placement)
 
     @torch.no_grad()
     def encode(self, image: Image.Image, width: int, height: int) -> torch.Tensor:
@@ -315,6 +323,8 @@ class QwenTrajectory:
                                                  placement.dit_dtype, self.device)
         self.decoder_fingerprint = component_fingerprint(directory, "vae", placement.vae_dtype,
                                                          self.device)
+        self.image_fingerprint: Fingerprint | None = image_encoder_fingerprint(directory,
+                                                                               placement)
 
     def tokens_per_side(self, spec: GenerationSpec) -> tuple[int, int]:
         """Packed latent tokens along the height and the width."""

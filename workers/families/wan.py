@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from keys import GenerationSpec, StepCache
+from keys import Fingerprint, GenerationSpec, StepCache
 from workers.families.base import (
     CPU,
     Family,
@@ -204,6 +204,7 @@ class WanTrajectory:
                                                  placement.dit_dtype, self.device)
         self.decoder_fingerprint = component_fingerprint(directory, "vae", placement.vae_dtype,
                                                          self.device)
+        self.image_fingerprint: Fingerprint | None = None  # it takes no input image yet
 
     def scheduler(self, spec: GenerationSpec) -> Any:
         scheduler = self._scheduler_cls.from_config(self.scheduler_config)

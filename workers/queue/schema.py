@@ -116,7 +116,8 @@ class Field(StrEnum):
     WAITING = "waiting"  # what a running stage waits for (a decode credit, the store)
     PREEMPT = "preempt"  # a preemption asked of the denoising worker: a PreemptMode
     OUTPUT_KEY = "output_key"
-    RESUMED_FROM = "resumed_from"  # the checkpoint step denoise last started from
+    # The step denoise last started from: a checkpoint's, or an image trajectory's first.
+    RESUMED_FROM = "resumed_from"
     CHECKPOINT_STEP = "checkpoint_step"  # the latest checkpoint written
     STOPPED_MID_STEP = "stopped_mid_step"
     WARNINGS = "warnings"  # JSON list: what the request asks outside what the model learnt

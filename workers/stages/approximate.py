@@ -86,7 +86,7 @@ class ApproximateReuse:
         t = self.trajectory
         segment = spec.schedule[0]
         root = chain_root(dataclasses.replace(spec, seed=0), adapted(t.fingerprint, spec.loras),
-                          t.scheduler_config, "float32", t.mag_ratios)
+                          t.scheduler_config, "float32", t.mag_ratios, t.image_fingerprint)
         uncond = encoded[segment.negative_prompt].key if spec.segment_uses_cfg(segment) else None
         return reuse_bucket(root, uncond, spec.guidance_of(segment), self.view.name)
 

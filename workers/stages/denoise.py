@@ -1,7 +1,8 @@
 """Denoise stage: how a job becomes a run of the engine, and what a run that leaves hands on.
 
-Reads: the denoise stream; the request record; the condition embeddings named by the job; the
-latest cached checkpoint on the request's hash chain, which it resumes from (a crash, a
+Reads: the denoise stream; the request record; the condition embeddings named by the job, and
+for image-to-image the input image's encoding (its ``image_latent`` entry); the latest cached
+checkpoint on the request's hash chain, which it resumes from (a crash, a
 preemption, or another request with the same trajectory prefix put it there).
 Writes: checkpoints behind the loop; unconditional predictions (the exact CFG tier); the final
 latents (``latents`` entry of this delivery, read once by decode).
@@ -94,7 +95,8 @@ class DenoiseHandler:
         links = chain_links(spec, {name: key for name, (key, _) in embeds.items()},
                             adapted(self.model.fingerprint, spec.loras),
                             self.model.scheduler_config,
-                            scheduler.timesteps, self.model.mag_ratios)
+                            scheduler.timesteps, self.model.mag_ratios,
+                            self.model.image_fingerprint)
         ledger = self.cache.ledger(spec.tenant)
         found = self._latest_checkpoint(ctx, links, ledger)
         ctx.progress(tally_fields(ledger.take()))

@@ -153,7 +153,7 @@ class EncodeHandler:
         t = self.trajectory
         head = chain_head(spec, {r.ref_name: StoreKey.parse(r.key) for r in refs},
                           adapted(t.fingerprint, spec.loras), t.scheduler_config,
-                          t.scheduler(spec).timesteps, t.mag_ratios)
+                          t.scheduler(spec).timesteps, t.mag_ratios, t.image_fingerprint)
         key = output_key(head, t.decoder_fingerprint, spec.output_format.value)
         # A counted lookup: a hit counts the compute recorded with the output as saved. The
         # read is one small file, against the seconds of denoising it replaces.

@@ -13,10 +13,11 @@ from workers.queue.messages import RefName, Role
 
 def chain_links(spec: GenerationSpec, embedding_keys: Mapping[RefName, StoreKey],
                 model: Fingerprint, scheduler_config: Mapping[str, Canonical],
-                timesteps: Sequence[float], mag_ratios: Sequence[float] = ()
-                ) -> list[ChainLink]:
+                timesteps: Sequence[float], mag_ratios: Sequence[float] = (),
+                image_encoder: Fingerprint | None = None) -> list[ChainLink]:
     """``h(0)..h(N)`` for ``spec``; ``embedding_keys`` holds each segment's prompt and, for
-    segments with guidance, its negative prompt; ``mag_ratios``, the model's MagCache ratios."""
+    segments with guidance, its negative prompt; ``mag_ratios``, the model's MagCache ratios;
+    ``image_encoder``, what encodes an input image (``chain_root``)."""
     steps = []
     for t, seg in zip(timesteps, spec.step_segments(), strict=True):
         segment = spec.schedule[seg]
@@ -24,15 +25,17 @@ def chain_links(spec: GenerationSpec, embedding_keys: Mapping[RefName, StoreKey]
                   if spec.segment_uses_cfg(segment) else None)
         steps.append(StepInputs(float(t), embedding_keys[RefName(Role.PROMPT, seg)], uncond,
                                 spec.guidance_of(segment)))
-    return chain(chain_root(spec, model, scheduler_config, "float32", mag_ratios), steps)
+    return chain(chain_root(spec, model, scheduler_config, "float32", mag_ratios,
+                            image_encoder), steps)
 
 
 def chain_head(spec: GenerationSpec, embedding_keys: Mapping[RefName, StoreKey],
                model: Fingerprint, scheduler_config: Mapping[str, Canonical],
-               timesteps: Sequence[float], mag_ratios: Sequence[float] = ()) -> ChainLink:
+               timesteps: Sequence[float], mag_ratios: Sequence[float] = (),
+               image_encoder: Fingerprint | None = None) -> ChainLink:
     """``h(N)``: names the finished trajectory, and so its output."""
     return chain_links(spec, embedding_keys, model, scheduler_config, timesteps,
-                       mag_ratios)[-1]
+                       mag_ratios, image_encoder)[-1]
 
 
 def checkpoint_every(spec: GenerationSpec, every: int) -> int:
