@@ -196,7 +196,7 @@ class Reuse:
         return self.mode is ReuseMode.APPROXIMATE
 
 
-# A Qwen-Image image-to-image pipeline's default ``strength``.
+# The default ``strength`` of the diffusers image-to-image pipelines.
 DEFAULT_STRENGTH = 0.6
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 from types import FrameType
@@ -79,8 +80,9 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
         reuse = ApproximateReuse(ReuseIndex(client), Records(client), cache, trajectory,
                                  ReuseTable(card.reuse_table), view)
         image_encoder = family.image_encoder
+        # Loaded once, by the first request with an image: most requests have none.
         images = (None if image_encoder is None
-                  else lambda: image_encoder(directory, placement))
+                  else functools.cache(lambda: image_encoder(directory, placement)))
         encode = EncodeHandler(cache, family.text_encoder(directory, placement), trajectory,
                                files, reuse, images)
         router = (AdapterRouter(client, settings.workers.idle_timeout_s)

@@ -25,7 +25,7 @@ from cachesvc.ledger import Ledger
 from cachesvc.output_files import OutputFiles
 from cachesvc.reuse_index import ReuseIndexError
 from cachesvc.tensor_cache import TensorCache
-from encoders.image import ImageLostError, ImageModel, encode_image
+from encoders.image import ImageModel, encode_image
 from encoders.text import EncodedText, TextModel, encode_texts
 from keys import GenerationSpec, KeyKind, StoreKey, adapted, output_key
 from workers.families.base import Trajectory
@@ -53,10 +53,9 @@ class EncodeHandler:
         self.trajectory = trajectory
         self.files = files
         self.reuse = reuse  # None: this worker neither offers nor takes approximate reuse
-        # Loads the family's image encoder (its VAE) at the first request with an image;
+        # The family's image encoder (its VAE), loaded by the first request with an image;
         # None: the family takes none.
-        self._load_images = images
-        self._images: ImageModel | None = None
+        self.images = images
 
     def handle(self, ctx: JobContext) -> Outcome:
         job = ctx.job
@@ -91,12 +90,10 @@ class EncodeHandler:
                        affinity=tuple(lora.hash for lora in spec.loras))
 
     def _image_ref(self, spec: GenerationSpec, ledger: Ledger) -> TensorRef:
-        if self._load_images is None:
-            raise ImageLostError(f"request {spec.request_id} names an input image, but the "
-                                 "served family takes none")
-        if self._images is None:
-            self._images = self._load_images()
-        encoded = encode_image(self.cache, self._images, spec, ledger)
+        if self.images is None:  # the API refuses such a request: a worker of another model
+            raise ValueError(f"request {spec.request_id} names an input image, but the "
+                             "served family takes none")
+        encoded = encode_image(self.cache, self.images(), spec, ledger)
         shape = TensorSpec.of(encoded.tensor)
         return TensorRef.of(IMAGE, str(encoded.key), shape.dtype, shape.shape)
 
