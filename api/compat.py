@@ -1,5 +1,6 @@
 """OpenAI-compatible image generation and editing (image-to-image), and SGLang-compatible
-video jobs, mapped onto the same queue as ``/v1/generate``."""
+video jobs (from text, or animating an input image), mapped onto the same queue as
+``/v1/generate``."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from api.service import (
     reuse_headers,
     reuse_status,
 )
+from cachesvc.errors import UploadError
 from keys import OutputFormat
 from workers.queue.admission import FieldError, check_model, model_ids
 from workers.queue.client import NotReadyError
@@ -111,6 +113,9 @@ def edits(form: Annotated[EditsForm, Form()], who: Tenant, svc: Svc, request: Re
     is kept as ``POST /v1/images`` keeps it and the prompt runs image-to-image from it."""
     served = svc.served()
     check_model(form.model, served)
+    if served.limits.image_to_video:
+        raise FieldError("image", f"the served {served.family} model animates images: send "
+                         "it to POST /v1/videos as input_reference")
     if mask is not None:
         raise FieldError("mask", "inpainting is not served yet; send the image alone")
     files = [*(image or ()), *(images or ())]
@@ -213,11 +218,19 @@ def model(model_id: str, _: Tenant, svc: Svc) -> ModelObject:
 def create_video(body: VideosBody, who: Tenant, svc: Svc) -> VideoJob:
     """SGLang-compatible: queue a video and answer with its job."""
     width, height = _size(body.size)
-    request_id = svc.generate(who, GenerateBody(
-        prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
-        height=height, num_frames=_frames(body),
-        num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
-        seed=body.seed, output_format=OutputFormat.MP4, loras=body.loras, reuse=body.reuse))
+    try:
+        request_id = svc.generate(who, GenerateBody(
+            prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
+            height=height, num_frames=_frames(body),
+            num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
+            seed=body.seed, output_format=OutputFormat.MP4, loras=body.loras, reuse=body.reuse,
+            image=body.input_reference))
+    except (FieldError, UploadError) as exc:  # the image, named as this route names it
+        if exc.field != "image":
+            raise
+        message = str(exc).partition(": ")[2]
+        raise (FieldError("input_reference", message) if isinstance(exc, FieldError)
+               else UploadError("input_reference", message, exc.status)) from None
     return video_job(svc.record(who, request_id))
 
 @router.get("/v1/videos/{video_id}", response_model=VideoJob)

@@ -154,13 +154,15 @@ class GenerateBody(BaseModel):
                                   "(at most api.max_loras), uploaded with POST /v1/adapters")
     reuse: ReuseBody | None = Field(None, description="default: the tenant's mode "
                                     "(api.reuse_defaults), else exact")
-    image: str | None = Field(None, pattern=INPUT_IMAGE, description="image-to-image: the "
+    image: str | None = Field(None, pattern=INPUT_IMAGE, description="the image an "
+                              "image-to-image model starts from, or the first frame an "
+                              "image-to-video model animates (which requires it): the "
                               "hash of an image uploaded with POST /v1/images, or the image "
                               "itself inline as a data URL (data:image/png;base64,...; within "
                               "api.max_body_bytes), resized to width x height")
-    strength: float | None = Field(None, gt=0, le=1, description="with image: how far it is "
-                                   "noised (1: from noise, as with no image); default "
-                                   f"{DEFAULT_STRENGTH}")
+    strength: float | None = Field(None, gt=0, le=1, description="image-to-image only: how "
+                                   "far the image is noised (1: from noise, as with no "
+                                   f"image); default {DEFAULT_STRENGTH}")
 
 
 class Overrides(BaseModel):
@@ -399,6 +401,9 @@ class VideosBody(BaseModel):
                                   "adapters, as in POST /v1/generate")
     reuse: ReuseBody | None = Field(None, description="extension: approximate reuse, as in "
                                     "POST /v1/generate")
+    input_reference: str | None = Field(None, pattern=INPUT_IMAGE, description="the first "
+                                        "frame an image-to-video model animates: an image's "
+                                        "hash from POST /v1/images, or a data URL")
 
 
 class VideoJob(BaseModel):

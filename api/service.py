@@ -193,7 +193,7 @@ class Service:
         image = self.image_for(tenant, body, served, asked.steps)
         fixed = ("a request with a schedule cannot use it (give prompt instead)"
                  if body.schedule is not None else
-                 "an image-to-image request cannot use it yet" if image else None)
+                 "a request with an input image cannot use it yet" if image else None)
         spec = GenerationSpec.create(
             request_id=new_request_id(), tenant=tenant, prompt=body.prompt or "",
             negative_prompt=body.negative_prompt, schedule=schedule, width=asked.width,
@@ -214,21 +214,33 @@ class Service:
 
     def image_for(self, tenant: str, body: GenerateBody, served: ServedModel,
                   steps: int) -> ImageInput | None:
-        """The input image a request starts from, put back in the store if it was lost;
-        another tenant's reads as unknown (404)."""
+        """The input image a request starts from (image-to-image) or animates
+        (image-to-video), put back in the store if it was lost; another tenant's reads as
+        unknown (404)."""
+        limits = served.limits
         if body.image is None:
+            if limits.image_to_video:
+                raise FieldError("image", f"the served {served.family} model animates an "
+                                 "input image: give one")
             if body.strength is not None:
                 raise FieldError("strength", "applies to image-to-image only; give image too")
             return None
-        if not served.limits.image_to_image:
+        if not (limits.image_to_image or limits.image_to_video):
             raise FieldError("image", f"the served {served.family} model takes no input image")
         if body.step_cache is not None and body.step_cache.policy is StepCachePolicy.MAGCACHE:
-            # Its ratios were calibrated on trajectories from step 0; this one starts part way.
-            raise FieldError("step_cache.policy", "image-to-image requests cannot use "
-                             "magcache (its ratios describe a trajectory from step 0)")
-        strength = DEFAULT_STRENGTH if body.strength is None else body.strength
-        if start_step(steps, strength) >= steps:
-            raise FieldError("strength", f"{strength} leaves none of the {steps} steps to run")
+            # Its ratios were calibrated on text-only trajectories from step 0.
+            raise FieldError("step_cache.policy", "requests with an input image cannot use "
+                             "magcache (its ratios were calibrated on text-only trajectories)")
+        strength: float | None = None  # image-to-video: the image conditions every step
+        if limits.image_to_video:
+            if body.strength is not None:
+                raise FieldError("strength", f"applies to image-to-image only; the served "
+                                 f"{served.family} model animates the image from pure noise")
+        else:
+            strength = DEFAULT_STRENGTH if body.strength is None else body.strength
+            if start_step(steps, strength) >= steps:
+                raise FieldError("strength",
+                                 f"{strength} leaves none of the {steps} steps to run")
         if body.image.startswith("data:"):
             return ImageInput(self.inline_image(tenant, body.image).hash, strength)
         self.images.ensure_stored(tenant, body.image)

@@ -1,15 +1,17 @@
-"""Image inputs: requests that start from an uploaded image, served by diffcache and by the
-monolithic pipeline, one workload.
+"""Image inputs: requests that start from or animate an uploaded image, served by diffcache
+and by the monolithic pipelines, one workload per workflow.
 
-Ten input images (renders of held-out scenes of the shapes dataset), each edited by six
-prompts: the scene's caption with the shape in each other colour, at strengths 0.6 and 0.8 in
-turn. The shipped shapes model serves them as image-to-image (``QwenImageImg2ImgPipeline``).
+Image-to-image: ten input images (renders of held-out scenes of the shapes dataset), each
+edited by six prompts: the scene's caption with the shape in each other colour, at strengths
+0.6 and 0.8 in turn, on the shipped shapes model (``QwenImageImg2ImgPipeline``).
+Image-to-video: four more renders, each animated by five prompts, on a tiny random Wan
+image-to-video model (``WanImageToVideoPipeline``; its motion means nothing, its cost does).
 The report gives the condition-image encodes (the ``image_latent`` kind's lookups that
-missed: the goal is one per image and size), whether a sample of outputs equals the
-pipeline's (one thread per op, as the workers run), the throughput against the pipeline
-serving the same requests one after another, and what the attribute classifier reads in the
-outputs: the colour asked for, and the shape kept. Image-to-video and instruction editing are
-not served yet, so the workload is this one workflow.
+missed: the goal is one per image and geometry), whether a sample of each workflow's outputs
+equals its pipeline's (one thread per op, as the workers run), the throughput against the
+pipelines serving the same requests one after another, and what the attribute classifier
+reads in the edits: the colour asked for, and the shape kept. Instruction editing is not
+served yet.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from cachesvc.tensor_cache import TensorCache
 from keys import GenerationSpec, ImageInput, KeyKind, OutputFormat, image_key
 from training.classifier import load_classifier
 from training.scenes import ATTRIBUTES, Colour, Scene, scene_at
-from workers.families import family_named
+from workers.families import family_of
 from workers.queue.records import Records
 from workers.queue.schema import KindField, RequestRecord
 from workers.queue.served_model import request_defaults
@@ -42,6 +44,10 @@ from workers.stages.media import encode_frames
 
 SEED = 800  # the input scenes' dataset seed: no other bench's, the model's or the classifier's
 STRENGTHS = (0.6, 0.8)
+ANIMATED_FROM = 1000  # the animated scenes' first index: none of them is also edited
+MOTIONS = ("the shape drifts slowly to the left", "the shape spins in place",
+           "the camera zooms in on the shape", "the background fades to black",
+           "the shape bounces up and down")
 TENANT = "bench"
 
 
@@ -99,15 +105,34 @@ def workload(settings: Settings, cache: TensorCache, images: int) -> list[Edit]:
     return edits
 
 
+def animations(settings: Settings, cache: TensorCache, images: int) -> list[Edit]:
+    """Renders of other held-out scenes, kept, each animated by every one of ``MOTIONS``."""
+    m = request_defaults(settings.model, settings.model_dir)
+    clips: list[Edit] = []
+    for index in range(images):
+        scene = scene_at(SEED, ANIMATED_FROM + index)
+        render = scene.render()
+        image = kept(cache, render)
+        for motion in MOTIONS:
+            spec = GenerationSpec.create(
+                request_id=new_request_id(), tenant=TENANT, prompt=f"{scene.caption}, {motion}",
+                width=m.width, height=m.height, num_frames=m.frames(True),
+                num_inference_steps=m.num_inference_steps, guidance_scale=m.guidance_scale,
+                seed=2000 + len(clips), output_format=OutputFormat.NPY,
+                image=ImageInput(image, strength=None))
+            clips.append(Edit(scene, render, scene, spec))
+    return clips
+
+
 def run_baseline(settings: Settings, edits: list[Edit], threads: int | None = None
                  ) -> tuple[float, list[np.ndarray]]:
-    """Seconds for the monolithic pipeline to serve ``edits`` one after another, and its
-    frames; with ``threads``, torch runs that many per op."""
+    """Seconds for the served family's monolithic pipeline to serve ``edits`` one after
+    another, and its frames; with ``threads``, torch runs that many per op."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        pipeline = family_named("qwen-image").reference(settings.model_dir,
-                                                        placement_of(settings))
+        pipeline = family_of(settings.model_dir).reference(settings.model_dir,
+                                                           placement_of(settings))
         start = time.perf_counter()
         frames = []
         for edit in edits:
@@ -116,6 +141,35 @@ def run_baseline(settings: Settings, edits: list[Edit], threads: int | None = No
         return time.perf_counter() - start, frames
     finally:
         torch.set_num_threads(before)
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """One workflow's requests served both ways."""
+
+    records: list[RequestRecord]
+    frames: list[np.ndarray]
+    baseline_s: float
+    diffcache_s: float
+    identical: bool  # a sample of outputs against the pipeline's, one thread per op
+
+
+def serve(settings: Settings, cache: TensorCache, edits: list[Edit], sample: int) -> Served:
+    """``edits`` through the pipeline one after another, then through the three workers all
+    submitted at once."""
+    records = Records(open_redis(settings))
+    baseline_s, _ = run_baseline(settings, edits)
+    with workers(settings, settings.data_dir / "logs"):
+        start = time.perf_counter()
+        for edit in edits:
+            submit(records.redis, edit.spec)
+        done, frames = collect(records, cache, [e.spec for e in edits])
+        diffcache_s = time.perf_counter() - start
+    chosen = edits[:: max(1, len(edits) // sample)][:sample]
+    _, expected = run_baseline(settings, chosen, threads=1)
+    identical = all(np.array_equal(frames[edits.index(e)], want)
+                    for e, want in zip(chosen, expected, strict=True))
+    return Served(done, frames, baseline_s, diffcache_s, identical)
 
 
 def image_encodes(records: list[RequestRecord]) -> tuple[int, int]:
@@ -143,44 +197,48 @@ def readings(frames: np.ndarray, edits: list[Edit]) -> dict[float, tuple[int, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--images", type=int, default=10)
-    parser.add_argument("--sample", type=int, default=6, help="outputs compared with the "
-                        "pipeline's, one thread per op")
+    parser.add_argument("--images", type=int, default=10, help="images edited")
+    parser.add_argument("--animated", type=int, default=4, help="images animated")
+    parser.add_argument("--sample", type=int, default=6, help="outputs of each workflow "
+                        "compared with the pipeline's, one thread per op")
     args = parser.parse_args()
     with model_stack(model={"preset": "shapes"}) as settings:
         cache = open_cache(settings)
-        records = Records(open_redis(settings))
         edits = workload(settings, cache, args.images)
-        baseline_s, _ = run_baseline(settings, edits)
-        with workers(settings, settings.data_dir / "logs"):
-            start = time.perf_counter()
-            for edit in edits:
-                submit(records.redis, edit.spec)
-            done, frames = collect(records, cache, [e.spec for e in edits])
-            diffcache_s = time.perf_counter() - start
+        edited = serve(settings, cache, edits, args.sample)
         cache.close()
-        sample = edits[:: max(1, len(edits) // args.sample)][: args.sample]
-        _, expected = run_baseline(settings, sample, threads=1)
-        identical = all(np.array_equal(frames[edits.index(e)], want)
-                        for e, want in zip(sample, expected, strict=True))
+    with model_stack(family="wan-i2v") as settings:
+        cache = open_cache(settings)
+        clips = animations(settings, cache, args.animated)
+        animated = serve(settings, cache, clips, args.sample)
+        cache.close()
 
-    lookups, encodes = image_encodes(done)
-    requests = len(edits)
+    lookups, encodes = image_encodes(edited.records + animated.records)
+    requests = len(edits) + len(clips)
+    baseline_s = edited.baseline_s + animated.baseline_s
+    diffcache_s = edited.diffcache_s + animated.diffcache_s
     result = {"bench": "image_inputs", "requests": requests, "image_encodes": encodes,
               "image_encode_hit_rate": round(1 - encodes / lookups, 4) if lookups else 0.0,
-              "identical": identical, "throughput_ratio": round(baseline_s / diffcache_s, 4)}
-    rows: list[list[object]] = [
-        ["baseline (QwenImageImg2ImgPipeline), one after another", baseline_s,
-         requests / baseline_s, "", ""],
-        ["diffcache (3 stage workers), all submitted at once", diffcache_s,
-         requests / diffcache_s, "", ""],
-        [f"image encodes for {args.images} images at one size", encodes, "", "", ""],
-        *[[f"outputs at strength {strength}", count, "", asked, shape]
-          for strength, (count, asked, shape) in readings(np.concatenate(frames),
-                                                          edits).items()]]
-    report(f"{requests} image-to-image requests on {args.images} input images",
-           ["run", "seconds or count", "requests/s", "colour asked", "shape kept"], rows,
-           result)
+              "identical": edited.identical and animated.identical,
+              "throughput_ratio": round(baseline_s / diffcache_s, 4)}
+    rows: list[list[object]] = []
+    for name, pipeline, served, count in [
+            ("image-to-image", "QwenImageImg2ImgPipeline", edited, len(edits)),
+            ("image-to-video", "WanImageToVideoPipeline", animated, len(clips))]:
+        rows += [[f"{name}: baseline ({pipeline}), one after another", served.baseline_s,
+                  count / served.baseline_s, "", "", ""],
+                 [f"{name}: diffcache (3 stage workers), all submitted at once",
+                  served.diffcache_s, count / served.diffcache_s,
+                  round(served.baseline_s / served.diffcache_s, 3), "", ""],
+                 [f"{name}: image encodes, identical sample", image_encodes(served.records)[1],
+                  "", served.identical, "", ""]]
+    rows += [[f"edits at strength {strength}", count, "", "", asked, shape]
+             for strength, (count, asked, shape) in readings(np.concatenate(edited.frames),
+                                                             edits).items()]
+    report(f"{len(edits)} image-to-image requests on {args.images} images, {len(clips)} "
+           f"image-to-video requests on {args.animated}",
+           ["run", "seconds or count", "requests/s", "ratio or identical", "colour asked",
+            "shape kept"], rows, result)
 
 
 if __name__ == "__main__":

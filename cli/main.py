@@ -283,9 +283,10 @@ def generate(
     reuse: str | None = typer.Option(None, help="exact or approximate: may start from a "
                                      "similar earlier request's checkpoint (and says so)"),
     image: Path | None = typer.Option(None, exists=True, dir_okay=False, readable=True,
-                                      help="image-to-image: start from this picture "
-                                      "(uploaded, then referred to by its hash)"),
-    strength: float | None = typer.Option(None, help="with --image: how far it is noised, "
+                                      help="start from this picture (image-to-image), "
+                                      "or animate it (an image-to-video model); uploaded, "
+                                      "then referred to by its hash"),
+    strength: float | None = typer.Option(None, help="image-to-image: how far it is noised, "
                                           "above 0 and at most 1 (default: the server's, "
                                           "0.6)"),
     api_key: str | None = typer.Option(None, help="sent as X-API-Key"),

@@ -1,7 +1,7 @@
-"""Image conditions: an uploaded input image encoded by the family's VAE at a request's size,
-looked up with single-flight and computed on a miss from the stored image. The key names the
-image by the hash of its pixels, so every request that edits it at that size shares one
-encode, whatever its prompt, seed or strength."""
+"""Image conditions: an uploaded input image encoded by the family's VAE at a request's size
+(and frame count, for image-to-video), looked up with single-flight and computed on a miss
+from the stored image. The key names the image by the hash of its pixels, so every request
+that edits or animates it at that geometry shares one encode, whatever its prompt or seed."""
 
 from __future__ import annotations
 
@@ -23,10 +23,12 @@ class ImageModel(Protocol):
 
     fingerprint: Fingerprint
 
-    def encode(self, image: Image.Image, width: int, height: int) -> torch.Tensor:
+    def encode(self, image: Image.Image, width: int, height: int, frames: int) -> torch.Tensor:
         """``image`` resized to ``width`` x ``height`` as the family's pipeline resizes it,
-        encoded to the VAE's latent distribution (its parameters: the pipeline samples from
-        it with the request's seed, so the sample is the denoiser's to draw)."""
+        then encoded as that pipeline encodes it: for image-to-image, to the VAE's latent
+        distribution (its parameters: the pipeline samples from it with the request's seed, so
+        the sample is the denoiser's to draw); for image-to-video, to the condition of a video
+        of ``frames`` whose first frame it is, which every step takes."""
         ...
 
 
@@ -49,7 +51,7 @@ def encode_image(cache: TensorCache, model: ImageModel, spec: GenerationSpec,
     if spec.image is None:
         raise ValueError(f"request {spec.request_id} names no input image")
     key = image_latent_key(spec.tenant, model.fingerprint, spec.image.hash, spec.width,
-                           spec.height)
+                           spec.height, spec.num_frames)
     compute = functools.partial(_encode_stored, cache, model, spec)
     cached = cache.get_or_compute(key, compute, ledger)
     return EncodedImage(key, cached.tensor)
@@ -64,4 +66,4 @@ def _encode_stored(cache: TensorCache, model: ImageModel, spec: GenerationSpec) 
     # The PNG the API wrote from pixels it had checked (size, mode), read back checksummed.
     with Image.open(io.BytesIO(stored.numpy().tobytes())) as opened:
         image = opened.convert("RGB")
-    return model.encode(image, spec.width, spec.height)
+    return model.encode(image, spec.width, spec.height, spec.num_frames)

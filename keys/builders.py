@@ -58,8 +58,8 @@ EMBEDDING_FIELDS = FieldPolicy(
         "output_format": "applied after decode",
         "cfg_cache": "applied after the encoder",
         "step_cache": "applied to the denoiser",
-        # Image-to-image starts the denoiser from the image; the prompt is encoded alone.
-        "image": "the text encoder never sees an image-to-image input",
+        # An input image starts or conditions the denoiser; the prompt is encoded alone.
+        "image": "the text encoder never sees an input image",
     },
 )
 CHAIN_FIELDS = FieldPolicy(
@@ -67,7 +67,7 @@ CHAIN_FIELDS = FieldPolicy(
     # step_cache counts whenever a policy is on: every policy changes the output.
     # loras enter through the denoiser's fingerprint (``adapted``), which every DiT key holds.
     # image enters as its hash and the step its strength starts at: they decide where the
-    # trajectory starts and from what.
+    # trajectory starts and from what (or, for image-to-video, what conditions each step).
     includes=frozenset(
         {"tenant", "schedule", "width", "height", "num_frames", "num_inference_steps",
          "guidance_scale", "seed", "cfg_cache", "loras", "step_cache", "image"}
@@ -159,11 +159,12 @@ def image_key(tenant: str, content_hash: str) -> StoreKey:
 
 
 def image_latent_key(tenant: str, encoder: Fingerprint, content_hash: str, width: int,
-                     height: int) -> StoreKey:
-    """The VAE's encoding of an input image resized to ``width`` x ``height``: one per
-    image and size, whatever the prompt, seed or strength."""
+                     height: int, frames: int) -> StoreKey:
+    """The VAE's encoding of an input image resized to ``width`` x ``height`` (for
+    image-to-video, as the first of ``frames``): one per image and geometry, whatever the
+    prompt, seed or strength."""
     payload: dict[str, Canonical] = {"encoder": encoder.hex, "image": content_hash,
-                                     "size": [width, height]}
+                                     "size": [width, height, frames]}
     return StoreKey(check_tenant(tenant), KeyKind.IMAGE_LATENT,
                     digest("image-latent", payload))
 
@@ -194,14 +195,18 @@ def cfg_key(
     uncond_embedding: StoreKey,
     timestep: float,
     latent_digest: str,
+    condition: StoreKey | None = None,
 ) -> StoreKey:
-    """Unconditional prediction for one exact (model, negative prompt, timestep, latent) input."""
+    """Unconditional prediction for one exact (model, negative prompt, timestep, latent) input,
+    and the image ``condition`` the forward also takes (image-to-video), if any."""
     payload: dict[str, Canonical] = {
         "model": model.hex,
         "uncond": str(uncond_embedding),
         "timestep": float(timestep),
         "latent": latent_digest,
     }
+    if condition is not None:
+        payload["condition"] = str(condition)
     return StoreKey(check_tenant(tenant), KeyKind.CFG, digest("cfg", payload))
 
 

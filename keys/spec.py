@@ -208,17 +208,18 @@ def start_step(steps: int, strength: float) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ImageInput:
-    """The image a request starts from (image-to-image): the hash of its normalised pixels,
-    and ``strength``, how far back along the trajectory it is noised (1: from pure noise, yet
-    with the image's encoding drawn first, as the pipeline draws it)."""
+    """A request's input image: the hash of its normalised pixels, and for image-to-image
+    ``strength``, how far back along the trajectory it is noised (1: from pure noise, yet
+    with the image's encoding drawn first, as the pipeline draws it). ``strength`` None: the
+    image conditions every step of a trajectory that starts from noise (image-to-video)."""
 
     hash: str
-    strength: float = DEFAULT_STRENGTH
+    strength: float | None = DEFAULT_STRENGTH
 
     def __post_init__(self) -> None:
         if not _CONTENT_HASH_RE.fullmatch(self.hash):
             raise ValueError(f"image hash {self.hash!r} must be 32 lowercase hex digits")
-        if not 0.0 < self.strength <= 1.0:
+        if self.strength is not None and not 0.0 < self.strength <= 1.0:
             raise ValueError(f"image.strength must be in (0, 1], got {self.strength}")
 
 
@@ -280,8 +281,8 @@ class GenerationSpec:
             )
         if self.image is not None and self.step_cache.policy is StepCachePolicy.MAGCACHE:
             # Its ratios were calibrated on trajectories from step 0; this one starts part way.
-            raise ValueError("step_cache.policy: image-to-image requests cannot use magcache "
-                             "(its ratios describe a trajectory from step 0)")
+            raise ValueError("step_cache.policy: requests with an input image cannot use "
+                             "magcache (its ratios were calibrated on text-only trajectories)")
         if self.image is not None and self.first_step >= self.num_inference_steps:
             raise ValueError(f"image.strength {self.image.strength} leaves no step of "
                              f"{self.num_inference_steps} to run; raise it or the steps")
@@ -335,8 +336,9 @@ class GenerationSpec:
     def first_step(self) -> int:
         """The step the trajectory starts at: 0, or for image-to-image the steps its strength
         leaves out (``start_step``)."""
-        return 0 if self.image is None else start_step(self.num_inference_steps,
-                                                       self.image.strength)
+        if self.image is None or self.image.strength is None:
+            return 0
+        return start_step(self.num_inference_steps, self.image.strength)
 
     def segment_at(self, step: int) -> PromptSegment:
         """The schedule segment in force at ``step`` (0-based)."""

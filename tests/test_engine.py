@@ -40,7 +40,7 @@ from tests.workers_harness import (
 from workers.engine import exact_rows
 from workers.engine.exact_rows import rows_apart
 from workers.engine.row_proof import RowProof
-from workers.families import qwen_image, wan
+from workers.families import qwen_image, wan, wan_i2v
 from workers.families.base import CPU
 from workers.queue.credits import Credits
 from workers.queue.engine_metrics import read_occupancy, read_rows
@@ -61,10 +61,11 @@ PROMPTS = ["a fox", "a red fox in the snow", "a cat", "a small boat on a wide gr
 FIRST_BLOCK = StepCache.create(StepCachePolicy.FIRST_BLOCK, threshold=0.3)
 
 
-@pytest.mark.parametrize("family", ["wan", "qwen-image"])
+@pytest.mark.parametrize("family", ["wan", "wan-i2v", "qwen-image"])
 def test_every_row_of_a_batched_forward_is_that_row_alone(
-        family: str, model_dir: Path, qwen_model_dir: Path) -> None:
-    """The measurement the engine rests on, for every row: other inputs, other timesteps."""
+        family: str, model_dir: Path, i2v_model_dir: Path, qwen_model_dir: Path) -> None:
+    """The measurement the engine rests on, for every row: other inputs, other timesteps,
+    other image conditions; and no forward records a graph for autograd."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -72,19 +73,26 @@ def test_every_row_of_a_batched_forward_is_that_row_alone(
         if family == "wan":
             model = wan.WanDenoiser(model_dir, CPU)
             text_dim = model.transformer.config.text_dim
+        elif family == "wan-i2v":
+            model = wan_i2v.WanI2VDenoiser(i2v_model_dir, CPU)
+            text_dim = model.transformer.config.text_dim
         else:
             model = qwen_image.QwenDenoiser(qwen_model_dir, CPU)
             text_dim = model.transformer.config.joint_attention_dim
         spec = make_spec(width=32, height=32, num_frames=5)
         g = torch.Generator().manual_seed(3)
-        shape = model.latent_shape(spec)
+        shape, condition_shape = model.latent_shape(spec), model.condition_shape(spec)
         latents = torch.randn((6, *shape[1:]), generator=g)
         embeds = torch.randn((6, 9, text_dim), generator=g)
         steps = torch.rand(6, generator=g) * 1000
+        conditions = (None if condition_shape is None
+                      else torch.randn((6, *condition_shape[1:]), generator=g))
         with rows_apart():
-            batched = model.predict(latents, steps, embeds, spec)
+            batched = model.predict(latents, steps, embeds, spec, condition=conditions)
+        assert not batched.requires_grad
         for i in range(6):
-            alone = model.predict(latents[i:i + 1], steps[i:i + 1], embeds[i:i + 1], spec)
+            alone = model.predict(latents[i:i + 1], steps[i:i + 1], embeds[i:i + 1], spec,
+                                  condition=None if conditions is None else conditions[i:i + 1])
             assert torch.equal(batched[i:i + 1], alone), f"row {i}"
     finally:
         torch.set_num_threads(threads)

@@ -115,6 +115,17 @@ def stored(settings: Settings, image: Image.Image, tenant: str = TENANT) -> str:
     return kept.hash
 
 
+def uploaded(http: httpx.Client, png: bytes) -> str:
+    """``png`` through ``POST /v1/images`` of a new API; its hash. The API connects to the
+    store in the background: 503 until it has."""
+    answer = wait_until(lambda: (r := http.post("/v1/images", content=png))
+                        .status_code != 503 and r, timeout_s=60,
+                        what="the API's store connected")
+    assert answer.status_code == 201, answer.text
+    content_hash: str = answer.json()["hash"]
+    return content_hash
+
+
 def lookups(record: RequestRecord) -> dict[str, int]:
     return record.per_kind(KindField.LOOKUPS)
 
@@ -166,7 +177,7 @@ def test_a_request_resumed_with_its_image_encoding_lost_gives_the_same_bytes(
     try:
         rewind(img_settings, cache, record, 3)
         vae = qwen_image.image_encoder_fingerprint(qwen_model_dir, CPU)
-        assert cache.remove(image_latent_key(TENANT, vae, content_hash, 64, 64))
+        assert cache.remove(image_latent_key(TENANT, vae, content_hash, 64, 64, 1))
     finally:
         cache.close()
 
@@ -254,12 +265,7 @@ def test_the_generate_route_takes_an_uploaded_image_and_names_what_it_refuses(
     png = io.BytesIO()
     picture(3).save(png, format="PNG")
     with serve_api(img_settings, ApiSettings()) as url, httpx.Client(base_url=url) as http:
-        # The API connects to the store in the background: 503 until it has.
-        answer = wait_until(lambda: (r := http.post("/v1/images", content=png.getvalue()))
-                            .status_code != 503 and r, timeout_s=60,
-                            what="the API's store connected")
-        assert answer.status_code == 201, answer.text
-        content_hash = answer.json()["hash"]
+        content_hash = uploaded(http, png.getvalue())
         body = {"prompt": "a red fox", "image": content_hash, "strength": 0.5, "width": 64,
                 "height": 64, "num_inference_steps": 4, "seed": 5, "output_format": "npy"}
         accepted = http.post("/v1/generate", json=body)

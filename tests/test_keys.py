@@ -33,6 +33,7 @@ from keys import (
     cfg_key,
     chain_root,
     embedding_key,
+    image_latent_key,
     latents_key,
     model_fingerprint,
     names,
@@ -206,7 +207,7 @@ CHANGES = {
         st.integers(1, 9).map(lambda k: StepCache.create("taylorseer", interval=k))),
     # Starting from an image is another trajectory (which strengths share one: below).
     "image": st.builds(ImageInput, st.from_regex(r"[0-9a-f]{32}", fullmatch=True),
-                       st.floats(0.01, 1.0)),
+                       st.one_of(st.none(), st.floats(0.01, 1.0))),
     "reuse": st.builds(Reuse, st.sampled_from(list(ReuseMode)), st.floats(0.01, 1.0),
                        st.floats(0.0, 0.99)),
 }
@@ -327,6 +328,8 @@ def test_an_image_spec_refuses_what_it_cannot_run() -> None:
         ImageInput("not-a-hash")
     with pytest.raises(ValueError, match="strength"):
         ImageInput("0" * 32, strength=0.0)
+    # An image that conditions every step (image-to-video) starts the trajectory at step 0.
+    assert base_spec(image=ImageInput("0" * 32, strength=None)).first_step == 0
     # A branch shares steps the image trajectory ran, never those it skipped.
     tail = (PromptSegment("a grey wolf", "blurry", 4),)
     with pytest.raises(ValueError, match="from 3 to 3"):
@@ -361,3 +364,16 @@ def test_every_key_a_queue_script_touches_hashes_to_the_queue_slot(tenant: str,
     # The served model and its tokenizers change in one transaction.
     assert key_slot(names.served_model().encode()) == key_slot(
         names.served_tokenizer(request_id).encode())
+
+
+def test_an_unconditional_prediction_is_named_by_the_image_condition_it_took() -> None:
+    """Image-to-video's unconditional rows take the image's condition as well: two images
+    under the same seed and negative prompt start from the same latents, so the CFG key must
+    tell them apart (and a text-only key stays as it was)."""
+    negative = StoreKey("t", KeyKind.EMBEDDING, "0" * 32)
+    one, two = (image_latent_key("t", MODEL, h * 32, 64, 64, 5) for h in "12")
+    plain = cfg_key("t", MODEL, negative, 999.0, "d")
+    assert len({plain, cfg_key("t", MODEL, negative, 999.0, "d", one),
+                cfg_key("t", MODEL, negative, 999.0, "d", two)}) == 3
+    # The condition of a video of other length is another encoding.
+    assert image_latent_key("t", MODEL, "1" * 32, 64, 64, 9) != one

@@ -8,6 +8,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import numpy as np
 import redis
 import torch
 
-from cachesvc.connect import open_cache
+from cachesvc.connect import open_cache, open_redis
 from cachesvc.output_files import OutputFiles
 from cachesvc.processes import ChildProcess, free_port
 from cachesvc.settings import (
@@ -75,6 +76,25 @@ def embedded_serving(data_dir: Path, model_dir: Path) -> Iterator[Settings]:
     stack = EmbeddedStack(settings)
     with stack as addresses:
         yield serving(stack.resolved(addresses), model_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelService:
+    """A stack of a test module's own, with one worker per stage serving its model."""
+
+    settings: Settings
+    client: redis.Redis
+    pool: dict[Stage, list[ChildProcess]]
+
+
+@contextmanager
+def model_service(data_dir: Path, model_dir: Path, name: str) -> Iterator[ModelService]:
+    """``embedded_serving`` in ``data_dir`` with ``worker_pool`` (workers named for
+    ``name``, their logs beside the stack) for the block."""
+    with embedded_serving(data_dir / "stack", model_dir) as settings:
+        client = open_redis(settings)
+        with worker_pool(settings, client, data_dir, name) as pool:
+            yield ModelService(settings, client, pool)
 
 
 @contextmanager

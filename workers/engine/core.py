@@ -56,8 +56,9 @@ def _group_key(row: Row, pads_text: bool) -> tuple[object, ...]:
 
 def _geometry(row: Row) -> tuple[object, ...]:
     spec = row.spec
+    condition = None if row.condition is None else tuple(row.condition.shape[1:])
     return (tuple(row.latents.shape[1:]), row.latents.dtype, spec.width, spec.height,
-            spec.num_frames)
+            spec.num_frames, condition)
 
 
 class DenoiseEngine:
@@ -116,14 +117,17 @@ class DenoiseEngine:
         start = time.perf_counter()
         tokens, width = self.model.text_shape()
         largest = self._per_forward(self.model.tokens(spec), 1)[1]
-        latents, generator = self.model.initial_latents(spec)
+        generator = torch.Generator().manual_seed(0)
+        shape, condition = self.model.latent_shape(spec), self.model.condition_shape(spec)
+
+        def noise(*size: int) -> torch.Tensor:
+            return torch.randn(size, generator=generator).to(self.model.device)
+
         timesteps = self.model.scheduler(spec).timesteps
         # Texts of three lengths where the family pads them, so the padded paths are proven.
-        rows = [Row(torch.randn(latents.shape, generator=generator).to(latents),
-                    timesteps[i % len(timesteps)],
-                    torch.randn((1, max(1, tokens - (i % 3 if self.model.pads_text else 0)),
-                                 width), generator=generator).to(latents),
-                    spec)
+        rows = [Row(noise(*shape), timesteps[i % len(timesteps)],
+                    noise(1, max(1, tokens - (i % 3 if self.model.pads_text else 0)), width),
+                    spec, condition=None if condition is None else noise(*condition))
                 for i in range(largest)]
         geometry = _geometry(rows[0])
         self.hooks.off()
@@ -277,8 +281,11 @@ class DenoiseEngine:
         latents = torch.cat([r.latents for r in rows])
         timesteps = torch.stack([r.timestep for r in rows])
         embeds, mask = pad_texts([r.embeds for r in rows], self.model.tokens(rows[0].spec))
+        conditions = [r.condition for r in rows if r.condition is not None]
+        condition = torch.cat(conditions) if conditions else None
         with rows_apart(mask):
-            return self.model.predict(latents, timesteps, embeds, rows[0].spec, mask)
+            return self.model.predict(latents, timesteps, embeds, rows[0].spec, mask,
+                                      condition)
 
     def _reference(self, geometry: tuple[object, ...], rows: Sequence[Row]) -> torch.Tensor:
         """The rows as forwards already proven compute them, to prove a new batch size
@@ -301,7 +308,8 @@ class DenoiseEngine:
 
     def _alone(self, row: Row) -> torch.Tensor:
         def predict() -> torch.Tensor:
-            return self.model.predict(row.latents, row.timestep.reshape(1), row.embeds, row.spec)
+            return self.model.predict(row.latents, row.timestep.reshape(1), row.embeds, row.spec,
+                                      condition=row.condition)
 
         return predict() if row.cached is None else self.hooks.forward(row.cached, predict)
 

@@ -46,6 +46,8 @@ class DenoiseRun:
     segments: list[int]
     adapters: AdapterSet
     step_cache: RunStepCache | None = None  # its hook state, when the request has a policy
+    # The image condition every forward takes (image-to-video), with its key.
+    condition: tuple[StoreKey, torch.Tensor] | None = None
     has_credit: bool = False
     waited_for_credit: bool = False
     joined_at: float = field(default_factory=time.monotonic)
@@ -78,7 +80,7 @@ class DenoiseRun:
         negative = (self.embeds[RefName(Role.NEGATIVE, self.segments[i])]
                     if spec.segment_uses_cfg(segment) else None)
         plan = self.guidance.plan(i, self.latents, self.scheduler.timesteps[i], cond, negative,
-                                  spec.guidance_of(segment))
+                                  spec.guidance_of(segment), self.condition)
         if self.step_cache is not None:
             plan.rows = self.step_cache.attach(plan.rows)
         return plan

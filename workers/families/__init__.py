@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from workers.families import qwen_image, wan
+from workers.families import qwen_image, wan, wan_i2v
 from workers.families.base import Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (wan.FAMILY, qwen_image.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (wan.FAMILY, wan_i2v.FAMILY,
+                                                     qwen_image.FAMILY)}
 DEFAULT_FAMILY = wan.FAMILY.name  # what a random preset builds when the settings name no family
 
 

@@ -22,7 +22,14 @@ from PIL import Image
 from encoders.image import ImageModel
 from encoders.text import TextModel as TextEncoder
 from encoders.text import TokenizedText as Tokens
-from keys import Fingerprint, GenerationSpec, StepCache, file_digest, model_fingerprint
+from keys import (
+    Fingerprint,
+    GenerationSpec,
+    StepCache,
+    digest,
+    file_digest,
+    model_fingerprint,
+)
 from keys.canonical import Canonical
 from workers.families.scheduler_state import SchedulerFields
 from workers.queue.served_model import FamilyLimits, ModelGeometry
@@ -100,6 +107,11 @@ class Denoiser(Trajectory, Protocol):
         pipeline's starting noise, or for image-to-image the input ``image``'s encoding
         (``ImageModel.encode``) sampled and noised to the first step's timestep."""
 
+    def condition_shape(self, spec: GenerationSpec) -> tuple[int, ...] | None:
+        """The shape of the image condition every forward of ``spec`` takes beside its
+        latents (image-to-video: ``ImageModel.encode``'s output), or None where the family
+        takes none; the input image then only starts the trajectory, if anything."""
+
     def tokens(self, spec: GenerationSpec) -> int:
         """The image tokens one row of ``spec`` puts through the transformer."""
 
@@ -107,10 +119,12 @@ class Denoiser(Trajectory, Protocol):
         """(tokens, width) of a typical prompt's embeddings: the text a warm-up's rows carry."""
 
     def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
-                spec: GenerationSpec, text_mask: torch.Tensor | None = None) -> torch.Tensor:
+                spec: GenerationSpec, text_mask: torch.Tensor | None = None,
+                condition: torch.Tensor | None = None) -> torch.Tensor:
         """One transformer forward over a batch of rows of ``spec``'s geometry: row ``i`` at
         timestep ``t[i]`` (or ``t`` for all) under the text ``embeds[i]``, whose positions
-        ``text_mask[i]`` keeps if the texts were padded."""
+        ``text_mask[i]`` keeps if the texts were padded, and with the image ``condition[i]``
+        where the family takes one (``condition_shape``)."""
 
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """Classifier-free guidance, in the family pipeline's exact operation order."""
@@ -157,7 +171,7 @@ class Family:
     # and size rule need, published with the served model.
     geometry: Callable[[Path], ModelGeometry]
     # The VAE encode of input images, for a family that takes them (``limits`` says which
-    # workflows); None for one that takes text only.
+    # workflow: image-to-image or image-to-video); None for one that takes text only.
     image_encoder: Callable[[Path, Placement], ImageModel] | None = None
 
 
@@ -212,6 +226,22 @@ def component_fingerprint(directory: Path, role: str, dtype: torch.dtype,
         partial.write_text(json.dumps(manifest, indent=1, sort_keys=True))
         partial.replace(manifest_path)  # concurrent writers write the same digests
     return model_fingerprint(role, config, weights, str(dtype), device.type)
+
+
+def vae_encode_fingerprint(directory: Path, placement: Placement,
+                           pixels: torch.dtype) -> Fingerprint:
+    """The VAE as it encodes an input image: its weights, dtype and device, and the precision
+    its pipeline casts the pixels to first."""
+    vae = component_fingerprint(directory, "vae", placement.vae_dtype, placement.device)
+    return Fingerprint("vae-encode", digest("vae-encode", {
+        "vae": vae.hex, "pixels": str(pixels)}))
+
+
+def no_condition(spec: GenerationSpec, condition: torch.Tensor | None) -> None:
+    """A family that takes no image condition refuses one (``Denoiser.predict``)."""
+    if condition is not None:
+        raise ValueError(f"request {spec.request_id}: this family's forwards take no image "
+                         "condition")
 
 
 def placed_pipeline(pipeline_class: Any, directory: Path, placement: Placement) -> Any:

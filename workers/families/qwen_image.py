@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from keys import Fingerprint, GenerationSpec, StepCache, digest
+from keys import Fingerprint, GenerationSpec, StepCache
 from workers.families.base import (
     CPU,
     Family,
@@ -29,8 +29,10 @@ from workers.families.base import (
     Tokens,
     component_config,
     component_fingerprint,
+    no_condition,
     placed_pipeline,
     to_uint8,
+    vae_encode_fingerprint,
 )
 from workers.families.scheduler_state import SchedulerFields
 from workers.families.step_cache import hook_config, hooks_enabled
@@ -253,11 +255,9 @@ class QwenTextEncoder:
 
 
 def image_encoder_fingerprint(directory: Path, placement: Placement) -> Fingerprint:
-    """The VAE as it encodes an input image: its weights, dtype and device, and the precision
-    the pixels are cast to first (the prompt embeddings', as the pipeline casts them)."""
-    vae = component_fingerprint(directory, "vae", placement.vae_dtype, placement.device)
-    return Fingerprint("vae-encode", digest("vae-encode", {
-        "vae": vae.hex, "pixels": str(placement.text_dtype)}))
+    """The VAE as it encodes an input image; the pipeline casts the pixels to the prompt
+    embeddings' dtype first."""
+    return vae_encode_fingerprint(directory, placement, placement.text_dtype)
 
 
 class QwenImageEncoder:
@@ -279,7 +279,7 @@ class QwenImageEncoder:
         self.fingerprint = image_encoder_fingerprint(directory, placement)
 
     @torch.no_grad()
-    def encode(self, image: Image.Image, width: int, height: int) -> torch.Tensor:
+    def encode(self, image: Image.Image, width: int, height: int, frames: int) -> torch.Tensor:
         pixels = self.processor.preprocess(image, height=height, width=width)
         pixels = pixels.to(torch.float32).unsqueeze(2).to(self.device, self.dtype)
         parameters: torch.Tensor = self.vae.encode(pixels.to(self.vae.dtype)).latent_dist \
@@ -398,9 +398,14 @@ class QwenDenoiser(QwenTrajectory):
     def text_shape(self) -> tuple[int, int]:
         return TYPICAL_PROMPT_TOKENS, self.transformer.config.joint_attention_dim
 
+    def condition_shape(self, spec: GenerationSpec) -> None:
+        return None  # an input image only starts the trajectory (``initial_latents``)
+
     @torch.no_grad()
     def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
-                spec: GenerationSpec, text_mask: torch.Tensor | None = None) -> torch.Tensor:
+                spec: GenerationSpec, text_mask: torch.Tensor | None = None,
+                condition: torch.Tensor | None = None) -> torch.Tensor:
+        no_condition(spec, condition)
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
         return self.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=None,
                                 encoder_hidden_states_mask=text_mask,

@@ -85,13 +85,16 @@ def _word_tokenizer(words: list[str]) -> Any:
 
 def build(directory: Path, preset_name: str, seed: int = 0) -> None:
     """Build the tiny pipeline from ``seed`` and save it with ``save_pretrained``."""
+    from diffusers import WanPipeline
+
+    save_built(directory, WanPipeline(**components(preset_name, seed)), preset_name, seed)
+
+
+def components(preset_name: str, seed: int, condition_channels: int = 0) -> dict[str, Any]:
+    """The tiny pipeline's components, built from ``seed``; the DiT takes
+    ``condition_channels`` beside its latents' (an image-to-video model's condition)."""
     import wordfreq
-    from diffusers import (
-        AutoencoderKLWan,
-        UniPCMultistepScheduler,
-        WanPipeline,
-        WanTransformer3DModel,
-    )
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     preset = PRESETS[preset_name]
@@ -106,7 +109,8 @@ def build(directory: Path, preset_name: str, seed: int = 0) -> None:
         decoder_start_token_id=0))
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=preset.dit_heads,
-        attention_head_dim=preset.dit_head_dim, in_channels=16, out_channels=16,
+        attention_head_dim=preset.dit_head_dim, in_channels=16 + condition_channels,
+        out_channels=16,
         text_dim=preset.text_dim, freq_dim=256, ffn_dim=preset.dit_ffn,
         num_layers=preset.dit_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
         rope_max_seq_len=1024)
@@ -115,12 +119,15 @@ def build(directory: Path, preset_name: str, seed: int = 0) -> None:
     # The scheduler Wan2.1 ships with: UniPC over flow-matching sigmas.
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         flow_shift=3.0, num_train_timesteps=1000)
-    pipe: Any = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
-                       vae=vae, scheduler=scheduler)
+    return dict(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
+                vae=vae, scheduler=scheduler)
+
+
+def save_built(directory: Path, pipe: Any, preset_name: str, seed: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(directory)
     (directory / PRESET_FILE).write_text(json.dumps({"preset": preset_name, "seed": seed,
-                                                     **asdict(preset)}))
+                                                     **asdict(PRESETS[preset_name])}))
 
 
 # The attention modules TaylorSeer forecasts: diffusers' default patterns must end in "attn",
@@ -230,7 +237,7 @@ class WanDenoiser(WanTrajectory):
 
     def latent_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
         """(1, channels, latent frames, latent height, latent width) of one video."""
-        return (1, self.transformer.config.in_channels,
+        return (1, self.transformer.config.out_channels,
                 (spec.num_frames - 1) // self.temporal_factor + 1,
                 spec.height // self.spatial_factor, spec.width // self.spatial_factor)
 
@@ -240,10 +247,12 @@ class WanDenoiser(WanTrajectory):
         then moved to the device, as the pipeline does with a CPU generator.
         The generator comes back too: a stochastic scheduler would draw from it per step, so
         checkpoints carry its state."""
-        from diffusers.utils.torch_utils import randn_tensor
-
         if spec.image is not None or image is not None:
             raise ValueError(f"request {spec.request_id}: the wan family takes no input image")
+        return self._noise(spec)
+
+    def _noise(self, spec: GenerationSpec) -> tuple[torch.Tensor, torch.Generator]:
+        from diffusers.utils.torch_utils import randn_tensor
 
         generator = torch.Generator(device="cpu").manual_seed(spec.seed)
         latents = randn_tensor(self.latent_shape(spec), generator=generator,
@@ -258,12 +267,21 @@ class WanDenoiser(WanTrajectory):
         pt, ph, pw = self.transformer.config.patch_size
         return (frames // pt) * (height // ph) * (width // pw)
 
+    def condition_shape(self, spec: GenerationSpec) -> tuple[int, ...] | None:
+        return None  # text to video
+
     @torch.no_grad()
     def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
-                spec: GenerationSpec, text_mask: torch.Tensor | None = None) -> torch.Tensor:
+                spec: GenerationSpec, text_mask: torch.Tensor | None = None,
+                condition: torch.Tensor | None = None) -> torch.Tensor:
         """One transformer forward: the model's prediction for ``latents`` at timestep ``t``
-        (texts are never padded here, so ``text_mask`` is None)."""
-        model_input = latents.to(self.transformer.dtype)
+        (texts are never padded here, so ``text_mask`` is None), with the image ``condition``
+        beside the latents' channels where the family takes one (``condition_shape``)."""
+        if (condition is None) != (self.condition_shape(spec) is None):
+            raise ValueError(f"request {spec.request_id}: this model's forwards take "
+                             f"{'no' if condition is not None else 'an'} image condition")
+        model_input = (latents if condition is None
+                       else torch.cat([latents, condition], dim=1)).to(self.transformer.dtype)
         return self.transformer(hidden_states=model_input, timestep=t.expand(latents.shape[0]),
                                 encoder_hidden_states=embeds.to(self.device,
                                                                 self.transformer.dtype),
@@ -326,10 +344,11 @@ class WanDecoder:
 class WanReference:
     """The monolithic ``WanPipeline``: what the three stages must equal."""
 
-    def __init__(self, directory: Path, placement: Placement = CPU) -> None:
+    def __init__(self, directory: Path, placement: Placement = CPU,
+                 pipeline_class: Any = None) -> None:
         from diffusers import WanPipeline
 
-        self.pipe = placed_pipeline(WanPipeline, directory, placement)
+        self.pipe = placed_pipeline(pipeline_class or WanPipeline, directory, placement)
         self.mag_ratios = model_card(directory).magcache_ratios
 
     def __call__(self, spec: GenerationSpec, image: Image.Image | None = None) -> np.ndarray:

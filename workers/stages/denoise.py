@@ -1,7 +1,8 @@
 """Denoise stage: how a job becomes a run of the engine, and what a run that leaves hands on.
 
 Reads: the denoise stream; the request record; the condition embeddings named by the job, and
-for image-to-image the input image's encoding (its ``image_latent`` entry); the latest cached
+the input image's encoding where it has one (its ``image_latent`` entry: where image-to-image
+starts, or what every forward of image-to-video takes); the latest cached
 checkpoint on the request's hash chain, which it resumes from (a crash, a
 preemption, or another request with the same trajectory prefix put it there).
 Writes: checkpoints behind the loop; unconditional predictions (the exact CFG tier); the final
@@ -102,13 +103,16 @@ class DenoiseHandler:
         ctx.progress(tally_fields(ledger.take()))
         saves = frozenset(checkpoint_steps(spec, self.settings.checkpoint_every))
         adapters: AdapterSet = (spec.tenant, tuple(spec.loras)) if spec.loras else ()
+        # An input image's encoding either starts the trajectory (image-to-image) or is the
+        # condition every forward takes (image-to-video: the family gives its shape).
+        image = embeds.get(IMAGE)
+        condition = image if self.model.condition_shape(spec) is not None else None
         if found is None:
-            image = embeds.get(IMAGE)
             latents, rng = self.model.initial_latents(spec, None if image is None else image[1])
             run = DenoiseRun(ctx, delivery, spec, embeds, links, scheduler, rng, latents,
                              spec.first_step, 0.0, self._guidance(spec, ledger, None), saves,
                              spec.step_segments(),
-                             adapters, _step_cache(spec, {}))
+                             adapters, _step_cache(spec, {}), condition=condition)
         else:
             rng = torch.Generator(device="cpu")
             device = self.model.device
@@ -119,7 +123,8 @@ class DenoiseHandler:
                              found.latents.to(device), found.step, found.compute_s,
                              self._guidance(spec, ledger, residual), saves,
                              spec.step_segments(),
-                             adapters, _step_cache(spec, on_device(found.hooks, device)))
+                             adapters, _step_cache(spec, on_device(found.hooks, device)),
+                             condition=condition)
             ctx.progress(RecordWrite({
                 checkpoint_field(found.step): str(links[found.step].checkpoint_key())}))
         ctx.progress(RecordWrite({Field.STEP: run.step, Field.RESUMED_FROM: run.step}))

@@ -53,6 +53,8 @@ class Row:
     spec: GenerationSpec  # its geometry: rows of one geometry may share a forward
     # Its run's step-cache state for this forward; such a row always runs alone.
     cached: CachedForward | None = None
+    # The image condition its forward takes beside the latents (image-to-video), if any.
+    condition: torch.Tensor | None = None
 
 
 @dataclass
@@ -92,22 +94,26 @@ class Guidance:
         self._uncond_s = 0.0  # last measured unconditional forward, for "compute saved"
 
     def plan(self, step: int, latents: torch.Tensor, t: torch.Tensor, cond: torch.Tensor,
-             negative: tuple[StoreKey, torch.Tensor] | None, scale: float) -> StepPlan:
-        """The rows step ``step`` must compute; ``negative`` is None for steps without CFG."""
-        rows = [Row(latents, t, cond, self.spec)]
+             negative: tuple[StoreKey, torch.Tensor] | None, scale: float,
+             condition: tuple[StoreKey, torch.Tensor] | None = None) -> StepPlan:
+        """The rows step ``step`` must compute; ``negative`` is None for steps without CFG;
+        ``condition``: the image condition both rows take, where the family takes one."""
+        image = None if condition is None else condition[1]
+        rows = [Row(latents, t, cond, self.spec, condition=image)]
         if negative is None:
             return StepPlan(scale, rows, guided=False)
         if self.residual is not None and not self.spec.cfg_cache.fresh_at(step):
             return StepPlan(scale, rows, guided=True, uncond_skipped=True)
         plan = StepPlan(scale, rows, guided=True)
-        uncond = Row(latents, t, negative[1], self.spec)
+        uncond = Row(latents, t, negative[1], self.spec, condition=image)
         if not self.lookup:
             rows.append(uncond)
             return plan
         # The exact bytes, whatever the device and dtype (bfloat16 has no numpy type).
         raw = latents.detach().to("cpu").contiguous().view(torch.uint8).numpy()
         digest = tensor_digest(raw.data, TensorSpec.of(latents).dtype, tuple(latents.shape))
-        plan.cfg_key = cfg_key(self.spec.tenant, self.model, negative[0], float(t), digest)
+        plan.cfg_key = cfg_key(self.spec.tenant, self.model, negative[0], float(t), digest,
+                               None if condition is None else condition[0])
         plan.asking = uncond
         return plan
 
