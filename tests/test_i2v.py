@@ -18,6 +18,7 @@ import redis
 from PIL import Image
 
 from cachesvc.connect import open_cache
+from cachesvc.images import normalise
 from cachesvc.settings import ApiSettings
 from cachesvc.waiting import wait_until
 from keys import (
@@ -43,10 +44,11 @@ from tests.workers_harness import (
 )
 from workers.families import wan_i2v
 from workers.families.base import CPU
+from workers.queue.lifecycle import Lifecycle
 from workers.queue.messages import Stage
 from workers.queue.records import Records
-from workers.queue.schema import State
-from workers.queue.submit import new_request_id
+from workers.queue.schema import StageField, State
+from workers.queue.submit import new_request_id, submit
 
 pytestmark = pytest.mark.slow
 TENANT = "i2v"
@@ -149,6 +151,27 @@ def test_a_request_resumed_with_its_condition_lost_gives_the_same_bytes(
     resumed = wait_done(i2v.client, repeat)
     assert resumed.fields["resumed_from"] == "3"
     assert resumed.hits().get(KeyKind.IMAGE_LATENT.value, 0) == 0  # encoded again
+
+
+def test_a_request_whose_image_the_store_lost_fails_at_once_and_resumes_once_it_is_back(
+        i2v: ModelService, i2v_pipe: Callable[..., np.ndarray]) -> None:
+    """No retry brings an upload back: the request fails on its first delivery, saying how
+    to recover, and a resume after the image is back gives the pipeline's video."""
+    image = picture(16)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    spec = animate(normalise(png.getvalue(), 2**20, 2**20).hash, seed=51)  # never stored
+    submit(i2v.client, spec)
+    failed = wait_done(i2v.client, spec)
+    assert failed.state is State.FAILED, failed
+    assert spec.image is not None and spec.image.hash in failed.fields["error"]
+    assert "resume" in failed.fields["error"]
+    assert failed.fields[StageField.ATTEMPT.of(Stage.ENCODE)] == "1"  # not redelivered
+    stored(i2v.settings, image, TENANT)
+    Lifecycle(i2v.client).resume(failed)
+    resumed = wait_done(i2v.client, spec)
+    assert resumed.state is State.DONE, resumed
+    assert np.array_equal(read_frames(i2v.settings, resumed), expected(i2v_pipe, image, spec))
 
 
 def test_a_step_cache_on_image_to_video_is_the_pipelines(

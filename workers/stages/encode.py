@@ -3,8 +3,9 @@
 Reads: the encode stream; the request record for its spec.
 Writes: one condition embedding per distinct prompt and negative prompt (``embed`` entries,
 soft-pinned, shared by every request and tenant-namespaced).
-For image-to-image, also the input image's VAE encoding at the request's size
-(``image_latent``, soft-pinned, one per image and size).
+For a request with an input image, also its VAE encoding at the request's geometry
+(``image_latent``, soft-pinned, one per image and geometry); a request whose uploaded image
+the store no longer holds fails, saying how to bring it back.
 Feeds: the denoise stream, with a typed reference (``RefName``: role and segment) to each;
 or nothing, when the request's output is already cached: an identical request (same seed) is
 then DONE without denoising. A request in approximate reuse mode may first be rewritten to
@@ -25,7 +26,7 @@ from cachesvc.ledger import Ledger
 from cachesvc.output_files import OutputFiles
 from cachesvc.reuse_index import ReuseIndexError
 from cachesvc.tensor_cache import TensorCache
-from encoders.image import ImageModel, encode_image
+from encoders.image import ImageLostError, ImageModel, encode_image
 from encoders.text import EncodedText, TextModel, encode_texts
 from keys import GenerationSpec, KeyKind, StoreKey, adapted, output_key
 from workers.families.base import Trajectory
@@ -84,7 +85,15 @@ class EncodeHandler:
             return Outcome(None, State.DONE,
                            RecordWrite({Field.OUTPUT_KEY: str(cached)}) | counts)
         if spec.image is not None:  # only now: a cached output needs no image encoded
-            refs.append(self._image_ref(spec, ledger))
+            try:
+                refs.append(self._image_ref(spec, ledger))
+            except ImageLostError as exc:
+                # No retry brings an upload back; a resume does (the API puts the image back
+                # from its file first), so the request fails now, saying so.
+                log.warning("%s", exc)
+                return Outcome(None, State.FAILED, counts | tally_fields(ledger.take())
+                               | RecordWrite({Field.ERROR: f"{exc}, or resume the request "
+                                                           "(POST /v1/resume puts it back)"}))
             counts = counts | tally_fields(ledger.take())
         return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=counts,
                        affinity=tuple(lora.hash for lora in spec.loras))
