@@ -32,6 +32,7 @@ from api.service import (
     reuse_status,
 )
 from cachesvc.errors import UploadError
+from cachesvc.images import InputImage
 from keys import OutputFormat
 from workers.queue.admission import FieldError, check_model, model_ids
 from workers.queue.client import NotReadyError
@@ -110,7 +111,8 @@ def edits(form: Annotated[EditsForm, Form()], who: Tenant, svc: Svc, request: Re
           x_stainless_retry_count: Annotated[int | None, Header(ge=0)] = None
           ) -> dict[str, object]:
     """OpenAI-compatible and synchronous, as ``/v1/images/generations``: the uploaded image
-    is kept as ``POST /v1/images`` keeps it and the prompt runs image-to-image from it."""
+    is kept as ``POST /v1/images`` keeps it (once the request is admitted) and the prompt
+    runs image-to-image from it."""
     served = svc.served()
     check_model(form.model, served)
     if served.limits.image_to_video:
@@ -123,7 +125,7 @@ def edits(form: Annotated[EditsForm, Form()], who: Tenant, svc: Svc, request: Re
     if len(files) != 1:
         raise FieldError(field, f"give exactly one image (got {len(files)}): the served "
                          "model edits one image at a time")
-    kept = svc.add_image(who, files[0].file.read(), field)
+    kept = svc.decoded_image(files[0].file.read(), field)  # kept once admitted
     width, height = _size(form.size)
     generate = GenerateBody(
         prompt=form.prompt, negative_prompt=form.negative_prompt, width=width,
@@ -133,7 +135,7 @@ def edits(form: Annotated[EditsForm, Form()], who: Tenant, svc: Svc, request: Re
     # The same fields on the same pixels are the same call, however the file was encoded.
     call = SyncCall(form, form.model_dump_json().encode() + kept.hash.encode(),
                     idempotency_key, x_stainless_retry_count)
-    return _answered(svc, who, request, generate, call)
+    return _answered(svc, who, request, generate, call, kept)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,18 +155,19 @@ class SyncCall:
 
 
 def _answered(svc: Service, who: str, request: Request, generate: GenerateBody,
-              call: SyncCall) -> dict[str, object]:
+              call: SyncCall, upload: InputImage | None = None) -> dict[str, object]:
     """Queue ``generate`` for ``call`` (or join the request an earlier try of it made), wait
-    for it, and answer as OpenAI's image routes do."""
+    for it, and answer as OpenAI's image routes do; ``upload``: the image ``generate`` names,
+    decoded but not yet kept."""
     name = call.name
     svc.attend_call(who, name)
     try:
         if call.idempotency_key is not None:
             request_id = (svc.join_call(who, call.idempotency_key)
-                          or svc.generate(who, generate, call.idempotency_key))
+                          or svc.generate(who, generate, call.idempotency_key, upload))
         else:
             joined = svc.join_call(who, name) if call.retry_count else None
-            request_id = joined or svc.generate(who, generate)
+            request_id = joined or svc.generate(who, generate, upload=upload)
             svc.remember_call(who, name, request_id)
     except BaseException:
         svc.leave_call(who, name)

@@ -150,6 +150,14 @@ def reuse_status(record: RequestRecord) -> ReuseStatus:
                        effective_seed=record.spec.seed)
 
 
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request that passed admission, and the image that came with it, still to keep."""
+
+    spec: GenerationSpec
+    upload: InputImage | None
+
+
 @dataclass
 class Service:
     settings: Settings
@@ -176,7 +184,10 @@ class Service:
         """The store client; StoreUnavailableError (503) until it has connected."""
         return self.store.cache
 
-    def spec_for(self, tenant: str, body: GenerateBody, served: ServedModel) -> GenerationSpec:
+    def spec_for(self, tenant: str, body: GenerateBody, served: ServedModel,
+                 upload: InputImage | None = None) -> Admitted:
+        """The request ``body`` asks for, checked against every limit; ``upload``: an image
+        its caller decoded, not yet kept, which ``body.image`` may name."""
         if (body.prompt is None) == (body.schedule is None):
             raise FieldError("prompt", "give either prompt or schedule (exactly one)")
         steps = body.num_inference_steps
@@ -190,7 +201,7 @@ class Service:
         if body.schedule is not None:
             schedule = segments_from(body.schedule, body.negative_prompt, "schedule", 0,
                                      asked.steps)
-        image = self.image_for(tenant, body, served, asked.steps)
+        image, upload = self.image_for(tenant, body, served, asked.steps, upload)
         fixed = ("a request with a schedule cannot use it (give prompt instead)"
                  if body.schedule is not None else
                  "a request with an input image cannot use it yet" if image else None)
@@ -210,13 +221,14 @@ class Service:
                 else served.step_caches, served.family),
             reuse=reuse_from(body.reuse, self.settings.api.reuse_defaults.get(
                 tenant, ReuseMode.EXACT), fixed), image=image)
-        return self.queue.admission.within_cost(spec, served)
+        return Admitted(self.queue.admission.within_cost(spec, served), upload)
 
-    def image_for(self, tenant: str, body: GenerateBody, served: ServedModel,
-                  steps: int) -> ImageInput | None:
+    def image_for(self, tenant: str, body: GenerateBody, served: ServedModel, steps: int,
+                  upload: InputImage | None) -> tuple[ImageInput | None, InputImage | None]:
         """The input image a request starts from (image-to-image) or animates
-        (image-to-video), put back in the store if it was lost; another tenant's reads as
-        unknown (404)."""
+        (image-to-video), put back in the store if it was lost (another tenant's reads as
+        unknown, 404); and the image still to keep, where it came with the request (inline,
+        or ``upload``)."""
         limits = served.limits
         if body.image is None:
             if limits.image_to_video:
@@ -224,7 +236,7 @@ class Service:
                                  "input image: give one")
             if body.strength is not None:
                 raise FieldError("strength", "applies to image-to-image only; give image too")
-            return None
+            return None, None
         if not (limits.image_to_image or limits.image_to_video):
             raise FieldError("image", f"the served {served.family} model takes no input image")
         if body.step_cache is not None and body.step_cache.policy is StepCachePolicy.MAGCACHE:
@@ -242,17 +254,20 @@ class Service:
                 raise FieldError("strength",
                                  f"{strength} leaves none of the {steps} steps to run")
         if body.image.startswith("data:"):
-            return ImageInput(self.inline_image(tenant, body.image).hash, strength)
-        self.images.ensure_stored(tenant, body.image)
-        return ImageInput(body.image, strength)
+            upload = self.inline_image(body.image)
+        elif upload is None or upload.hash != body.image:
+            self.images.ensure_stored(tenant, body.image)
+            upload = None
+        return ImageInput(upload.hash if upload else body.image, strength), upload
 
-    def inline_image(self, tenant: str, data_url: str) -> InputImage:
-        """An image given inline, kept as an upload is: requests name it by its hash after."""
+    def inline_image(self, data_url: str) -> InputImage:
+        """An image given inline, decoded and checked as an upload is (kept once its request
+        is admitted): requests name it by its hash after."""
         try:
             data = base64.b64decode(data_url.partition(",")[2], validate=True)
         except binascii.Error as exc:
             raise FieldError("image", f"is not valid base64 ({exc})") from None
-        return self.add_image(tenant, data)
+        return self.decoded_image(data)
 
     def loras_for(self, tenant: str, loras: list[LoraBody]) -> tuple[LoraUse, ...]:
         """The tenant's adapters a request names; another tenant's read as unknown (404)."""
@@ -281,9 +296,13 @@ class Service:
                                   "retry once one has started")
         return self.adapters.add(tenant, name, data, linears)
 
-    def add_image(self, tenant: str, data: bytes, field: str = "image") -> InputImage:
+    def decoded_image(self, data: bytes, field: str = "image") -> InputImage:
+        """An image file decoded and normalised, within the API's limits; not kept yet."""
         api = self.settings.api
-        image = normalise(data, api.max_image_bytes, api.max_image_pixels, field)
+        return normalise(data, api.max_image_bytes, api.max_image_pixels, field)
+
+    def add_image(self, tenant: str, data: bytes, field: str = "image") -> InputImage:
+        image = self.decoded_image(data, field)
         self.images.add(tenant, image)
         return image
 
@@ -296,14 +315,20 @@ class Service:
             self._limits_published = True
         return self.queue.served()
 
-    def generate(self, tenant: str, body: GenerateBody, idem: str | None = None) -> str:
-        """Admit and submit; with an idempotency key, a repeat returns the first request."""
+    def generate(self, tenant: str, body: GenerateBody, idem: str | None = None,
+                 upload: InputImage | None = None) -> str:
+        """Admit and submit; with an idempotency key, a repeat returns the first request.
+        An image that came with the request (inline, or ``upload``) is kept only once the
+        request is admitted: a refused request leaves nothing behind."""
         if idem is not None:
             existing = self.redis.get(idempotency_key(tenant, idem))
             if existing is not None:
                 return existing.decode()  # type: ignore[union-attr]
         served = self.served()  # read once: the limits and the record name the same model
-        spec = self.spec_for(tenant, body, served)
+        admitted = self.spec_for(tenant, body, served, upload)
+        spec = admitted.spec
+        if admitted.upload is not None:
+            self.images.add(tenant, admitted.upload)
         # First writer wins; a concurrent duplicate gets the winner's id.
         if idem is not None and not self.redis.set(idempotency_key(tenant, idem),
                                                    spec.request_id, nx=True,

@@ -295,6 +295,16 @@ def test_the_generate_route_takes_an_uploaded_image_and_names_what_it_refuses(
             assert refused.status_code == status, refused.text
             assert field in refused.text, refused.text
 
+        # An image inline with a request that is refused is not kept.
+        other = io.BytesIO()
+        picture(30).save(other, format="PNG")
+        data_url = "data:image/png;base64," + base64.b64encode(other.getvalue()).decode()
+        refused = http.post("/v1/generate", json=body | {"image": data_url,  # checked last
+                                                          "reuse": {"mode": "approximate"}})
+        assert refused.status_code == 422, refused.text
+        never_kept = normalise(other.getvalue(), 2**20, 2**20).hash
+        assert http.get(f"/v1/images/{never_kept}").status_code == 404
+
         # The command line uploads a file and asks the same: the same request's output.
         photo, out = tmp_path / "fox.png", tmp_path / "edited.npy"
         photo.write_bytes(png.getvalue())
