@@ -84,7 +84,11 @@ def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request,
     (the same ``Idempotency-Key``, or the official SDK's own retry of the same body, which it
     marks with ``X-Stainless-Retry-Count``) joins the request the first call made, resuming it
     from its checkpoint if the abandonment cancelled it, instead of queueing another."""
-    check_model(body.model, svc.served())
+    served = svc.served()
+    check_model(body.model, served)
+    if served.limits.image_to_video:
+        raise FieldError("model", f"the served {served.family} model animates images: send "
+                         "one to POST /v1/videos as input_reference")
     width, height = _size(body.size)
     generate = GenerateBody(
         prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
@@ -231,9 +235,8 @@ def create_video(body: VideosBody, who: Tenant, svc: Svc) -> VideoJob:
     except (FieldError, UploadError) as exc:  # the image, named as this route names it
         if exc.field != "image":
             raise
-        message = str(exc).partition(": ")[2]
-        raise (FieldError("input_reference", message) if isinstance(exc, FieldError)
-               else UploadError("input_reference", message, exc.status)) from None
+        raise (FieldError("input_reference", exc.message) if isinstance(exc, FieldError)
+               else UploadError("input_reference", exc.message, exc.status)) from None
     return video_job(svc.record(who, request_id))
 
 @router.get("/v1/videos/{video_id}", response_model=VideoJob)

@@ -53,7 +53,8 @@ TENANT = "bench"
 
 @dataclass(frozen=True, slots=True)
 class Edit:
-    """One request: a scene's render, recoloured by prompt at a strength."""
+    """One request: a scene's render, and the scene its prompt asks for (recoloured, for an
+    edit; the same scene, for an animation)."""
 
     source: Scene
     image: Image.Image

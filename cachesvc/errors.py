@@ -55,4 +55,5 @@ class UploadError(ValueError):
     def __init__(self, field: str, message: str, status: int = 422) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
         self.status = status

@@ -34,8 +34,9 @@ class ImageModel(Protocol):
 
 class ImageLostError(LookupError):
     """An image a request names is not in the store. Images are uploaded, not computed: the
-    API puts a lost one back from disk before it admits a request, so only a store lost since
-    then (or a deleted upload) leads here, and uploading it again is the remedy."""
+    API puts a lost one back from disk before it admits or resumes a request, so only a store
+    lost since then (or a deleted upload) leads here; resuming the request, or uploading the
+    image again, is the remedy."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +47,8 @@ class EncodedImage:
 
 def encode_image(cache: TensorCache, model: ImageModel, spec: GenerationSpec,
                  ledger: Ledger | None = None) -> EncodedImage:
-    """The encoding of ``spec``'s input image at its size, from the cache where possible; the
-    lookup counted in the job's ``ledger``."""
+    """The encoding of ``spec``'s input image at its geometry, from the cache where
+    possible; the lookup counted in the job's ``ledger``."""
     if spec.image is None:
         raise ValueError(f"request {spec.request_id} names no input image")
     key = image_latent_key(spec.tenant, model.fingerprint, spec.image.hash, spec.width,

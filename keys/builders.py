@@ -247,9 +247,10 @@ def chain_root(
     mag_ratios: Sequence[float] = (),
     image_encoder: Fingerprint | None = None,
 ) -> ChainLink:
-    """``h0 = H(model fp, scheduler config, shape, seed, steps, dtype)``, plus for
-    image-to-image the input image, the step its strength starts at (strengths that start at
-    one step run one trajectory) and the ``image_encoder`` that turns it into latents, the CFG
+    """``h0 = H(model fp, scheduler config, shape, seed, steps, dtype)``, plus for a request
+    with an input image the image, the step its strength starts at (strengths that start at
+    one step run one trajectory; 0 for image-to-video) and the ``image_encoder`` that turns it
+    into latents or a condition, the CFG
     reuse interval when the request asked for the approximate tier, and the step-cache policy
     with its parameters when one is on (MagCache's with the model's calibrated
     ``mag_ratios``, which decide its skips as much as its parameters do): such a trajectory

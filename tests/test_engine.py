@@ -98,10 +98,10 @@ def test_every_row_of_a_batched_forward_is_that_row_alone(
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("family", ["wan", "qwen-image"])
+@pytest.mark.parametrize("family", ["wan", "wan-i2v", "qwen-image"])
 def test_a_warmed_up_engine_takes_its_first_batch_without_a_proof(
-        family: str, model_dir: Path, qwen_model_dir: Path, cache: TensorCache,
-        redis_client: redis.Redis) -> None:
+        family: str, model_dir: Path, i2v_model_dir: Path, qwen_model_dir: Path,
+        cache: TensorCache, redis_client: redis.Redis) -> None:
     """The worker's warm-up proves, on synthetic rows, every batch size a forward may take at
     the served model's default request, as admission fills it in (these folders have no card:
     96x96, and nine frames where the family makes video, one where it makes images). A step's
@@ -110,9 +110,11 @@ def test_a_warmed_up_engine_takes_its_first_batch_without_a_proof(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        directory, fam = ((model_dir, wan) if family == "wan" else (qwen_model_dir, qwen_image))
-        model: Any = (wan.WanDenoiser(directory, CPU) if family == "wan"
-                      else qwen_image.QwenDenoiser(directory, CPU))
+        directory, fam, denoiser = {
+            "wan": (model_dir, wan, wan.WanDenoiser),
+            "wan-i2v": (i2v_model_dir, wan_i2v, wan_i2v.WanI2VDenoiser),
+            "qwen-image": (qwen_model_dir, qwen_image, qwen_image.QwenDenoiser)}[family]
+        model: Any = denoiser(directory, CPU)
         handler = DenoiseHandler(cache, model, WorkerSettings(max_batch=3),
                                  Credits(redis_client, 8))
         handler.warm_up(request_defaults(ModelSettings(), directory), fam.LIMITS)
@@ -122,16 +124,20 @@ def test_a_warmed_up_engine_takes_its_first_batch_without_a_proof(
         spec = make_spec(width=96, height=96, num_frames=9 if fam.LIMITS.video else 1)
         g = torch.Generator().manual_seed(5)
         tokens, width = model.text_shape()
+        condition = model.condition_shape(spec)
         rows = {(i, 0): Row(torch.randn(model.latent_shape(spec), generator=g),
                             torch.rand((), generator=g) * 1000,
                             torch.randn((1, tokens - i if model.pads_text else tokens, width),
-                                        generator=g), spec)
+                                        generator=g), spec,
+                            condition=None if condition is None
+                            else torch.randn(condition, generator=g))
                 for i in range(5)}
         out = {slot: batched[n:n + 1] for slots, batched, _ in engine._run_forwards(rows)
                for n, slot in enumerate(slots)}
         assert engine.proof.verdicts == proofs
         for slot, row in rows.items():
-            alone = model.predict(row.latents, row.timestep.reshape(1), row.embeds, spec)
+            alone = model.predict(row.latents, row.timestep.reshape(1), row.embeds, spec,
+                                  condition=row.condition)
             assert torch.equal(out[slot], alone), f"row {slot}"
     finally:
         torch.set_num_threads(threads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from bench.service_process import DIFFCACHE, diffcache_environ
 from cachesvc.settings import ModelSettings
 from keys import file_digest
-from workers.families import FAMILIES, UnknownFamilyError, family_of, resolve
+from workers.families import FAMILIES, UnknownFamilyError, family_of, resolve, wan_i2v
 from workers.families.base import (
     CPU,
     MANIFEST,
@@ -37,6 +38,25 @@ def test_the_family_is_read_from_model_index(model_dir: Path, qwen_model_dir: Pa
     assert resolve("auto", qwen_model_dir, "test").name == "qwen-image"
     with pytest.raises(UnknownFamilyError, match="holds a qwen-image model"):
         resolve("wan", qwen_model_dir, "test")
+
+
+@pytest.mark.slow  # builds the test models: seconds
+@pytest.mark.parametrize(("component", "setting", "value"), [
+    ("model_index.json", "boundary_ratio", 0.875), ("model_index.json", "expand_timesteps", True),
+    ("transformer/config.json", "image_dim", 1280)])
+def test_an_image_to_video_checkpoint_that_takes_another_path_is_refused_naming_it(
+        i2v_model_dir: Path, tmp_path: Path, component: str, setting: str,
+        value: object) -> None:
+    """Wan2.2's two experts, its TI2V first-frame timesteps and Wan2.1's CLIP image embedding
+    are paths the stages do not reproduce: such a folder is refused, not served wrongly."""
+    assert family_of(i2v_model_dir).name == "wan-i2v"
+    wan_i2v.WanI2VTrajectory(i2v_model_dir, CPU)  # the tiny model takes none of them
+    folder = tmp_path / "model"
+    shutil.copytree(i2v_model_dir, folder)
+    config = json.loads((folder / component).read_text())
+    (folder / component).write_text(json.dumps(config | {setting: value}))
+    with pytest.raises(wan_i2v.UnsupportedCheckpointError, match=setting):
+        wan_i2v.WanI2VTrajectory(folder, CPU)
 
 
 def test_a_folder_to_be_built_gets_the_family_of_its_preset(tmp_path: Path) -> None:

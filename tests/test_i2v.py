@@ -227,3 +227,6 @@ def test_the_routes_take_an_image_to_animate_and_name_what_they_refuse(
         edits = http.post("/v1/images/edits", data={"prompt": "a fox"},
                           files={"image": ("fox.png", png.getvalue(), "image/png")})
         assert edits.status_code == 422 and "image" in edits.text, edits.text
+        generations = http.post("/v1/images/generations", json={"prompt": "a fox"})
+        assert generations.status_code == 422, generations.text
+        assert generations.json()["error"]["param"] == "model", generations.text

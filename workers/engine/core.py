@@ -117,15 +117,16 @@ class DenoiseEngine:
         start = time.perf_counter()
         tokens, width = self.model.text_shape()
         largest = self._per_forward(self.model.tokens(spec), 1)[1]
-        generator = torch.Generator().manual_seed(0)
-        shape, condition = self.model.latent_shape(spec), self.model.condition_shape(spec)
+        # The family's own latents, for their dtype and device (the rows' inputs take both).
+        latents, generator = self.model.initial_latents(spec)
+        condition = self.model.condition_shape(spec)
 
         def noise(*size: int) -> torch.Tensor:
-            return torch.randn(size, generator=generator).to(self.model.device)
+            return torch.randn(size, generator=generator).to(latents)
 
         timesteps = self.model.scheduler(spec).timesteps
         # Texts of three lengths where the family pads them, so the padded paths are proven.
-        rows = [Row(noise(*shape), timesteps[i % len(timesteps)],
+        rows = [Row(noise(*latents.shape), timesteps[i % len(timesteps)],
                     noise(1, max(1, tokens - (i % 3 if self.model.pads_text else 0)), width),
                     spec, condition=None if condition is None else noise(*condition))
                 for i in range(largest)]
@@ -282,6 +283,8 @@ class DenoiseEngine:
         timesteps = torch.stack([r.timestep for r in rows])
         embeds, mask = pad_texts([r.embeds for r in rows], self.model.tokens(rows[0].spec))
         conditions = [r.condition for r in rows if r.condition is not None]
+        if conditions and len(conditions) != len(rows):  # ``_geometry`` keeps them apart
+            raise ValueError("rows with and without an image condition in one forward")
         condition = torch.cat(conditions) if conditions else None
         with rows_apart(mask):
             return self.model.predict(latents, timesteps, embeds, rows[0].spec, mask,

@@ -72,8 +72,9 @@ class Trajectory(Protocol):
     device: torch.device
     fingerprint: Fingerprint
     decoder_fingerprint: Fingerprint
-    # What turns an input image into the latents it starts from (``ImageModel.fingerprint``),
-    # which image-to-image keys hold; None for a family that takes no image.
+    # What encodes an input image (``ImageModel.fingerprint``): where image-to-image starts
+    # from, or the condition image-to-video takes; the chain root holds it. None for a family
+    # that takes no image.
     image_fingerprint: Fingerprint | None
     # MagCache's ratios from the model's card (none: it cannot run MagCache); they decide a
     # MagCache trajectory's skips, so its keys hold them.
@@ -228,20 +229,23 @@ def component_fingerprint(directory: Path, role: str, dtype: torch.dtype,
     return model_fingerprint(role, config, weights, str(dtype), device.type)
 
 
-def vae_encode_fingerprint(directory: Path, placement: Placement,
-                           pixels: torch.dtype) -> Fingerprint:
-    """The VAE as it encodes an input image: its weights, dtype and device, and the precision
-    its pipeline casts the pixels to first."""
+def vae_encode_fingerprint(directory: Path, placement: Placement, pixels: torch.dtype,
+                           produces: str) -> Fingerprint:
+    """The VAE as it encodes an input image: its weights, dtype and device, the precision
+    its pipeline casts the pixels to first, and what it makes of them (``produces``: two
+    workflows' encodings of one image by one VAE are different tensors)."""
     vae = component_fingerprint(directory, "vae", placement.vae_dtype, placement.device)
     return Fingerprint("vae-encode", digest("vae-encode", {
-        "vae": vae.hex, "pixels": str(pixels)}))
+        "vae": vae.hex, "pixels": str(pixels), "produces": produces}))
 
 
-def no_condition(spec: GenerationSpec, condition: torch.Tensor | None) -> None:
-    """A family that takes no image condition refuses one (``Denoiser.predict``)."""
-    if condition is not None:
-        raise ValueError(f"request {spec.request_id}: this family's forwards take no image "
-                         "condition")
+def check_condition(spec: GenerationSpec, condition: torch.Tensor | None,
+                    takes: bool) -> None:
+    """``Denoiser.predict``'s rows carry an image condition exactly where the model
+    ``takes`` one."""
+    if (condition is not None) != takes:
+        raise ValueError(f"request {spec.request_id}: this model's forwards take "
+                         f"{'an' if takes else 'no'} image condition")
 
 
 def placed_pipeline(pipeline_class: Any, directory: Path, placement: Placement) -> Any:

@@ -27,9 +27,9 @@ from workers.families.base import (
     Family,
     Placement,
     Tokens,
+    check_condition,
     component_config,
     component_fingerprint,
-    no_condition,
     placed_pipeline,
     to_uint8,
     vae_encode_fingerprint,
@@ -257,7 +257,8 @@ class QwenTextEncoder:
 def image_encoder_fingerprint(directory: Path, placement: Placement) -> Fingerprint:
     """The VAE as it encodes an input image; the pipeline casts the pixels to the prompt
     embeddings' dtype first."""
-    return vae_encode_fingerprint(directory, placement, placement.text_dtype)
+    return vae_encode_fingerprint(directory, placement, placement.text_dtype,
+                                  "latent distribution")
 
 
 class QwenImageEncoder:
@@ -405,7 +406,7 @@ class QwenDenoiser(QwenTrajectory):
     def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
                 spec: GenerationSpec, text_mask: torch.Tensor | None = None,
                 condition: torch.Tensor | None = None) -> torch.Tensor:
-        no_condition(spec, condition)
+        check_condition(spec, condition, takes=False)
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
         return self.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=None,
                                 encoder_hidden_states_mask=text_mask,

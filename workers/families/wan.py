@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from workers.families.base import (
     Family,
     Placement,
     Tokens,
+    check_condition,
     component_config,
     component_fingerprint,
     placed_pipeline,
@@ -87,10 +88,27 @@ def build(directory: Path, preset_name: str, seed: int = 0) -> None:
     """Build the tiny pipeline from ``seed`` and save it with ``save_pretrained``."""
     from diffusers import WanPipeline
 
-    save_built(directory, WanPipeline(**components(preset_name, seed)), preset_name, seed)
+    save_built(directory, components(preset_name, seed).pipeline(WanPipeline), preset_name,
+               seed)
 
 
-def components(preset_name: str, seed: int, condition_channels: int = 0) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class TinyWan:
+    """A tiny random Wan model's components, before they are a pipeline."""
+
+    tokenizer: Any
+    text_encoder: Any
+    transformer: Any
+    vae: Any
+    scheduler: Any
+
+    def pipeline(self, pipeline_class: Callable[..., Any]) -> Any:
+        return pipeline_class(tokenizer=self.tokenizer, text_encoder=self.text_encoder,
+                              transformer=self.transformer, vae=self.vae,
+                              scheduler=self.scheduler)
+
+
+def components(preset_name: str, seed: int, condition_channels: int = 0) -> TinyWan:
     """The tiny pipeline's components, built from ``seed``; the DiT takes
     ``condition_channels`` beside its latents' (an image-to-video model's condition)."""
     import wordfreq
@@ -119,11 +137,11 @@ def components(preset_name: str, seed: int, condition_channels: int = 0) -> dict
     # The scheduler Wan2.1 ships with: UniPC over flow-matching sigmas.
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         flow_shift=3.0, num_train_timesteps=1000)
-    return dict(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
-                vae=vae, scheduler=scheduler)
+    return TinyWan(tokenizer, text_encoder, transformer, vae, scheduler)
 
 
 def save_built(directory: Path, pipe: Any, preset_name: str, seed: int) -> None:
+    """Save a built pipeline with ``save_pretrained``, and which preset and seed made it."""
     directory.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(directory)
     (directory / PRESET_FILE).write_text(json.dumps({"preset": preset_name, "seed": seed,
@@ -277,9 +295,7 @@ class WanDenoiser(WanTrajectory):
         """One transformer forward: the model's prediction for ``latents`` at timestep ``t``
         (texts are never padded here, so ``text_mask`` is None), with the image ``condition``
         beside the latents' channels where the family takes one (``condition_shape``)."""
-        if (condition is None) != (self.condition_shape(spec) is None):
-            raise ValueError(f"request {spec.request_id}: this model's forwards take "
-                             f"{'no' if condition is not None else 'an'} image condition")
+        check_condition(spec, condition, takes=self.condition_shape(spec) is not None)
         model_input = (latents if condition is None
                        else torch.cat([latents, condition], dim=1)).to(self.transformer.dtype)
         return self.transformer(hidden_states=model_input, timestep=t.expand(latents.shape[0]),
@@ -345,7 +361,7 @@ class WanReference:
     """The monolithic ``WanPipeline``: what the three stages must equal."""
 
     def __init__(self, directory: Path, placement: Placement = CPU,
-                 pipeline_class: Any = None) -> None:
+                 pipeline_class: Callable[..., Any] | None = None) -> None:
         from diffusers import WanPipeline
 
         self.pipe = placed_pipeline(pipeline_class or WanPipeline, directory, placement)

@@ -6,11 +6,14 @@ first frame of an otherwise black video, VAE-encoded (its mode, no sample) and n
 after a mask that marks the first frame as given. It depends on the image and the video's
 geometry only, so the encode stage computes it once per image and geometry and every step of
 every request that animates that image takes it (``image_latent`` kind). The tiny model is
-Wan2.1's architecture without the CLIP image encoder (as Wan2.2's image-to-video is).
+Wan2.1's architecture without the CLIP image encoder (as Wan2.2's image-to-video is); a
+checkpoint that needs what this module does not run (a CLIP image embedding, two experts, or
+Wan2.2 TI2V's first-frame timesteps) is refused at load, naming the setting.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +32,34 @@ def build(directory: Path, preset_name: str, seed: int = 0) -> None:
     """Build the tiny image-to-video pipeline from ``seed`` and save it."""
     from diffusers import WanImageToVideoPipeline
 
-    parts = wan.components(preset_name, seed, condition_channels=CONDITION_CHANNELS)
-    wan.save_built(directory, WanImageToVideoPipeline(**parts), preset_name, seed)
+    # The condition's channels: the first-frame mask (one per pixel frame of a latent frame:
+    # the VAE's temporal factor, 4) and the VAE's latent channels (16).
+    parts = wan.components(preset_name, seed, condition_channels=4 + 16)
+    wan.save_built(directory, parts.pipeline(WanImageToVideoPipeline), preset_name, seed)
 
 
-# The condition's channels: the first-frame mask (one per pixel frame of a latent frame: the
-# VAE's temporal factor, 4) and the VAE's latent channels (16).
-MASK_CHANNELS = 4
-CONDITION_CHANNELS = MASK_CHANNELS + 16
+class UnsupportedCheckpointError(ValueError):
+    """A ``WanImageToVideoPipeline`` folder that takes what this family does not run."""
+
+
+def check_checkpoint(directory: Path) -> None:
+    """Refuse, naming the setting, a checkpoint whose pipeline takes another path than the
+    one the stages reproduce: they would give other outputs, silently."""
+    index = json.loads((directory / "model_index.json").read_text())
+    dit = json.loads((directory / "transformer" / "config.json").read_text())
+    for name, value in [("model_index.json boundary_ratio", index.get("boundary_ratio")),
+                        ("model_index.json expand_timesteps", index.get("expand_timesteps")),
+                        ("transformer image_dim", dit.get("image_dim"))]:
+        if value:
+            raise UnsupportedCheckpointError(
+                f"{directory}: {name} is {value!r}; the wan-i2v family runs Wan image-to-video "
+                "without it (no CLIP image embedding, one expert, one timestep per row)")
 
 
 def condition_fingerprint(directory: Path, placement: Placement) -> Fingerprint:
     """The VAE as it encodes the condition; the pipeline hands it float32 pixels."""
-    return vae_encode_fingerprint(directory, placement, torch.float32)
+    return vae_encode_fingerprint(directory, placement, torch.float32,
+                                  "image-to-video condition")
 
 
 class WanConditionEncoder:
@@ -60,6 +78,8 @@ class WanConditionEncoder:
 
     @torch.no_grad()
     def encode(self, image: Image.Image, width: int, height: int, frames: int) -> torch.Tensor:
+        """The condition of a video of ``frames`` at ``width`` x ``height`` whose first frame
+        is ``image``: (1, mask + latent channels, latent frames, latent height, width)."""
         vae, config = self.vae, self.vae.config
         temporal = config.scale_factor_temporal
         pixels = self.processor.preprocess(image, height=height, width=width).to(
@@ -83,30 +103,30 @@ class WanConditionEncoder:
 
 
 class WanI2VTrajectory(wan.WanTrajectory):
+    """Wan's trajectory, named by the encoder of the image that conditions it as well."""
+
     def __init__(self, directory: Path, placement: Placement = CPU) -> None:
+        check_checkpoint(directory)
         super().__init__(directory, placement)
         self.image_fingerprint = condition_fingerprint(directory, placement)
 
 
-class WanI2VDenoiser(wan.WanDenoiser):
+class WanI2VDenoiser(WanI2VTrajectory, wan.WanDenoiser):
     """The Wan DiT with the image's condition concatenated to its latents' channels."""
-
-    def __init__(self, directory: Path, placement: Placement = CPU) -> None:
-        super().__init__(directory, placement)
-        self.image_fingerprint = condition_fingerprint(directory, placement)
 
     def initial_latents(self, spec: GenerationSpec, image: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Generator]:
         """The pipeline's starting noise, as text-to-video draws it: the image is not part
         of it (``image`` is its condition, which each forward takes instead)."""
-        if spec.image is None:
-            raise ValueError(f"request {spec.request_id}: an image-to-video model needs an "
-                             "input image")
+        if spec.image is None or spec.image.strength is not None:
+            raise ValueError(f"request {spec.request_id}: an image-to-video model animates "
+                             "an input image from pure noise (an image, and no strength)")
         return self._noise(spec)
 
     def condition_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
         _, _, frames, height, width = self.latent_shape(spec)
-        return (1, CONDITION_CHANNELS, frames, height, width)
+        config = self.transformer.config
+        return (1, config.in_channels - config.out_channels, frames, height, width)
 
 
 class WanI2VReference(wan.WanReference):

@@ -61,8 +61,8 @@ class Rewrite:
 
 def eligible(spec: GenerationSpec) -> bool:
     """A request with one prompt for every step: a prompt schedule already says what each
-    step conditions on, so it is never rewritten (nor a source: see ``register``). An
-    image-to-image request is neither yet: its prompt vector would need its image."""
+    step conditions on, so it is never rewritten (nor a source: see ``register``). A
+    request with an input image is neither yet: its prompt vector would need its image."""
     return len(spec.schedule) == 1 and spec.image is None
 
 

@@ -26,7 +26,15 @@ from cachesvc.ledger import Ledger
 from cachesvc.output_files import OutputFiles
 from cachesvc.settings import WorkerSettings
 from cachesvc.tensor_cache import TensorCache
-from keys import ChainLink, GenerationSpec, KeyKind, StoreKey, adapted, latents_key
+from keys import (
+    ChainLink,
+    GenerationSpec,
+    ImageInput,
+    KeyKind,
+    StoreKey,
+    adapted,
+    latents_key,
+)
 from workers.engine.core import DenoiseEngine
 from workers.engine.run import AdapterSet, DenoiseRun, Embeddings
 from workers.engine.step_cache import RunStepCache
@@ -79,7 +87,10 @@ class DenoiseHandler:
             request_id="warm-up", tenant="warm-up", prompt="", width=defaults.width,
             height=defaults.height, num_frames=defaults.frames(limits.video),
             num_inference_steps=defaults.num_inference_steps,
-            guidance_scale=defaults.guidance_scale, seed=0)
+            guidance_scale=defaults.guidance_scale, seed=0,
+            # Every request to an image-to-video model names an image (a stand-in here:
+            # the warm-up's rows are noise, its condition too).
+            image=ImageInput("0" * 32, strength=None) if limits.image_to_video else None)
         start = time.perf_counter()
         sizes = self.engine.warm_up(spec, self.settings.warm_up_s)
         log.info("warm-up at %dx%dx%d in %.1f s: batched rows proven exact for %s",
@@ -106,7 +117,12 @@ class DenoiseHandler:
         # An input image's encoding either starts the trajectory (image-to-image) or is the
         # condition every forward takes (image-to-video: the family gives its shape).
         image = embeds.get(IMAGE)
-        condition = image if self.model.condition_shape(spec) is not None else None
+        takes_condition = self.model.condition_shape(spec) is not None
+        if takes_condition and image is None:
+            # Checked here, not in a forward that other runs share.
+            raise ValueError(f"request {spec.request_id}: its job names no image condition, "
+                             "which every forward of this model takes")
+        condition = image if takes_condition else None
         if found is None:
             latents, rng = self.model.initial_latents(spec, None if image is None else image[1])
             run = DenoiseRun(ctx, delivery, spec, embeds, links, scheduler, rng, latents,
