@@ -250,8 +250,15 @@ def check_condition(spec: GenerationSpec, condition: torch.Tensor | None,
 
 def placed_pipeline(pipeline_class: Any, directory: Path, placement: Placement) -> Any:
     """A monolithic pipeline with each component where the workers put it: the DiT and the
-    text encoder in their dtype, the VAE in its own, all on the device."""
-    pipe = pipeline_class.from_pretrained(directory, dtype=placement.dit_dtype)
+    text encoder in their dtype, the VAE in its own, all on the device. The VAE is loaded in
+    its dtype, as the workers load it: loaded with the rest and cast after, its weights would
+    have been rounded through the DiT's (bfloat16 on a GPU)."""
+    import diffusers
+
+    _, vae_class = json.loads((directory / "model_index.json").read_text())["vae"]
+    vae = getattr(diffusers, vae_class).from_pretrained(directory / "vae",
+                                                        dtype=placement.vae_dtype)
+    pipe = pipeline_class.from_pretrained(directory, vae=vae, dtype=placement.dit_dtype)
     pipe.text_encoder.to(placement.device, placement.text_dtype)
     pipe.transformer.to(placement.device, placement.dit_dtype)
     pipe.vae.to(placement.device, placement.vae_dtype)
