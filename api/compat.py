@@ -86,9 +86,7 @@ def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request,
     from its checkpoint if the abandonment cancelled it, instead of queueing another."""
     served = svc.served()
     check_model(body.model, served)
-    if served.limits.image_to_video:
-        raise FieldError("model", f"the served {served.family} model animates images: send "
-                         "one to POST /v1/videos as input_reference")
+    _makes_images(served, "model")
     width, height = _size(body.size)
     generate = GenerateBody(
         prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
@@ -119,9 +117,7 @@ def edits(form: Annotated[EditsForm, Form()], who: Tenant, svc: Svc, request: Re
     runs image-to-image from it."""
     served = svc.served()
     check_model(form.model, served)
-    if served.limits.image_to_video:
-        raise FieldError("image", f"the served {served.family} model animates images: send "
-                         "it to POST /v1/videos as input_reference")
+    _makes_images(served, "image")
     if mask is not None:
         raise FieldError("mask", "inpainting is not served yet; send the image alone")
     files = [*(image or ()), *(images or ())]
@@ -140,6 +136,14 @@ def edits(form: Annotated[EditsForm, Form()], who: Tenant, svc: Svc, request: Re
     call = SyncCall(form, form.model_dump_json().encode() + kept.hash.encode(),
                     idempotency_key, x_stainless_retry_count)
     return _answered(svc, who, request, generate, call, kept)
+
+
+def _makes_images(served: ServedModel, field: str) -> None:
+    """OpenAI's image routes answer with an image: an image-to-video model is refused there,
+    naming ``field`` (what the route's caller gave that does not fit)."""
+    if served.limits.image_to_video:
+        raise FieldError(field, f"the served {served.family} model animates images: send "
+                         "one to POST /v1/videos as input_reference")
 
 
 @dataclass(frozen=True, slots=True)

@@ -372,19 +372,24 @@ class WanReference:
         each segment's end through the pipeline's step-end callback (guidance stays one)."""
         if spec.image is not None or image is not None:
             raise ValueError(f"request {spec.request_id}: the wan family takes no input image")
+        return self._frames(spec, {})
+
+    def _frames(self, spec: GenerationSpec, inputs: dict[str, Any]) -> np.ndarray:
+        """The pipeline's frames for ``spec``, given ``inputs`` beside the prompt (an
+        image-to-video pipeline's image)."""
         segment = spec.schedule[0]
         if any(spec.guidance_of(s) != spec.guidance_scale for s in spec.schedule):
             raise ValueError("the reference switches prompts, not guidance, mid-schedule")
         config = (hook_config(spec.step_cache, spec.num_inference_steps, ATTENTION,
                               self.mag_ratios) if spec.step_cache.on else None)
         with hooks_enabled(self.pipe.transformer, config):
-            frames = self.pipe(segment.prompt, negative_prompt=segment.negative_prompt,
+            frames = self.pipe(prompt=segment.prompt, negative_prompt=segment.negative_prompt,
                                height=spec.height, width=spec.width,
                                num_frames=spec.num_frames,
                                num_inference_steps=spec.num_inference_steps,
                                guidance_scale=spec.guidance_scale,
                                generator=torch.Generator().manual_seed(spec.seed),
-                               output_type="np", **self._switches(spec)).frames
+                               output_type="np", **inputs, **self._switches(spec)).frames
         return to_uint8(frames[0])
 
     def _switches(self, spec: GenerationSpec) -> dict[str, Any]:

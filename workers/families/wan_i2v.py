@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -23,8 +22,7 @@ from PIL import Image
 
 from keys import Fingerprint, GenerationSpec
 from workers.families import wan
-from workers.families.base import CPU, Family, Placement, to_uint8, vae_encode_fingerprint
-from workers.families.step_cache import hook_config, hooks_enabled
+from workers.families.base import CPU, Family, Placement, vae_encode_fingerprint
 from workers.queue.served_model import FamilyLimits
 
 
@@ -140,17 +138,7 @@ class WanI2VReference(wan.WanReference):
     def __call__(self, spec: GenerationSpec, image: Image.Image | None = None) -> np.ndarray:
         if spec.image is None or image is None:
             raise ValueError(f"request {spec.request_id}: image-to-video needs its image")
-        segment = spec.schedule[0]
-        config = (hook_config(spec.step_cache, spec.num_inference_steps, wan.ATTENTION,
-                              self.mag_ratios) if spec.step_cache.on else None)
-        call: dict[str, Any] = dict(
-            negative_prompt=segment.negative_prompt, height=spec.height, width=spec.width,
-            num_frames=spec.num_frames, num_inference_steps=spec.num_inference_steps,
-            guidance_scale=spec.guidance_scale,
-            generator=torch.Generator().manual_seed(spec.seed), output_type="np")
-        with hooks_enabled(self.pipe.transformer, config):
-            frames = self.pipe(image, segment.prompt, **call, **self._switches(spec)).frames
-        return to_uint8(frames[0])
+        return self._frames(spec, {"image": image})
 
 
 # A request to this model must give an image, which conditions every step.
