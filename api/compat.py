@@ -5,7 +5,7 @@ video jobs (from text, or animating an input image), mapped onto the same queue 
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Annotated
 
@@ -107,33 +107,37 @@ def edits(form: Annotated[EditsForm, Form()], who: Tenant, svc: Svc, request: Re
                                                          "edit")] = None,
           images: Annotated[list[UploadFile] | None, File(
               alias="image[]", description="as the client sends a list; one is served")] = None,
-          mask: Annotated[UploadFile | None, File(description="refused: inpainting is not "
-                                                  "served yet")] = None,
+          mask: Annotated[UploadFile | None, File(description="inpainting: repaint where "
+                                                  "it is fully transparent (or white, if it "
+                                                  "has no transparency); the image's size")
+                          ] = None,
           idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
           x_stainless_retry_count: Annotated[int | None, Header(ge=0)] = None
           ) -> dict[str, object]:
     """OpenAI-compatible and synchronous, as ``/v1/images/generations``: the uploaded image
-    is kept as ``POST /v1/images`` keeps it (once the request is admitted) and the prompt
-    runs image-to-image from it."""
+    (and mask) is kept as ``POST /v1/images`` keeps it (once the request is admitted) and the
+    prompt runs image-to-image from it, inpainting where a mask is given."""
     served = svc.served()
     check_model(form.model, served)
     _makes_images(served, "image")
-    if mask is not None:
-        raise FieldError("mask", "inpainting is not served yet; send the image alone")
     files = [*(image or ()), *(images or ())]
     field = "image[]" if images and not image else "image"
     if len(files) != 1:
         raise FieldError(field, f"give exactly one image (got {len(files)}): the served "
                          "model edits one image at a time")
-    kept = svc.decoded_image(files[0].file.read(), field)  # kept once admitted
+    kept = [svc.decoded_image(files[0].file.read(), field)]  # kept once admitted
+    if mask is not None:
+        kept.append(svc.decoded_image(mask.file.read(), "mask"))
     width, height = _size(form.size)
     generate = GenerateBody(
         prompt=form.prompt, negative_prompt=form.negative_prompt, width=width,
         height=height, num_frames=1, num_inference_steps=form.num_inference_steps,
         guidance_scale=form.guidance_scale, seed=form.seed, output_format=OutputFormat.PNG,
-        image=kept.hash, strength=form.strength)
-    # The same fields on the same pixels are the same call, however the file was encoded.
-    call = SyncCall(form, form.model_dump_json().encode() + kept.hash.encode(),
+        image=kept[0].hash, strength=form.strength,
+        mask=kept[1].hash if mask is not None else None)
+    # The same fields on the same pixels are the same call, however the files were encoded.
+    call = SyncCall(form, form.model_dump_json().encode()
+                    + b"".join(k.hash.encode() for k in kept),
                     idempotency_key, x_stainless_retry_count)
     return _answered(svc, who, request, generate, call, kept)
 
@@ -163,19 +167,19 @@ class SyncCall:
 
 
 def _answered(svc: Service, who: str, request: Request, generate: GenerateBody,
-              call: SyncCall, upload: InputImage | None = None) -> dict[str, object]:
+              call: SyncCall, uploads: Sequence[InputImage] = ()) -> dict[str, object]:
     """Queue ``generate`` for ``call`` (or join the request an earlier try of it made), wait
-    for it, and answer as OpenAI's image routes do; ``upload``: the image ``generate`` names,
-    decoded but not yet kept."""
+    for it, and answer as OpenAI's image routes do; ``uploads``: the images ``generate``
+    names, decoded but not yet kept."""
     name = call.name
     svc.attend_call(who, name)
     try:
         if call.idempotency_key is not None:
             request_id = (svc.join_call(who, call.idempotency_key)
-                          or svc.generate(who, generate, call.idempotency_key, upload))
+                          or svc.generate(who, generate, call.idempotency_key, uploads))
         else:
             joined = svc.join_call(who, name) if call.retry_count else None
-            request_id = joined or svc.generate(who, generate, upload=upload)
+            request_id = joined or svc.generate(who, generate, uploads=uploads)
             svc.remember_call(who, name, request_id)
     except BaseException:
         svc.leave_call(who, name)

@@ -1,11 +1,12 @@
 """``/v1/images``: upload a tenant's input images, and read one back. An upload is the raw
-file as the body (PNG, JPEG, WebP, ...), kept as its normalised pixels under their hash."""
+file as the body (PNG, JPEG, WebP, ...), kept as its normalised pixels under their hash (an
+inpainting mask as 8-bit grey: ``?kind=mask``)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 
 from api.deps import Svc, Tenant
 from api.schemas import ImageOut
@@ -18,9 +19,13 @@ ContentHash = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")]
 
 
 @router.post(UPLOADS, status_code=201, response_model=ImageOut)
-async def upload(request: Request, who: Tenant, svc: Svc) -> ImageOut:
+async def upload(request: Request, who: Tenant, svc: Svc,
+                 kind: Annotated[Literal["image", "mask"], Query(
+                     description="mask: kept as an inpainting mask (8-bit grey, white where "
+                     "the prompt repaints: its fully transparent pixels if it has "
+                     "transparency, else its light ones)")] = "image") -> ImageOut:
     """Store an image; requests refer to it by the hash answered."""
-    image = svc.add_image(who, await request.body())
+    image = svc.add_image(who, await request.body(), kind)
     return ImageOut(hash=image.hash, width=image.width, height=image.height)
 
 

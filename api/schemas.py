@@ -163,6 +163,11 @@ class GenerateBody(BaseModel):
     strength: float | None = Field(None, gt=0, le=1, description="image-to-image only: how "
                                    "far the image is noised (1: from noise, as with no "
                                    f"image); default {DEFAULT_STRENGTH}")
+    mask: str | None = Field(None, pattern=INPUT_IMAGE, description="image-to-image only, "
+                             "for inpainting: a mask of the image's size, as image is given "
+                             "(a hash or a data URL); the prompt repaints where it is white, "
+                             "or where it is fully transparent if it has transparency (as "
+                             "OpenAI reads a mask), and every step keeps the rest of the image")
 
 
 class Overrides(BaseModel):

@@ -10,6 +10,7 @@ import base64
 import binascii
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from uuid import uuid4
@@ -40,7 +41,7 @@ from cachesvc.adapters import AdapterInfo, AdapterRegistry
 from cachesvc.cache_link import CacheLink
 from cachesvc.connect import RedisClient
 from cachesvc.errors import CacheError, StoreUnavailableError
-from cachesvc.images import ImageStore, InputImage, normalise
+from cachesvc.images import ImageStore, InputImage, normalise, normalise_mask
 from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
 from cachesvc.supervisor import ChildStatus, read_published
@@ -152,10 +153,38 @@ def reuse_status(record: RequestRecord) -> ReuseStatus:
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """A request that passed admission, and the image that came with it, still to keep."""
+    """A request that passed admission, and the images that came with it, still to keep."""
 
     spec: GenerationSpec
-    upload: InputImage | None
+    uploads: tuple[InputImage, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Named:
+    """An input image a request names: its hash, its size where it was read, and itself
+    where it came with the request, still to keep."""
+
+    hash: str
+    size: tuple[int, int] | None
+    to_keep: tuple[InputImage, ...] = ()
+
+
+def _strength(body: GenerateBody, served: ServedModel, steps: int) -> float | None:
+    """How far an image-to-image request's image is noised; None for image-to-video, where
+    the image conditions every step."""
+    if served.limits.image_to_video:
+        if body.strength is not None:
+            raise FieldError("strength", f"applies to image-to-image only; the served "
+                             f"{served.family} model animates the image from pure noise")
+        return None
+    strength = DEFAULT_STRENGTH if body.strength is None else body.strength
+    if start_step(steps, strength) >= steps:
+        raise FieldError("strength", f"{strength} leaves none of the {steps} steps to run")
+    return strength
+
+
+def _wxh(size: tuple[int, int] | None) -> str:
+    return "?" if size is None else f"{size[0]}x{size[1]}"
 
 
 @dataclass
@@ -185,9 +214,9 @@ class Service:
         return self.store.cache
 
     def spec_for(self, tenant: str, body: GenerateBody, served: ServedModel,
-                 upload: InputImage | None = None) -> Admitted:
-        """The request ``body`` asks for, checked against every limit; ``upload``: an image
-        its caller decoded, not yet kept, which ``body.image`` may name."""
+                 uploads: Sequence[InputImage] = ()) -> Admitted:
+        """The request ``body`` asks for, checked against every limit; ``uploads``: images
+        its caller decoded, not yet kept, which ``body.image`` and ``body.mask`` may name."""
         if (body.prompt is None) == (body.schedule is None):
             raise FieldError("prompt", "give either prompt or schedule (exactly one)")
         steps = body.num_inference_steps
@@ -201,7 +230,7 @@ class Service:
         if body.schedule is not None:
             schedule = segments_from(body.schedule, body.negative_prompt, "schedule", 0,
                                      asked.steps)
-        image, upload = self.image_for(tenant, body, served, asked.steps, upload)
+        image, uploads = self.image_for(tenant, body, served, asked.steps, uploads)
         fixed = ("a request with a schedule cannot use it (give prompt instead)"
                  if body.schedule is not None else
                  "a request with an input image cannot use it yet" if image else None)
@@ -221,53 +250,64 @@ class Service:
                 else served.step_caches, served.family),
             reuse=reuse_from(body.reuse, self.settings.api.reuse_defaults.get(
                 tenant, ReuseMode.EXACT), fixed), image=image)
-        return Admitted(self.queue.admission.within_cost(spec, served), upload)
+        return Admitted(self.queue.admission.within_cost(spec, served), uploads)
 
     def image_for(self, tenant: str, body: GenerateBody, served: ServedModel, steps: int,
-                  upload: InputImage | None) -> tuple[ImageInput | None, InputImage | None]:
+                  uploads: Sequence[InputImage]
+                  ) -> tuple[ImageInput | None, tuple[InputImage, ...]]:
         """The input image a request starts from (image-to-image) or animates
-        (image-to-video), put back in the store if it was lost (another tenant's reads as
-        unknown, 404); and the image still to keep, where it came with the request (inline,
-        or ``upload``)."""
+        (image-to-video), with its inpainting mask if it has one, each put back in the store
+        if it was lost (another tenant's reads as unknown, 404); and the images still to
+        keep, those that came with the request (inline, or in ``uploads``)."""
         limits = served.limits
         if body.image is None:
             if limits.image_to_video:
                 raise FieldError("image", f"the served {served.family} model animates an "
                                  "input image: give one")
-            if body.strength is not None:
-                raise FieldError("strength", "applies to image-to-image only; give image too")
-            return None, None
+            for field in ("strength", "mask"):
+                if getattr(body, field) is not None:
+                    raise FieldError(field, "applies to image-to-image only; give image too")
+            return None, ()
         if not (limits.image_to_image or limits.image_to_video):
             raise FieldError("image", f"the served {served.family} model takes no input image")
         if body.step_cache is not None and body.step_cache.policy is StepCachePolicy.MAGCACHE:
             # Its ratios were calibrated on text-only trajectories from step 0.
             raise FieldError("step_cache.policy", "requests with an input image cannot use "
                              "magcache (its ratios were calibrated on text-only trajectories)")
-        strength: float | None = None  # image-to-video: the image conditions every step
-        if limits.image_to_video:
-            if body.strength is not None:
-                raise FieldError("strength", f"applies to image-to-image only; the served "
-                                 f"{served.family} model animates the image from pure noise")
-        else:
-            strength = DEFAULT_STRENGTH if body.strength is None else body.strength
-            if start_step(steps, strength) >= steps:
-                raise FieldError("strength",
-                                 f"{strength} leaves none of the {steps} steps to run")
-        if body.image.startswith("data:"):
-            upload = self.inline_image(body.image)
-        elif upload is None or upload.hash != body.image:
-            self.images.ensure_stored(tenant, body.image)
-            upload = None
-        return ImageInput(upload.hash if upload else body.image, strength), upload
+        if body.mask is not None and not limits.inpainting:
+            raise FieldError("mask", f"the served {served.family} model does no inpainting")
+        strength = _strength(body, served, steps)
+        given = {upload.hash: upload for upload in uploads}
+        image = self._input_image(tenant, body.image, given, "image", body.mask is not None)
+        if body.mask is None:
+            return ImageInput(image.hash, strength), image.to_keep
+        mask = self._input_image(tenant, body.mask, given, "mask", sized=True)
+        if mask.size != image.size:
+            raise FieldError("mask", f"is {_wxh(mask.size)}, the image {_wxh(image.size)}: "
+                             "a mask is its image's size")
+        return ImageInput(image.hash, strength, mask.hash), image.to_keep + mask.to_keep
 
-    def inline_image(self, data_url: str) -> InputImage:
-        """An image given inline, decoded and checked as an upload is (kept once its request
-        is admitted): requests name it by its hash after."""
+    def _input_image(self, tenant: str, given: str, uploads: dict[str, InputImage],
+                     field: str, sized: bool) -> Named:
+        """The image or mask ``given`` as a hash or a data URL (decoded, to keep), or one of
+        ``uploads`` by its hash, else checked kept (and, if ``sized``, its size read)."""
+        upload = (self.inline_image(given, field) if given.startswith("data:")
+                  else uploads.get(given))
+        if upload is not None:
+            return Named(upload.hash, (upload.width, upload.height), (upload,))
+        if sized:
+            return Named(given, self.images.stored_size(tenant, given, field))
+        self.images.ensure_stored(tenant, given, field)
+        return Named(given, None)
+
+    def inline_image(self, data_url: str, field: str = "image") -> InputImage:
+        """An image (or, for ``field`` mask, a mask) given inline, decoded and checked as an
+        upload is (kept once its request is admitted): requests name it by its hash after."""
         try:
             data = base64.b64decode(data_url.partition(",")[2], validate=True)
         except binascii.Error as exc:
-            raise FieldError("image", f"is not valid base64 ({exc})") from None
-        return self.decoded_image(data)
+            raise FieldError(field, f"is not valid base64 ({exc})") from None
+        return self.decoded_image(data, field)
 
     def loras_for(self, tenant: str, loras: list[LoraBody]) -> tuple[LoraUse, ...]:
         """The tenant's adapters a request names; another tenant's read as unknown (404)."""
@@ -297,9 +337,11 @@ class Service:
         return self.adapters.add(tenant, name, data, linears)
 
     def decoded_image(self, data: bytes, field: str = "image") -> InputImage:
-        """An image file decoded and normalised, within the API's limits; not kept yet."""
+        """An image file decoded and normalised, within the API's limits (a ``field`` mask
+        as a mask: ``normalise_mask``); not kept yet."""
         api = self.settings.api
-        return normalise(data, api.max_image_bytes, api.max_image_pixels, field)
+        read = normalise_mask if field == "mask" else normalise
+        return read(data, api.max_image_bytes, api.max_image_pixels, field)
 
     def add_image(self, tenant: str, data: bytes, field: str = "image") -> InputImage:
         image = self.decoded_image(data, field)
@@ -316,19 +358,19 @@ class Service:
         return self.queue.served()
 
     def generate(self, tenant: str, body: GenerateBody, idem: str | None = None,
-                 upload: InputImage | None = None) -> str:
+                 uploads: Sequence[InputImage] = ()) -> str:
         """Admit and submit; with an idempotency key, a repeat returns the first request.
-        An image that came with the request (inline, or ``upload``) is kept only once the
-        request is admitted: a refused request leaves nothing behind."""
+        An image that came with the request (inline, or in ``uploads``) is kept only once
+        the request is admitted: a refused request leaves nothing behind."""
         if idem is not None:
             existing = self.redis.get(idempotency_key(tenant, idem))
             if existing is not None:
                 return existing.decode()  # type: ignore[union-attr]
         served = self.served()  # read once: the limits and the record name the same model
-        admitted = self.spec_for(tenant, body, served, upload)
+        admitted = self.spec_for(tenant, body, served, uploads)
         spec = admitted.spec
-        if admitted.upload is not None:
-            self.images.add(tenant, admitted.upload)
+        for upload in admitted.uploads:
+            self.images.add(tenant, upload)
         # First writer wins; a concurrent duplicate gets the winner's id.
         if idem is not None and not self.redis.set(idempotency_key(tenant, idem),
                                                    spec.request_id, nx=True,
@@ -437,6 +479,8 @@ class Service:
         recompute anything but an upload."""
         if spec.image is not None:
             self.images.ensure_stored(spec.tenant, spec.image.hash)
+            if spec.image.mask is not None:
+                self.images.ensure_stored(spec.tenant, spec.image.mask, "mask")
         for lora in spec.loras:
             self.adapters.ensure_stored(spec.tenant, lora.hash)
 

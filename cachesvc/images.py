@@ -1,6 +1,7 @@
 """Input images as content: an upload decoded safely (its pixel count checked before any pixel
-is decoded), turned upright by its EXIF orientation and into 8-bit RGB, named by the hash of
-those pixels, and stored per tenant in the store and on disk beside it, as adapters are."""
+is decoded), turned upright by its EXIF orientation and into 8-bit RGB (a mask: 8-bit grey),
+named by the hash of those pixels, and stored per tenant in the store and on disk beside it,
+as adapters are."""
 
 from __future__ import annotations
 
@@ -42,9 +43,10 @@ class InputImage:
 
 
 def pixel_hash(image: Image.Image) -> str:
-    """xxh3-128 of an RGB image's size and pixels: one name for the same picture however it
-    was encoded."""
-    header = f"rgb8:{image.width}x{image.height}:".encode()
+    """xxh3-128 of an RGB image's size and pixels (or of a mask's, under another name): one
+    name for the same picture however it was encoded."""
+    kind = "mask8" if image.mode == "L" else "rgb8"
+    header = f"{kind}:{image.width}x{image.height}:".encode()
     return xxhash.xxh3_128_hexdigest(header + image.tobytes())
 
 
@@ -52,6 +54,25 @@ def normalise(data: bytes, max_bytes: int, max_pixels: int, field: str = "image"
               ) -> InputImage:
     """The upload ``data`` as an InputImage; ImageError naming ``field`` for anything that is
     not a whole image of at most ``max_bytes`` and ``max_pixels`` in a mode kept exactly."""
+    return _kept(_upright(data, max_bytes, max_pixels, field).convert("RGB"))
+
+
+def normalise_mask(data: bytes, max_bytes: int, max_pixels: int, field: str = "mask"
+                   ) -> InputImage:
+    """An inpainting mask as 8-bit grey, white where the prompt repaints: an image with
+    transparency marks those places by its fully transparent pixels, as OpenAI's
+    ``images.edit`` reads a mask; an opaque one is read as the diffusers pipelines read it
+    (its grey level, binarised at half by the pipeline after its resize)."""
+    upright = _upright(data, max_bytes, max_pixels, field)
+    if "A" in upright.mode or "a" in upright.mode or "transparency" in upright.info:
+        alpha = upright.convert("RGBA").getchannel("A")
+        return _kept(alpha.point(lambda a: 255 if a == 0 else 0))
+    return _kept(upright.convert("L"))
+
+
+def _upright(data: bytes, max_bytes: int, max_pixels: int, field: str) -> Image.Image:
+    """``data`` decoded within the limits (its pixel count checked before any pixel is) and
+    turned upright by its EXIF orientation."""
     if len(data) > max_bytes:
         raise ImageError(field, f"{len(data)} bytes; at most {max_bytes} (api.max_image_bytes)",
                          413)
@@ -76,13 +97,15 @@ def normalise(data: bytes, max_bytes: int, max_pixels: int, field: str = "image"
                              "lose precision in 8-bit RGB; send an 8-bit image")
         try:
             opened.load()
-            upright = ImageOps.exif_transpose(opened)
-            rgb = upright.convert("RGB")
+            return ImageOps.exif_transpose(opened)
         except (OSError, ValueError, SyntaxError) as exc:
             raise ImageError(field, f"truncated or corrupt image ({exc})") from None
+
+
+def _kept(pixels: Image.Image) -> InputImage:
     out = io.BytesIO()
-    rgb.save(out, format="PNG")
-    return InputImage(pixel_hash(rgb), rgb.width, rgb.height, out.getvalue())
+    pixels.save(out, format="PNG")
+    return InputImage(pixel_hash(pixels), pixels.width, pixels.height, out.getvalue())
 
 
 class ImageStore:
@@ -106,6 +129,16 @@ class ImageStore:
         if not self._cache().exists(key) and self._restored(key) is None:
             raise ImageError(field, f"no image {content_hash}; upload it with POST /v1/images",
                              404)
+
+    def stored_size(self, tenant: str, content_hash: str, field: str) -> tuple[int, int]:
+        """The image's width and height, from the header of its PNG (put back in the store
+        if the store lost it); ImageError (404, naming ``field``) if the tenant has none."""
+        data = self.read(tenant, content_hash)
+        if data is None:
+            raise ImageError(field, f"no image {content_hash}; upload it with POST /v1/images",
+                             404)
+        with Image.open(io.BytesIO(data)) as opened:
+            return opened.size
 
     def read(self, tenant: str, content_hash: str) -> bytes | None:
         """The image's PNG, put back in the store from its file if the store lost it; None if

@@ -150,14 +150,15 @@ def format_for(out: str, asked: str | None, video: bool | None = None) -> str:
 
 
 def call_and_follow(api_url: str, api_key: str | None, path: str, body: Mapping[str, object],
-                    out: str, console: Console, image: Path | None = None) -> None:
+                    out: str, console: Console, files: Mapping[str, Path] | None = None
+                    ) -> None:
     """POST a request (``/v1/generate`` or ``/v1/resume``), follow its events with a progress
-    bar, then fetch the result; with ``image``, upload it first and start from it. Every
-    failure it can foresee is one line."""
+    bar, then fetch the result; with ``files`` (``image``, ``mask``: a path each), upload
+    them first and name them. Every failure it can foresee is one line."""
     import httpx
 
     try:
-        _call_and_follow(api_url, api_key, path, body, out, console, image)
+        _call_and_follow(api_url, api_key, path, body, out, console, files or {})
     except httpx.ConnectError:
         raise SystemExit(f"error: no API at {api_url}; is `diffcache up` running?") from None
     except httpx.TimeoutException as exc:
@@ -168,15 +169,14 @@ def call_and_follow(api_url: str, api_key: str | None, path: str, body: Mapping[
 
 def _call_and_follow(api_url: str, api_key: str | None, path: str,
                      body: Mapping[str, object], out: str, console: Console,
-                     image: Path | None) -> None:
+                     files: Mapping[str, Path]) -> None:
     import json
 
     import httpx
 
     headers = {"X-API-Key": api_key} if api_key else {}
     with httpx.Client(base_url=api_url, headers=headers, timeout=30) as http:
-        if image is not None:
-            body = {**body, "image": _uploaded(http, image)}
+        body = {**body, **{field: _uploaded(http, field, path) for field, path in files.items()}}
         accepted = http.post(path, json=body)
         if accepted.status_code != 202:
             raise SystemExit(f"error: refused ({accepted.status_code}): {_error(accepted)}")
@@ -207,12 +207,13 @@ def _call_and_follow(api_url: str, api_key: str | None, path: str,
                       f"{reuse['similarity']:.3f}, seed {reuse['effective_seed']})")
 
 
-def _uploaded(http: httpx.Client, image: Path) -> str:
-    """The hash the API keeps ``image`` under, uploaded with ``POST /v1/images`` (the same
-    pixels uploaded again are the same image, so nothing is kept twice)."""
-    kept = http.post("/v1/images", content=image.read_bytes())
+def _uploaded(http: httpx.Client, field: str, image: Path) -> str:
+    """The hash the API keeps ``image`` under, uploaded with ``POST /v1/images`` as the
+    request's ``field`` (an image or a mask; the same pixels uploaded again are the same
+    image, so nothing is kept twice)."""
+    kept = http.post("/v1/images", content=image.read_bytes(), params={"kind": field})
     if kept.status_code != 201:
-        raise SystemExit(f"error: --image {image} refused ({kept.status_code}): "
+        raise SystemExit(f"error: --{field} {image} refused ({kept.status_code}): "
                          f"{_error(kept)}")
     return str(kept.json()["hash"])
 

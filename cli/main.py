@@ -289,6 +289,10 @@ def generate(
     strength: float | None = typer.Option(None, help="image-to-image: how far it is noised, "
                                           "above 0 and at most 1 (default: the server's, "
                                           "0.6)"),
+    mask: Path | None = typer.Option(None, exists=True, dir_okay=False, readable=True,
+                                     help="inpainting, with --image: repaint where this "
+                                     "picture is white (or fully transparent, if it has "
+                                     "transparency), keep the rest; the image's size"),
     api_key: str | None = typer.Option(None, help="sent as X-API-Key"),
 ) -> None:
     """Generate through the REST API with a progress bar; prints cache hits and timings.
@@ -306,7 +310,8 @@ def generate(
         "guidance_scale": guidance_scale, "priority": priority,
         "reuse": None if reuse is None else {"mode": reuse},
         "strength": strength}.items() if v is not None}
-    call_and_follow(_api_base(), api_key, "/v1/generate", body, out, console, image)
+    files = {field: path for field, path in (("image", image), ("mask", mask)) if path}
+    call_and_follow(_api_base(), api_key, "/v1/generate", body, out, console, files)
 
 
 @app.command()

@@ -1,12 +1,14 @@
 """Image conditions: an uploaded input image encoded by the family's VAE at a request's size
-(and frame count, for image-to-video), looked up with single-flight and computed on a miss
-from the stored image. The key names the image by the hash of its pixels, so every request
-that edits or animates it at that geometry shares one encode, whatever its prompt or seed."""
+(and frame count, for image-to-video), or an inpainting mask brought to the latents' size,
+looked up with single-flight and computed on a miss from the stored image. The key names the
+image by the hash of its pixels, so every request that edits or animates it at that geometry
+shares one encode, whatever its prompt or seed."""
 
 from __future__ import annotations
 
 import functools
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +24,9 @@ class ImageModel(Protocol):
     """What a model family that takes input images provides."""
 
     fingerprint: Fingerprint
+    # How a mask becomes the latents' mask (``encode_mask``); None for a family that does
+    # no inpainting.
+    mask_fingerprint: Fingerprint | None
 
     def encode(self, image: Image.Image, width: int, height: int, frames: int) -> torch.Tensor:
         """``image`` resized to ``width`` x ``height`` as the family's pipeline resizes it,
@@ -29,6 +34,12 @@ class ImageModel(Protocol):
         distribution (its parameters: the pipeline samples from it with the request's seed, so
         the sample is the denoiser's to draw); for image-to-video, to the condition of a video
         of ``frames`` whose first frame it is, which every step takes."""
+        ...
+
+    def encode_mask(self, mask: Image.Image, width: int, height: int) -> torch.Tensor:
+        """An inpainting ``mask`` (8-bit grey) resized to ``width`` x ``height`` and
+        binarised as the family's inpainting pipeline does, then brought to the latents'
+        size: 1 where the prompt repaints, 0 where each step keeps the input image."""
         ...
 
 
@@ -53,18 +64,36 @@ def encode_image(cache: TensorCache, model: ImageModel, spec: GenerationSpec,
         raise ValueError(f"request {spec.request_id} names no input image")
     key = image_latent_key(spec.tenant, model.fingerprint, spec.image.hash, spec.width,
                            spec.height, spec.num_frames)
-    compute = functools.partial(_encode_stored, cache, model, spec)
-    cached = cache.get_or_compute(key, compute, ledger)
-    return EncodedImage(key, cached.tensor)
+    compute = functools.partial(_encode_stored, cache, spec, spec.image.hash, "RGB",
+                                lambda image: model.encode(image, spec.width, spec.height,
+                                                           spec.num_frames))
+    return EncodedImage(key, cache.get_or_compute(key, compute, ledger).tensor)
 
 
-def _encode_stored(cache: TensorCache, model: ImageModel, spec: GenerationSpec) -> torch.Tensor:
-    assert spec.image is not None
-    stored = cache.get(image_key(spec.tenant, spec.image.hash), lookup=False)  # an input
+def encode_mask(cache: TensorCache, model: ImageModel, spec: GenerationSpec,
+                ledger: Ledger | None = None) -> EncodedImage:
+    """``spec``'s inpainting mask at its latents' size, from the cache where possible (one
+    per mask and geometry, as an image's encoding is); the lookup counted in ``ledger``."""
+    if spec.image is None or spec.image.mask is None:
+        raise ValueError(f"request {spec.request_id} names no inpainting mask")
+    if model.mask_fingerprint is None:
+        raise ValueError(f"request {spec.request_id} names an inpainting mask, but the served "
+                         "family does no inpainting")
+    key = image_latent_key(spec.tenant, model.mask_fingerprint, spec.image.mask, spec.width,
+                           spec.height, spec.num_frames)
+    compute = functools.partial(_encode_stored, cache, spec, spec.image.mask, "L",
+                                lambda mask: model.encode_mask(mask, spec.width, spec.height))
+    return EncodedImage(key, cache.get_or_compute(key, compute, ledger).tensor)
+
+
+def _encode_stored(cache: TensorCache, spec: GenerationSpec, content_hash: str, mode: str,
+                   encode: Callable[[Image.Image], torch.Tensor]) -> torch.Tensor:
+    """``encode`` of the stored image ``content_hash``, read in ``mode``."""
+    stored = cache.get(image_key(spec.tenant, content_hash), lookup=False)  # an input
     if stored is None:
-        raise ImageLostError(f"request {spec.request_id}: input image {spec.image.hash} of "
+        raise ImageLostError(f"request {spec.request_id}: input image {content_hash} of "
                              f"tenant {spec.tenant} is not in the store; upload it again")
     # The PNG the API wrote from pixels it had checked (size, mode), read back checksummed.
     with Image.open(io.BytesIO(stored.numpy().tobytes())) as opened:
-        image = opened.convert("RGB")
-    return model.encode(image, spec.width, spec.height, spec.num_frames)
+        image = opened.convert(mode)
+    return encode(image)

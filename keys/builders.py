@@ -249,8 +249,8 @@ def chain_root(
 ) -> ChainLink:
     """``h0 = H(model fp, scheduler config, shape, seed, steps, dtype)``, plus for a request
     with an input image the image, the step its strength starts at (strengths that start at
-    one step run one trajectory; 0 for image-to-video) and the ``image_encoder`` that turns it
-    into latents or a condition, the CFG
+    one step run one trajectory; 0 for image-to-video), its inpainting mask if any, and the
+    ``image_encoder`` that turns it into latents or a condition, the CFG
     reuse interval when the request asked for the approximate tier, and the step-cache policy
     with its parameters when one is on (MagCache's with the model's calibrated
     ``mag_ratios``, which decide its skips as much as its parameters do): such a trajectory
@@ -267,8 +267,12 @@ def chain_root(
         if image_encoder is None:
             raise ValueError(f"request {spec.request_id} starts from an image: its chain "
                              "root needs the encoder that turns it into latents")
-        payload["image"] = {"hash": spec.image.hash, "first_step": spec.first_step,
-                            "encoder": image_encoder.hex}
+        image: dict[str, Canonical] = {"hash": spec.image.hash,
+                                       "first_step": spec.first_step,
+                                       "encoder": image_encoder.hex}
+        if spec.image.mask is not None:  # inpainting: what every step keeps of the image
+            image["mask"] = spec.image.mask
+        payload["image"] = image
     if spec.cfg_cache.approximate:
         payload["cfg_interval"] = spec.cfg_cache.interval
     if spec.step_cache.on:

@@ -211,16 +211,23 @@ class ImageInput:
     """A request's input image: the hash of its normalised pixels, and for image-to-image
     ``strength``, how far back along the trajectory it is noised (1: from pure noise, yet
     with the image's encoding drawn first, as the pipeline draws it). ``strength`` None: the
-    image conditions every step of a trajectory that starts from noise (image-to-video)."""
+    image conditions every step of a trajectory that starts from noise (image-to-video).
+    ``mask``, for inpainting, the hash of a mask image (normalised to 8-bit grey, white where
+    the prompt repaints): every step puts the rest back to the input image."""
 
     hash: str
     strength: float | None = DEFAULT_STRENGTH
+    mask: str | None = None
 
     def __post_init__(self) -> None:
         if not _CONTENT_HASH_RE.fullmatch(self.hash):
             raise ValueError(f"image hash {self.hash!r} must be 32 lowercase hex digits")
         if self.strength is not None and not 0.0 < self.strength <= 1.0:
             raise ValueError(f"image.strength must be in (0, 1], got {self.strength}")
+        if self.mask is not None and not _CONTENT_HASH_RE.fullmatch(self.mask):
+            raise ValueError(f"image.mask {self.mask!r} must be 32 lowercase hex digits")
+        if self.mask is not None and self.strength is None:
+            raise ValueError("image.mask applies to image-to-image (a strength) only")
 
 
 @dataclass(frozen=True, slots=True)

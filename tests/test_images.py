@@ -20,7 +20,7 @@ from PIL import Image
 
 from api.app import create_app
 from cachesvc.connect import open_cache
-from cachesvc.images import ImageError, normalise, pixel_hash
+from cachesvc.images import ImageError, normalise, normalise_mask, pixel_hash
 from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
 from keys import image_key
@@ -80,6 +80,29 @@ def test_exif_orientation_is_applied_and_small_modes_become_rgb() -> None:
     assert np.array_equal(pixels_of(encoded(cmyk, "TIFF")), np.asarray(cmyk.convert("RGB")))
     grey = image.convert("L")
     assert np.array_equal(pixels_of(encoded(grey, "PNG")), np.asarray(grey.convert("RGB")))
+
+
+def test_a_mask_is_grey_white_where_it_repaints_by_its_transparency_or_its_light() -> None:
+    """OpenAI's reading where the mask has transparency (repaint where fully transparent),
+    the diffusers pipelines' where it has none (its grey level); a mask is named apart from
+    the same pixels as an image."""
+    alpha = np.full((16, 24), 255, dtype=np.uint8)
+    alpha[:, :10] = 0
+    alpha[0, 12] = 1  # all but transparent: kept
+    rgba = np.concatenate([np.asarray(picture()), alpha[..., None]], axis=2)
+    transparent = normalise_mask(encoded(Image.fromarray(rgba, "RGBA"), "PNG"), **LIMITS)
+    with Image.open(io.BytesIO(transparent.png)) as kept:
+        assert kept.mode == "L"
+        assert np.array_equal(np.asarray(kept), np.where(alpha == 0, 255, 0))
+    opaque = picture(seed=4)
+    grey = normalise_mask(encoded(opaque, "PNG"), **LIMITS)
+    with Image.open(io.BytesIO(grey.png)) as kept:
+        assert np.array_equal(np.asarray(kept), np.asarray(opaque.convert("L")))
+    as_image = normalise(encoded(opaque.convert("L"), "PNG"), **LIMITS)
+    assert grey.hash != as_image.hash and (grey.width, grey.height) == (24, 16)
+    with pytest.raises(ImageError, match="not an image") as refused:
+        normalise_mask(b"no mask", **LIMITS)
+    assert refused.value.field == "mask"
 
 
 def with_size(png: bytes, width: int, height: int) -> bytes:

@@ -206,8 +206,11 @@ CHANGES = {
         st.floats(0.01, 1.0).map(lambda t: StepCache.create("first_block", threshold=t)),
         st.integers(1, 9).map(lambda k: StepCache.create("taylorseer", interval=k))),
     # Starting from an image is another trajectory (which strengths share one: below).
-    "image": st.builds(ImageInput, st.from_regex(r"[0-9a-f]{32}", fullmatch=True),
-                       st.one_of(st.none(), st.floats(0.01, 1.0))),
+    "image": st.one_of(
+        st.builds(ImageInput, st.from_regex(r"[0-9a-f]{32}", fullmatch=True),
+                  st.one_of(st.none(), st.floats(0.01, 1.0))),
+        st.builds(ImageInput, st.from_regex(r"[0-9a-f]{32}", fullmatch=True),
+                  st.floats(0.01, 1.0), st.from_regex(r"[0-9a-f]{32}", fullmatch=True))),
     "reuse": st.builds(Reuse, st.sampled_from(list(ReuseMode)), st.floats(0.01, 1.0),
                        st.floats(0.0, 0.99)),
 }
@@ -301,13 +304,16 @@ def test_an_image_trajectory_starts_where_the_diffusers_pipeline_starts(steps: i
 
 def test_an_image_trajectory_is_named_by_its_image_start_and_encoder() -> None:
     def root(strength: float, encoder: Fingerprint = IMAGE_ENCODER,
-             content_hash: str = "0" * 32) -> str:
-        spec = base_spec(num_inference_steps=20, image=ImageInput(content_hash, strength))
+             content_hash: str = "0" * 32, mask: str | None = None) -> str:
+        spec = base_spec(num_inference_steps=20,
+                         image=ImageInput(content_hash, strength, mask))
         return chain_root(spec, MODEL, SCHEDULER, "float32", image_encoder=encoder).hex
 
     # 0.61 and 0.62 of 20 steps both start at step 7: one trajectory, one set of keys.
     assert root(0.61) == root(0.62) != root(0.7)
     assert root(0.61) != root(0.61, content_hash="1" * 32)
+    # An inpainting keeps to its mask at every step: each mask is its own trajectory.
+    assert len({root(0.61), root(0.61, mask="a" * 32), root(0.61, mask="b" * 32)}) == 3
     assert root(0.61) != root(0.61, encoder=Fingerprint("vae-encode", "2" * 32))
     with pytest.raises(ValueError, match="encoder"):
         chain_root(base_spec(image=ImageInput("0" * 32)), MODEL, SCHEDULER, "float32")
@@ -328,6 +334,10 @@ def test_an_image_spec_refuses_what_it_cannot_run() -> None:
         ImageInput("not-a-hash")
     with pytest.raises(ValueError, match="strength"):
         ImageInput("0" * 32, strength=0.0)
+    with pytest.raises(ValueError, match=r"image\.mask"):
+        ImageInput("0" * 32, strength=0.5, mask="not-a-hash")
+    with pytest.raises(ValueError, match="image-to-image"):  # a mask keeps to a start image
+        ImageInput("0" * 32, strength=None, mask="a" * 32)
     # An image that conditions every step (image-to-video) starts the trajectory at step 0.
     assert base_spec(image=ImageInput("0" * 32, strength=None)).first_step == 0
     # A branch shares steps the image trajectory ran, never those it skipped.

@@ -12,6 +12,7 @@ import torch
 from cachesvc.ledger import Ledger
 from keys import ChainLink, GenerationSpec, LoraUse, StoreKey
 from workers.engine.step_cache import RunStepCache
+from workers.families.base import Inpainting
 from workers.families.scheduler_state import SchedulerFields
 from workers.queue.messages import RefName, Role
 from workers.queue.runtime import JobContext
@@ -48,6 +49,8 @@ class DenoiseRun:
     step_cache: RunStepCache | None = None  # its hook state, when the request has a policy
     # The image condition every forward takes (image-to-video), with its key.
     condition: tuple[StoreKey, torch.Tensor] | None = None
+    # Inpainting: what each step keeps of the input image, once the scheduler has taken it.
+    inpainting: Inpainting | None = None
     has_credit: bool = False
     waited_for_credit: bool = False
     joined_at: float = field(default_factory=time.monotonic)
@@ -93,6 +96,8 @@ class DenoiseRun:
         prediction = self.guidance.finish(plan, outputs, seconds)
         t = self.scheduler.timesteps[self.step]
         self.latents = self.scheduler.step(prediction, t, self.latents, return_dict=False)[0]
+        if self.inpainting is not None:
+            self.latents = self.inpainting.keep(self.latents, self.scheduler, self.step)
         self.compute_s += sum(seconds) + time.perf_counter() - start
         self.step += 1
         if self.first_step_at is None:

@@ -34,9 +34,9 @@ from keys.canonical import Canonical
 from workers.families.scheduler_state import SchedulerFields
 from workers.queue.served_model import FamilyLimits, ModelGeometry
 
-__all__ = ["CPU", "Decoder", "Denoiser", "Family", "ImageModel", "Placement", "PlacementError",
-           "Reference", "TextEncoder", "Tokens", "Trajectory", "component_fingerprint",
-           "to_uint8"]
+__all__ = ["CPU", "Decoder", "Denoiser", "Family", "ImageModel", "Inpainting", "Placement",
+           "PlacementError", "Reference", "TextEncoder", "Tokens", "Trajectory",
+           "component_fingerprint", "to_uint8"]
 
 
 class PlacementError(ValueError):
@@ -91,6 +91,15 @@ class Trajectory(Protocol):
         """A fresh scheduler with the request's timesteps set, at step 0."""
 
 
+class Inpainting(Protocol):
+    """What each step of an inpainting request keeps of its input image."""
+
+    def keep(self, latents: torch.Tensor, scheduler: Any, step: int) -> torch.Tensor:
+        """``latents`` just after step ``step`` (``scheduler`` has taken it), with what the
+        mask keeps put back to the input image as it stands at the next step."""
+        ...
+
+
 class Denoiser(Trajectory, Protocol):
     """The DiT, driven one step at a time by the denoise worker."""
 
@@ -107,6 +116,12 @@ class Denoiser(Trajectory, Protocol):
         """The latents at ``spec.first_step`` and the generator they came from: the
         pipeline's starting noise, or for image-to-image the input ``image``'s encoding
         (``ImageModel.encode``) sampled and noised to the first step's timestep."""
+
+    def inpainting(self, spec: GenerationSpec, image: torch.Tensor,
+                   mask: torch.Tensor) -> Inpainting:
+        """What every step of ``spec`` keeps of its input image (``image``: its encoding;
+        ``mask``: ``ImageModel.encode_mask``'s), for a request with a mask; ValueError for a
+        family that does no inpainting."""
 
     def condition_shape(self, spec: GenerationSpec) -> tuple[int, ...] | None:
         """The shape of the image condition every forward of ``spec`` takes beside its
@@ -144,9 +159,10 @@ class Decoder(Protocol):
 
 
 class Reference(Protocol):
-    def __call__(self, spec: GenerationSpec, image: Image.Image | None = None) -> np.ndarray:
+    def __call__(self, spec: GenerationSpec, image: Image.Image | None = None,
+                 mask: Image.Image | None = None) -> np.ndarray:
         """The pipeline's uint8 frames for ``spec``; ``image`` is the input image its hash
-        names, for image-to-image."""
+        names, ``mask`` its inpainting mask (as kept: 8-bit grey)."""
         ...
 
 
@@ -264,6 +280,14 @@ def placed_pipeline(pipeline_class: Any, directory: Path, placement: Placement) 
     pipe.vae.to(placement.device, placement.vae_dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def sibling_pipeline(pipeline_class: Any, pipe: Any) -> Any:
+    """Another monolithic pipeline over ``pipe``'s components (img2img, inpainting), so a
+    reference loads its weights once."""
+    sibling = pipeline_class(**pipe.components)
+    sibling.set_progress_bar_config(disable=True)
+    return sibling
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:

@@ -4,8 +4,9 @@ Euler with a resolution-dependent shift, and true CFG with a norm rescale.
 ``build`` makes a tiny random pipeline with the real checkpoint's component classes (the
 tokenizer too: a byte-level BPE trained locally); a real ``Qwen/Qwen-Image`` folder loads
 through the same ``from_pretrained`` path. The stage code reproduces ``QwenImagePipeline``
-(diffusers 0.42) step for step, and ``QwenImageImg2ImgPipeline`` for a request that starts
-from an input image, which makes outputs bit-identical to them.
+(diffusers 0.42) step for step, ``QwenImageImg2ImgPipeline`` for a request that starts
+from an input image and ``QwenImageInpaintPipeline`` for one with a mask too, which makes
+outputs bit-identical to them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from keys import Fingerprint, GenerationSpec, StepCache
+from keys import Fingerprint, GenerationSpec, StepCache, digest
 from workers.families.base import (
     CPU,
     Family,
@@ -31,6 +32,7 @@ from workers.families.base import (
     component_config,
     component_fingerprint,
     placed_pipeline,
+    sibling_pipeline,
     to_uint8,
     vae_encode_fingerprint,
 )
@@ -261,6 +263,17 @@ def image_encoder_fingerprint(directory: Path, placement: Placement) -> Fingerpr
                                   "latent distribution")
 
 
+def mask_fingerprint(directory: Path, placement: Placement) -> Fingerprint:
+    """How an inpainting mask becomes the latents' mask: the pipeline's mask processor
+    (grey, resized, binarised at half) at the VAE's scale, brought to the latents' size by
+    nearest neighbour, in the prompt embeddings' dtype."""
+    scale = 2 ** len(component_config(directory, "vae")["temperal_downsample"])
+    return Fingerprint("inpaint-mask", digest("inpaint-mask", {
+        "vae_scale_factor": scale, "dtype": str(placement.text_dtype),
+        "processor": "VaeImageProcessor(do_binarize, do_convert_grayscale, no normalize)",
+        "to_latents": "interpolate(nearest)"}))
+
+
 class QwenImageEncoder:
     """The Qwen-Image VAE's encoding of an input image, as ``QwenImageImg2ImgPipeline``
     prepares it: resized and scaled to [-1, 1] by the pipeline's image processor, cast to
@@ -274,10 +287,15 @@ class QwenImageEncoder:
         self.dtype = placement.text_dtype
         self.vae = AutoencoderKLQwenImage.from_pretrained(
             directory / "vae", dtype=placement.vae_dtype).to(self.device).eval()
-        self.processor = VaeImageProcessor(
-            vae_scale_factor=2 ** len(self.vae.temperal_downsample) * 2,
-            vae_latent_channels=self.vae.config.z_dim)
+        self.scale_factor = 2 ** len(self.vae.temperal_downsample)
+        self.processor = VaeImageProcessor(vae_scale_factor=self.scale_factor * 2,
+                                           vae_latent_channels=self.vae.config.z_dim)
+        # QwenImageInpaintPipeline's: a mask is read grey, and binarised after its resize.
+        self.mask_processor = VaeImageProcessor(
+            vae_scale_factor=self.scale_factor * 2, vae_latent_channels=self.vae.config.z_dim,
+            do_normalize=False, do_binarize=True, do_convert_grayscale=True)
         self.fingerprint = image_encoder_fingerprint(directory, placement)
+        self.mask_fingerprint: Fingerprint | None = mask_fingerprint(directory, placement)
 
     @torch.no_grad()
     def encode(self, image: Image.Image, width: int, height: int, frames: int) -> torch.Tensor:
@@ -286,6 +304,16 @@ class QwenImageEncoder:
         parameters: torch.Tensor = self.vae.encode(pixels.to(self.vae.dtype)).latent_dist \
             .parameters
         return parameters.contiguous()
+
+    @torch.no_grad()
+    def encode_mask(self, mask: Image.Image, width: int, height: int) -> torch.Tensor:
+        """(1, 1, latent height, latent width), as ``prepare_mask_latents`` resizes it before
+        repeating it over the channels."""
+        pixels = self.mask_processor.preprocess(mask, height=height, width=width)
+        f = self.scale_factor * 2
+        size = (2 * (height // f), 2 * (width // f))
+        return torch.nn.functional.interpolate(pixels, size=size).to(self.device, self.dtype) \
+            .contiguous()
 
 
 # --- Denoise --------------------------------------------------------------------------------
@@ -345,6 +373,25 @@ class QwenTrajectory:
         return scheduler
 
 
+@dataclass(frozen=True, slots=True)
+class QwenInpainting:
+    """``QwenImageInpaintPipeline``'s blend after each step (for a DiT of 64 channels, which
+    takes no mask): where ``mask`` is 0 the latents are the input image's sample noised to
+    the next step's sigma, or the sample itself after the last step."""
+
+    image: torch.Tensor  # packed, as the latents
+    noise: torch.Tensor
+    mask: torch.Tensor  # 1 where the prompt repaints
+
+    def keep(self, latents: torch.Tensor, scheduler: Any, step: int) -> torch.Tensor:
+        proper = self.image
+        if step + 1 < len(scheduler.timesteps):
+            # The scheduler has stepped: ``scale_noise`` takes its sigma at the next step.
+            proper = scheduler.scale_noise(proper, scheduler.timesteps[step + 1:step + 2],
+                                           self.noise)
+        return (1 - self.mask) * proper + self.mask * latents
+
+
 class QwenDenoiser(QwenTrajectory):
     """The Qwen-Image DiT over packed 2x2 latent patches."""
 
@@ -366,31 +413,54 @@ class QwenDenoiser(QwenTrajectory):
         """``prepare_latents``: noise over (1, 1, C, 2 rows, 2 cols) from a CPU generator
         seeded once, in the text encoder's dtype (the pipeline draws it in the prompt
         embeddings' dtype), then packed into 2x2 patches. For image-to-image
-        (``QwenImageImg2ImgPipeline``), the same generator first samples the image's latent
-        distribution, and the noise is mixed into that sample at the first step's sigma."""
+        (``QwenImageImg2ImgPipeline``, and ``QwenImageInpaintPipeline`` alike), the same
+        generator first samples the image's latent distribution, and the noise is mixed into
+        that sample at the first step's sigma."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        if spec.image is None:
+            generator = torch.Generator(device="cpu").manual_seed(spec.seed)
+            noise = randn_tensor(self._noise_shape(spec), generator=generator,
+                                 device=self.device, dtype=self.placement.text_dtype)
+            return pack_latents(noise[:, 0]), generator
+        start, noise, generator = self._image_start(spec, image)
+        scheduler = self.scheduler(spec)
+        t = scheduler.timesteps[spec.first_step:spec.first_step + 1]
+        return pack_latents(scheduler.scale_noise(start, t, noise)[:, 0]), generator
+
+    def inpainting(self, spec: GenerationSpec, image: torch.Tensor,
+                   mask: torch.Tensor) -> QwenInpainting:
+        """The image's sample and the noise drawn again from the seed (as ``initial_latents``
+        draws them, so a run resumed from a checkpoint has them too), and the mask over the
+        latents' channels, all packed as the latents are."""
+        start, noise, _ = self._image_start(spec, image)
+        channels = self.transformer.config.in_channels // 4
+        repaint = mask.to(self.device, self.placement.text_dtype).repeat(1, channels, 1, 1)
+        return QwenInpainting(pack_latents(start[:, 0]), pack_latents(noise[:, 0]),
+                              pack_latents(repaint))
+
+    def _noise_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
+        rows, cols = self.tokens_per_side(spec)
+        return (1, 1, self.transformer.config.in_channels // 4, 2 * rows, 2 * cols)
+
+    def _image_start(self, spec: GenerationSpec, image: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+        """The input image's normalised sample and the noise, each (1, 1, C, H, W), drawn in
+        that order from the seed's generator, as the image pipelines draw them."""
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
         from diffusers.utils.torch_utils import randn_tensor
 
-        rows, cols = self.tokens_per_side(spec)
-        channels = self.transformer.config.in_channels // 4
-        shape = (1, 1, channels, 2 * rows, 2 * cols)
+        if spec.image is None or image is None:
+            raise ValueError(f"request {spec.request_id} starts from an image, but its "
+                             "encoding was not given")
         generator = torch.Generator(device="cpu").manual_seed(spec.seed)
-        if spec.image is None:
-            noise = randn_tensor(shape, generator=generator, device=self.device,
-                                 dtype=self.placement.text_dtype)
-            return pack_latents(noise[:, 0]), generator
-        if image is None:
-            raise ValueError(f"request {spec.request_id} starts from image {spec.image.hash}, "
-                             "but its encoding was not given")
         sample = DiagonalGaussianDistribution(image.to(self.device)).sample(generator)
         mean = self.latents_mean.to(sample.device, sample.dtype)
         scale = 1.0 / self.latents_std.to(sample.device, sample.dtype)
         start = ((sample - mean) * scale).transpose(1, 2)  # (1, 1, C, H, W) as the noise
-        noise = randn_tensor(shape, generator=generator, device=self.device,
+        noise = randn_tensor(self._noise_shape(spec), generator=generator, device=self.device,
                              dtype=self.placement.text_dtype)
-        scheduler = self.scheduler(spec)
-        t = scheduler.timesteps[spec.first_step:spec.first_step + 1]
-        return pack_latents(scheduler.scale_noise(start, t, noise)[:, 0]), generator
+        return start, noise, generator
 
     def tokens(self, spec: GenerationSpec) -> int:
         rows, cols = self.tokens_per_side(spec)
@@ -461,18 +531,19 @@ class QwenDecoder:
 
 class QwenReference:
     """The monolithic ``QwenImagePipeline`` (``QwenImageImg2ImgPipeline`` over the same
-    components for a request with an input image): what the three stages must equal."""
+    components for a request with an input image, ``QwenImageInpaintPipeline`` for one with
+    a mask too): what the three stages must equal."""
 
     def __init__(self, directory: Path, placement: Placement = CPU) -> None:
-        from diffusers import QwenImageImg2ImgPipeline, QwenImagePipeline
+        from diffusers import QwenImageImg2ImgPipeline, QwenImageInpaintPipeline, QwenImagePipeline
 
         self.pipe = placed_pipeline(QwenImagePipeline, directory, placement)
-        img2img: Any = QwenImageImg2ImgPipeline(**self.pipe.components)
-        img2img.set_progress_bar_config(disable=True)
-        self.img2img = img2img
+        self.img2img = sibling_pipeline(QwenImageImg2ImgPipeline, self.pipe)
+        self.inpaint = sibling_pipeline(QwenImageInpaintPipeline, self.pipe)
         self.mag_ratios = model_card(directory).magcache_ratios
 
-    def __call__(self, spec: GenerationSpec, image: Image.Image | None = None) -> np.ndarray:
+    def __call__(self, spec: GenerationSpec, image: Image.Image | None = None,
+                 mask: Image.Image | None = None) -> np.ndarray:
         segment = spec.schedule[0]
         config = (hook_config(spec.step_cache, spec.num_inference_steps,
                               mag_ratios=self.mag_ratios) if spec.step_cache.on else None)
@@ -480,11 +551,14 @@ class QwenReference:
             negative_prompt=segment.negative_prompt, true_cfg_scale=spec.guidance_scale,
             height=spec.height, width=spec.width, num_inference_steps=spec.num_inference_steps,
             generator=torch.Generator().manual_seed(spec.seed), output_type="np")
-        pipe = self.pipe
+        pipe: Any = self.pipe
         if spec.image is not None:
-            if image is None:
-                raise ValueError(f"request {spec.request_id} starts from an image; give it")
+            if image is None or (mask is None) != (spec.image.mask is None):
+                raise ValueError(f"request {spec.request_id} starts from an image; give it, "
+                                 "and its mask where it has one")
             pipe, call = self.img2img, call | {"image": image, "strength": spec.image.strength}
+            if mask is not None:
+                pipe, call = self.inpaint, call | {"mask_image": mask}
         with hooks_enabled(pipe.transformer, config):
             images = pipe(segment.prompt, **call).images
         return to_uint8(images)
@@ -501,7 +575,7 @@ def geometry(directory: Path) -> ModelGeometry:
 # What a request may ask of this family: the text encoder keeps 512 tokens after the template's
 # system prefix, which ends in five tokens of its own.
 LIMITS = FamilyLimits(video=False, frame_multiple=1, spatial_multiple=16,
-                      max_prompt_tokens=507, image_to_image=True)
+                      max_prompt_tokens=507, image_to_image=True, inpainting=True)
 
 
 FAMILY = Family(name="qwen-image", pipeline_class="QwenImagePipeline",

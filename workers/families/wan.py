@@ -23,6 +23,7 @@ from keys import Fingerprint, GenerationSpec, StepCache
 from workers.families.base import (
     CPU,
     Family,
+    Inpainting,
     Placement,
     Tokens,
     check_condition,
@@ -288,6 +289,10 @@ class WanDenoiser(WanTrajectory):
     def condition_shape(self, spec: GenerationSpec) -> tuple[int, ...] | None:
         return None  # text to video
 
+    def inpainting(self, spec: GenerationSpec, image: torch.Tensor,
+                   mask: torch.Tensor) -> Inpainting:
+        raise ValueError(f"request {spec.request_id}: a Wan model does no inpainting")
+
     @torch.no_grad()
     def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
                 spec: GenerationSpec, text_mask: torch.Tensor | None = None,
@@ -367,10 +372,11 @@ class WanReference:
         self.pipe = placed_pipeline(pipeline_class or WanPipeline, directory, placement)
         self.mag_ratios = model_card(directory).magcache_ratios
 
-    def __call__(self, spec: GenerationSpec, image: Image.Image | None = None) -> np.ndarray:
+    def __call__(self, spec: GenerationSpec, image: Image.Image | None = None,
+                 mask: Image.Image | None = None) -> np.ndarray:
         """The pipeline's frames for ``spec``; a schedule switches the prompt embeddings at
         each segment's end through the pipeline's step-end callback (guidance stays one)."""
-        if spec.image is not None or image is not None:
+        if spec.image is not None or image is not None or mask is not None:
             raise ValueError(f"request {spec.request_id}: the wan family takes no input image")
         return self._frames(spec, {})
 

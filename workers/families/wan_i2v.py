@@ -73,6 +73,10 @@ class WanConditionEncoder:
             directory / "vae", dtype=placement.vae_dtype).to(self.device).eval()
         self.processor = VideoProcessor(vae_scale_factor=self.vae.config.scale_factor_spatial)
         self.fingerprint = condition_fingerprint(directory, placement)
+        self.mask_fingerprint: Fingerprint | None = None  # no inpainting
+
+    def encode_mask(self, mask: Image.Image, width: int, height: int) -> torch.Tensor:
+        raise ValueError("an image-to-video model does no inpainting")
 
     @torch.no_grad()
     def encode(self, image: Image.Image, width: int, height: int, frames: int) -> torch.Tensor:
@@ -135,9 +139,11 @@ class WanI2VReference(wan.WanReference):
 
         super().__init__(directory, placement, WanImageToVideoPipeline)
 
-    def __call__(self, spec: GenerationSpec, image: Image.Image | None = None) -> np.ndarray:
-        if spec.image is None or image is None:
-            raise ValueError(f"request {spec.request_id}: image-to-video needs its image")
+    def __call__(self, spec: GenerationSpec, image: Image.Image | None = None,
+                 mask: Image.Image | None = None) -> np.ndarray:
+        if spec.image is None or image is None or mask is not None:
+            raise ValueError(f"request {spec.request_id}: image-to-video needs its image, "
+                             "and no mask")
         return self._frames(spec, {"image": image})
 
 

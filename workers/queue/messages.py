@@ -48,6 +48,7 @@ class Role(StrEnum):
     NEGATIVE = "negative"  # a segment's unconditional (negative prompt) embedding
     LATENTS = "latents"  # the final latents, from denoise to decode
     IMAGE = "image"  # an input image's encoding, which image-to-image starts from
+    MASK = "mask"  # an inpainting mask at the latents' size: where the steps repaint
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,7 @@ class RefName:
 
 LATENTS = RefName(Role.LATENTS)
 IMAGE = RefName(Role.IMAGE)
+MASK = RefName(Role.MASK)
 
 
 @dataclass(frozen=True, slots=True)

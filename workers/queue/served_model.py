@@ -40,6 +40,7 @@ class FamilyLimits:
     max_prompt_tokens: int  # what the text encoder keeps of a prompt, less what it adds
     image_to_image: bool = False  # whether a request may start from an input image
     image_to_video: bool = False  # whether a request must give an image, which every step takes
+    inpainting: bool = False  # whether an image-to-image request may give a mask
     # The step-cache policies the family's denoiser drives on any model (MagCache also runs
     # where the model's card ships calibrated ratios: ``ServedModel.step_caches``).
     step_caches: frozenset[StepCachePolicy] = frozenset(

@@ -2,7 +2,8 @@
 
 Reads: the denoise stream; the request record; the condition embeddings named by the job, and
 the input image's encoding where it has one (its ``image_latent`` entry: where image-to-image
-starts, or what every forward of image-to-video takes); the latest cached
+starts, or what every forward of image-to-video takes), and an inpainting mask's (what every
+step keeps of the image); the latest cached
 checkpoint on the request's hash chain, which it resumes from (a crash, a
 preemption, or another request with the same trajectory prefix put it there).
 Writes: checkpoints behind the loop; unconditional predictions (the exact CFG tier); the final
@@ -38,9 +39,9 @@ from keys import (
 from workers.engine.core import DenoiseEngine
 from workers.engine.run import AdapterSet, DenoiseRun, Embeddings
 from workers.engine.step_cache import RunStepCache
-from workers.families.base import Denoiser
+from workers.families.base import Denoiser, Inpainting
 from workers.queue.credits import Credits
-from workers.queue.messages import IMAGE, LATENTS, Job, Stage, TensorRef
+from workers.queue.messages import IMAGE, LATENTS, MASK, Job, Stage, TensorRef
 from workers.queue.runtime import InputLostError, JobContext, Outcome
 from workers.queue.schema import Field, State, checkpoint_field
 from workers.queue.scripts import RecordWrite, tally_fields
@@ -123,12 +124,14 @@ class DenoiseHandler:
             raise ValueError(f"request {spec.request_id}: its job names no image condition, "
                              "which every forward of this model takes")
         condition = image if takes_condition else None
+        inpainting = self._inpainting(spec, image, embeds.get(MASK))
         if found is None:
             latents, rng = self.model.initial_latents(spec, None if image is None else image[1])
             run = DenoiseRun(ctx, delivery, spec, embeds, links, scheduler, rng, latents,
                              spec.first_step, 0.0, self._guidance(spec, ledger, None), saves,
                              spec.step_segments(),
-                             adapters, _step_cache(spec, {}), condition=condition)
+                             adapters, _step_cache(spec, {}), condition=condition,
+                             inpainting=inpainting)
         else:
             rng = torch.Generator(device="cpu")
             device = self.model.device
@@ -140,7 +143,7 @@ class DenoiseHandler:
                              self._guidance(spec, ledger, residual), saves,
                              spec.step_segments(),
                              adapters, _step_cache(spec, on_device(found.hooks, device)),
-                             condition=condition)
+                             condition=condition, inpainting=inpainting)
             ctx.progress(RecordWrite({
                 checkpoint_field(found.step): str(links[found.step].checkpoint_key())}))
         ctx.progress(RecordWrite({Field.STEP: run.step, Field.RESUMED_FROM: run.step}))
@@ -203,6 +206,17 @@ class DenoiseHandler:
                                      priority=job.priority), missing)
         return {r.ref_name: (k, t) for r, k, t in zip(job.refs, keys, tensors, strict=True)
                 if t is not None}
+
+    def _inpainting(self, spec: GenerationSpec, image: tuple[StoreKey, torch.Tensor] | None,
+                    mask: tuple[StoreKey, torch.Tensor] | None) -> Inpainting | None:
+        """What each step keeps of the input image, for a request with a mask."""
+        if spec.image is None or spec.image.mask is None:
+            return None
+        if image is None or mask is None:
+            raise ValueError(f"request {spec.request_id}: its job names no "
+                             f"{'image' if image is None else 'mask'} encoding, which "
+                             "inpainting keeps to at every step")
+        return self.model.inpainting(spec, image[1], mask[1])
 
     def _guidance(self, spec: GenerationSpec, ledger: Ledger,
                   residual: torch.Tensor | None) -> Guidance:

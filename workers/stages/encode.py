@@ -4,8 +4,9 @@ Reads: the encode stream; the request record for its spec.
 Writes: one condition embedding per distinct prompt and negative prompt (``embed`` entries,
 soft-pinned, shared by every request and tenant-namespaced).
 For a request with an input image, also its VAE encoding at the request's geometry
-(``image_latent``, soft-pinned, one per image and geometry); a request whose uploaded image
-the store no longer holds fails, saying how to bring it back.
+(``image_latent``, soft-pinned, one per image and geometry), and its inpainting mask at the
+latents' size where it has one (``image_latent`` too); a request whose uploaded image the
+store no longer holds fails, saying how to bring it back.
 Feeds: the denoise stream, with a typed reference (``RefName``: role and segment) to each;
 or nothing, when the request's output is already cached: an identical request (same seed) is
 then DONE without denoising. A request in approximate reuse mode may first be rewritten to
@@ -26,11 +27,11 @@ from cachesvc.ledger import Ledger
 from cachesvc.output_files import OutputFiles
 from cachesvc.reuse_index import ReuseIndexError
 from cachesvc.tensor_cache import TensorCache
-from encoders.image import ImageLostError, ImageModel, encode_image
+from encoders.image import ImageLostError, ImageModel, encode_image, encode_mask
 from encoders.text import EncodedText, TextModel, encode_texts
 from keys import GenerationSpec, KeyKind, StoreKey, adapted, output_key
 from workers.families.base import Trajectory
-from workers.queue.messages import IMAGE, RefName, Role, Stage, TensorRef
+from workers.queue.messages import IMAGE, MASK, RefName, Role, Stage, TensorRef
 from workers.queue.reuse_metrics import steps_reused
 from workers.queue.runtime import JobContext, Outcome
 from workers.queue.schema import Field, State
@@ -86,7 +87,7 @@ class EncodeHandler:
                            RecordWrite({Field.OUTPUT_KEY: str(cached)}) | counts)
         if spec.image is not None:  # only now: a cached output needs no image encoded
             try:
-                refs.append(self._image_ref(spec, ledger))
+                refs.extend(self._image_refs(spec, ledger))
             except ImageLostError as exc:
                 # No retry brings an upload back; a resume does (the API puts the image back
                 # from its file first), so the request fails now, saying so.
@@ -98,13 +99,20 @@ class EncodeHandler:
         return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=counts,
                        affinity=tuple(lora.hash for lora in spec.loras))
 
-    def _image_ref(self, spec: GenerationSpec, ledger: Ledger) -> TensorRef:
+    def _image_refs(self, spec: GenerationSpec, ledger: Ledger) -> list[TensorRef]:
+        """The input image's encoding, and the inpainting mask's where the request has one."""
         if self.images is None:  # the API refuses such a request: a worker of another model
             raise ValueError(f"request {spec.request_id} names an input image, but the "
                              "served family takes none")
-        encoded = encode_image(self.cache, self.images(), spec, ledger)
-        shape = TensorSpec.of(encoded.tensor)
-        return TensorRef.of(IMAGE, str(encoded.key), shape.dtype, shape.shape)
+        model = self.images()
+        encoded = [(IMAGE, encode_image(self.cache, model, spec, ledger))]
+        if spec.image is not None and spec.image.mask is not None:
+            encoded.append((MASK, encode_mask(self.cache, model, spec, ledger)))
+        refs = []
+        for name, image in encoded:
+            shape = TensorSpec.of(image.tensor)
+            refs.append(TensorRef.of(name, str(image.key), shape.dtype, shape.shape))
+        return refs
 
     def _encode(self, spec: GenerationSpec, ledger: Ledger,
                 have: dict[str, EncodedText] | None = None) -> dict[str, EncodedText]:
