@@ -348,8 +348,11 @@ def test_openai_images_edit_from_the_official_client_is_the_same_image_to_image(
         assert again.data and again.data[0].b64_json
         assert base64.b64decode(again.data[0].b64_json) == kept.content
 
+        wrong_size = io.BytesIO()  # a mask is the image's size
+        Image.new("L", (image.width + 16, image.height)).save(wrong_size, format="PNG")
         for call, field in [
-            (dict(image=("fox.png", png.getvalue()), mask=("m.png", png.getvalue())), "mask"),
+            (dict(image=("fox.png", png.getvalue()), mask=("m.png", wrong_size.getvalue())),
+             "mask"),
             (dict(image=[("a.png", png.getvalue()), ("b.png", png.getvalue())]), "image[]"),
             (dict(image=("fox.txt", b"not an image")), "image"),
             (dict(image=("fox.png", png.getvalue()), n=2), "n"),
