@@ -127,16 +127,14 @@ class ImageStore:
         image."""
         key = image_key(tenant, content_hash)
         if not self._cache().exists(key) and self._restored(key) is None:
-            raise ImageError(field, f"no image {content_hash}; upload it with POST /v1/images",
-                             404)
+            raise _unknown(field, content_hash)
 
     def stored_size(self, tenant: str, content_hash: str, field: str) -> tuple[int, int]:
         """The image's width and height, from the header of its PNG (put back in the store
         if the store lost it); ImageError (404, naming ``field``) if the tenant has none."""
         data = self.read(tenant, content_hash)
         if data is None:
-            raise ImageError(field, f"no image {content_hash}; upload it with POST /v1/images",
-                             404)
+            raise _unknown(field, content_hash)
         with Image.open(io.BytesIO(data)) as opened:
             return opened.size
 
@@ -153,3 +151,8 @@ class ImageStore:
         if data is not None:
             self._cache().write(key, data)
         return data
+
+
+def _unknown(field: str, content_hash: str) -> ImageError:
+    """A request names an image its tenant never uploaded (or another tenant's): 404."""
+    return ImageError(field, f"no image {content_hash}; upload it with POST /v1/images", 404)
