@@ -1,19 +1,19 @@
 """Image inputs: requests that start from or animate an uploaded image, served by diffcache
-and by the monolithic pipelines, one workload per workflow.
+and by the monolithic pipelines, one workload per family.
 
-Image-to-image: ten input images (renders of held-out scenes of the shapes dataset), each
-edited by six prompts: the scene's caption with the shape in each other colour, at strengths
-0.6 and 0.8 in turn, on the shipped shapes model (``QwenImageImg2ImgPipeline``).
-Image-to-video: four more renders, each animated by five prompts, on a tiny random Wan
-image-to-video model (``WanImageToVideoPipeline``; its motion means nothing, its cost does).
-The report gives the condition-image encodes (the ``image_latent`` kind's lookups that
-missed: the goal is one per image and geometry), whether a sample of each workflow's outputs
-equals its pipeline's (one thread per op, as the workers run), the throughput against the
-pipelines serving the same requests one after another, and what the attribute classifier
-reads in the edits: the colour asked for, and the shape kept. Instruction editing is not
-served yet.
+Edits: ten input images (renders of held-out scenes of the shapes dataset), each edited by six
+prompts, the scene's caption with the shape in each other colour, on the shipped shapes model
+in two workflows in turn: image-to-image (``QwenImageImg2ImgPipeline``, strengths 0.6 and 0.8)
+and inpainting under a mask over the shape's box (``QwenImageInpaintPipeline``, strengths 0.8
+and 1.0). Image-to-video: four more renders, each animated by five prompts, on a tiny random
+Wan image-to-video model (``WanImageToVideoPipeline``; its motion means nothing, its cost
+does). The report gives the condition-image encodes (the ``image_latent`` kind's lookups that
+missed: the goal is one per image and geometry; masks are counted apart, ``image_mask``),
+whether a sample of each family's outputs equals its pipeline's (one thread per op, as the
+workers run), the throughput against the pipelines serving the same requests one after
+another, and what the attribute classifier reads in the edits: the colour asked for, and the
+shape kept. Instruction editing is not served yet.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw
 
 from bench.common import collect, model_stack, report, workers
 from bench.e2e import placement_of
 from cachesvc.connect import open_cache, open_redis
-from cachesvc.images import normalise
+from cachesvc.images import InputImage, normalise, normalise_mask
 from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
 from keys import GenerationSpec, ImageInput, KeyKind, OutputFormat, image_key
@@ -43,7 +43,8 @@ from workers.queue.submit import new_request_id, submit
 from workers.stages.media import encode_frames
 
 SEED = 800  # the input scenes' dataset seed: no other bench's, the model's or the classifier's
-STRENGTHS = (0.6, 0.8)
+STRENGTHS = {"image-to-image": (0.6, 0.8), "inpainting": (0.8, 1.0)}
+MASK_MARGIN = 3  # pixels the inpainting mask's box reaches past the shape's
 ANIMATED_FROM = 1000  # the animated scenes' first index: none of them is also edited
 MOTIONS = ("the shape drifts slowly to the left", "the shape spins in place",
            "the camera zooms in on the shape", "the background fades to black",
@@ -53,40 +54,72 @@ TENANT = "bench"
 
 @dataclass(frozen=True, slots=True)
 class Edit:
-    """One request: a scene's render, and the scene its prompt asks for (recoloured, for an
-    edit; the same scene, for an animation)."""
+    """One request: a scene's render (and, to inpaint, the mask over its shape), and the scene
+    its prompt asks for (recoloured, for an edit; the same scene, for an animation)."""
 
     source: Scene
     image: Image.Image
+    mask: Image.Image | None
     target: Scene
     spec: GenerationSpec
 
+    @property
+    def workflow(self) -> str:
+        return "inpainting" if self.mask is not None else "image-to-image"
 
-def kept(cache: TensorCache, image: Image.Image) -> str:
-    """Put ``image`` in the store as ``POST /v1/images`` keeps it; its hash."""
+
+def kept(cache: TensorCache, image: Image.Image, mask: bool = False) -> InputImage:
+    """Put ``image`` in the store as ``POST /v1/images`` keeps it (``?kind=mask`` for a
+    ``mask``)."""
     png = io.BytesIO()
     image.save(png, format="PNG")
-    normalised = normalise(png.getvalue(), 2**20, 2**20)
+    normalised = (normalise_mask if mask else normalise)(png.getvalue(), 2**20, 2**20)
     cache.put(image_key(TENANT, normalised.hash),
               torch.frombuffer(bytearray(normalised.png), dtype=torch.uint8))
-    return normalised.hash
+    return normalised
 
 
-def recoloured(settings: Settings, cache: TensorCache, scene: Scene,
-               targets: list[tuple[Colour, float]], first_seed: int) -> list[Edit]:
-    """``scene``'s render, kept, then edited by prompt into each (colour, strength)."""
+def shape_mask(scene: Scene) -> Image.Image:
+    """White over the box of ``scene``'s shape (and ``MASK_MARGIN`` around it), black
+    elsewhere: the place an inpainting repaints."""
+    render = scene.render()
+    mask = Image.new("L", render.size, 0)
+    cx = scene.position.value[0] * render.width + scene.jitter[0]
+    cy = scene.position.value[1] * render.height + scene.jitter[1]
+    reach = scene.size.value + MASK_MARGIN
+    ImageDraw.Draw(mask).rectangle((cx - reach, cy - reach, cx + reach, cy + reach), fill=255)
+    return mask
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What one edit asks of a scene: its shape in ``colour``, at ``strength``, by
+    image-to-image or (``inpaint``) under the mask over the shape."""
+
+    colour: Colour
+    strength: float
+    inpaint: bool = False
+
+
+def recoloured(settings: Settings, cache: TensorCache, scene: Scene, targets: list[Target],
+               first_seed: int) -> list[Edit]:
+    """``scene``'s render and its shape's mask, kept, then edited into each of ``targets``."""
     m = request_defaults(settings.model, settings.model_dir)
     render = scene.render()
-    image = kept(cache, render)
+    image = kept(cache, render).hash
+    mask = kept(cache, shape_mask(scene), mask=True)
+    with Image.open(io.BytesIO(mask.png)) as opened:  # as the pipeline is given it
+        mask_pixels = opened.copy()
     edits = []
-    for n, (colour, strength) in enumerate(targets):
-        target = dataclasses.replace(scene, colour=colour)
+    for n, target in enumerate(targets):
+        asked = dataclasses.replace(scene, colour=target.colour)
         spec = GenerationSpec.create(
-            request_id=new_request_id(), tenant=TENANT, prompt=target.caption, width=m.width,
+            request_id=new_request_id(), tenant=TENANT, prompt=asked.caption, width=m.width,
             height=m.height, num_frames=1, num_inference_steps=m.num_inference_steps,
             guidance_scale=m.guidance_scale, seed=first_seed + n,
-            output_format=OutputFormat.NPY, image=ImageInput(image, strength))
-        edits.append(Edit(scene, render, target, spec))
+            output_format=OutputFormat.NPY,
+            image=ImageInput(image, target.strength, mask.hash if target.inpaint else None))
+        edits.append(Edit(scene, render, mask_pixels if target.inpaint else None, asked, spec))
     return edits
 
 
@@ -96,12 +129,17 @@ def other_colours(scene: Scene) -> list[Colour]:
 
 
 def workload(settings: Settings, cache: TensorCache, images: int) -> list[Edit]:
-    """Each scene edited into each of its other colours, at the strengths in turn."""
+    """Each scene edited into each of its other colours."""
     edits: list[Edit] = []
     for index in range(images):
         scene = scene_at(SEED, index)
-        targets = [(c, STRENGTHS[n % len(STRENGTHS)])
-                   for n, c in enumerate(other_colours(scene))]
+        targets = []
+        for n, colour in enumerate(other_colours(scene)):
+            # The workflows in turn; each one's strengths in turn, from image to image.
+            workflow = "inpainting" if n % 2 else "image-to-image"
+            strengths = STRENGTHS[workflow]
+            strength = strengths[(n // 2 + index) % len(strengths)]
+            targets.append(Target(colour, strength, inpaint=workflow == "inpainting"))
         edits += recoloured(settings, cache, scene, targets, 1000 + len(edits))
     return edits
 
@@ -113,7 +151,7 @@ def animations(settings: Settings, cache: TensorCache, images: int) -> list[Edit
     for index in range(images):
         scene = scene_at(SEED, ANIMATED_FROM + index)
         render = scene.render()
-        image = kept(cache, render)
+        image = kept(cache, render).hash
         for motion in MOTIONS:
             spec = GenerationSpec.create(
                 request_id=new_request_id(), tenant=TENANT, prompt=f"{scene.caption}, {motion}",
@@ -121,7 +159,7 @@ def animations(settings: Settings, cache: TensorCache, images: int) -> list[Edit
                 num_inference_steps=m.num_inference_steps, guidance_scale=m.guidance_scale,
                 seed=2000 + len(clips), output_format=OutputFormat.NPY,
                 image=ImageInput(image, strength=None))
-            clips.append(Edit(scene, render, scene, spec))
+            clips.append(Edit(scene, render, None, scene, spec))
     return clips
 
 
@@ -137,7 +175,7 @@ def run_baseline(settings: Settings, edits: list[Edit], threads: int | None = No
         start = time.perf_counter()
         frames = []
         for edit in edits:
-            frames.append(pipeline(edit.spec, edit.image))
+            frames.append(pipeline(edit.spec, edit.image, edit.mask))
             encode_frames([frames[-1]], OutputFormat.NPY, settings.workers.fps)
         return time.perf_counter() - start, frames
     finally:
@@ -173,26 +211,33 @@ def serve(settings: Settings, cache: TensorCache, edits: list[Edit], sample: int
     return Served(done, frames, baseline_s, diffcache_s, identical)
 
 
-def image_encodes(records: list[RequestRecord]) -> tuple[int, int]:
-    """Lookups of condition-image encodings, and how many of them missed (an encode)."""
-    kind = KeyKind.IMAGE_LATENT.value
-    lookups = sum(r.per_kind(KindField.LOOKUPS).get(kind, 0) for r in records)
-    hits = sum(r.hits().get(kind, 0) for r in records)
+def image_encodes(records: list[RequestRecord], kind: KeyKind = KeyKind.IMAGE_LATENT
+                  ) -> tuple[int, int]:
+    """Lookups of condition-image encodings (or of masks, by ``kind``), and how many of them
+    missed (an encode)."""
+    lookups = sum(r.per_kind(KindField.LOOKUPS).get(kind.value, 0) for r in records)
+    hits = sum(r.hits().get(kind.value, 0) for r in records)
     return lookups, lookups - hits
 
 
-def readings(frames: np.ndarray, edits: list[Edit]) -> dict[float, tuple[int, float, float]]:
-    """Per strength: how many outputs, the share the classifier reads in the colour asked
-    for, and the share with the input's shape."""
+def readings(frames: np.ndarray, edits: list[Edit]
+             ) -> dict[tuple[str, float], tuple[int, float, float]]:
+    """Per workflow and strength: how many outputs, the share the classifier reads in the
+    colour asked for, and the share with the input's shape."""
     read = load_classifier().read(frames)
     colours, shapes = ATTRIBUTES["color"], ATTRIBUTES["shape"]
     out = {}
-    for strength in STRENGTHS:
-        at = [i for i, e in enumerate(edits)
-              if e.spec.image is not None and e.spec.image.strength == strength]
-        asked = np.mean([read["color"][i] == colours.index(edits[i].target.colour) for i in at])
-        shape = np.mean([read["shape"][i] == shapes.index(edits[i].source.shape) for i in at])
-        out[strength] = (len(at), round(float(asked), 3), round(float(shape), 3))
+    for workflow, strengths in STRENGTHS.items():
+        for strength in strengths:
+            at = [i for i, e in enumerate(edits) if e.workflow == workflow
+                  and e.spec.image is not None and e.spec.image.strength == strength]
+            if not at:
+                continue
+            asked = np.mean([read["color"][i] == colours.index(edits[i].target.colour)
+                             for i in at])
+            shape = np.mean([read["shape"][i] == shapes.index(edits[i].source.shape)
+                             for i in at])
+            out[workflow, strength] = (len(at), round(float(asked), 3), round(float(shape), 3))
     return out
 
 
@@ -224,7 +269,7 @@ def main() -> None:
               "throughput_ratio": round(baseline_s / diffcache_s, 4)}
     rows: list[list[object]] = []
     for name, pipeline, served, count in [
-            ("image-to-image", "QwenImageImg2ImgPipeline", edited, len(edits)),
+            ("edits", "QwenImageImg2ImgPipeline, QwenImageInpaintPipeline", edited, len(edits)),
             ("image-to-video", "WanImageToVideoPipeline", animated, len(clips))]:
         rows += [[f"{name}: baseline ({pipeline}), one after another", served.baseline_s,
                   count / served.baseline_s, "", "", ""],
@@ -233,11 +278,13 @@ def main() -> None:
                   round(served.baseline_s / served.diffcache_s, 3), "", ""],
                  [f"{name}: image encodes, identical sample", image_encodes(served.records)[1],
                   "", served.identical, "", ""]]
-    rows += [[f"edits at strength {strength}", count, "", "", asked, shape]
-             for strength, (count, asked, shape) in readings(np.concatenate(edited.frames),
-                                                             edits).items()]
-    report(f"{len(edits)} image-to-image requests on {args.images} images, {len(clips)} "
-           f"image-to-video requests on {args.animated}",
+    masks, mask_encodes = image_encodes(edited.records, KeyKind.IMAGE_MASK)
+    rows.append(["inpainting: mask lookups, masks made", masks, "", mask_encodes, "", ""])
+    rows += [[f"{workflow} at strength {strength}", count, "", "", asked, shape]
+             for (workflow, strength), (count, asked, shape) in readings(
+                 np.concatenate(edited.frames), edits).items()]
+    report(f"{len(edits)} edits (image-to-image and inpainting) on {args.images} images, "
+           f"{len(clips)} image-to-video requests on {args.animated}",
            ["run", "seconds or count", "requests/s", "ratio or identical", "colour asked",
             "shape kept"], rows, result)
 

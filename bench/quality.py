@@ -29,7 +29,7 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 
 from bench.cfg_cache import run
 from bench.common import model_stack, report, serve, workers
-from bench.image_inputs import STRENGTHS, other_colours, readings, recoloured
+from bench.image_inputs import STRENGTHS, Target, other_colours, readings, recoloured
 from cachesvc.connect import open_cache, open_redis
 from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
@@ -115,11 +115,13 @@ def image_to_image(settings: Settings, records: Records, cache: TensorCache,
                    scenes: list[Scene]) -> dict[float, tuple[int, float, float]]:
     """Each scene's render recoloured by prompt (a colour of its others, in turn) at each
     strength: per strength, the count, the colour asked read back and the shape kept."""
+    strengths = STRENGTHS["image-to-image"]
     edits = [edit for i, scene in enumerate(scenes) for edit in recoloured(
-        settings, cache, scene, [(other_colours(scene)[i % 6], strength)
-                                 for strength in STRENGTHS], 1000 + 2 * i)]
+        settings, cache, scene, [Target(other_colours(scene)[i % 6], strength)
+                                 for strength in strengths], 1000 + len(strengths) * i)]
     _, frames = serve(records, cache, [edit.spec for edit in edits])
-    return readings(np.concatenate(frames), edits)
+    return {strength: read for (_, strength), read in
+            readings(np.concatenate(frames), edits).items()}
 
 
 def main() -> None:

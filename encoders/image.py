@@ -1,8 +1,8 @@
 """Image conditions: an uploaded input image encoded by the family's VAE at a request's size
-(and frame count, for image-to-video), or an inpainting mask brought to the latents' size,
-looked up with single-flight and computed on a miss from the stored image. The key names the
-image by the hash of its pixels, so every request that edits or animates it at that geometry
-shares one encode, whatever its prompt or seed."""
+(and frame count, for image-to-video), or an inpainting mask brought to the latents' size (its
+own kind), looked up with single-flight and computed on a miss from the stored image. The key
+names the image by the hash of its pixels, so every request that edits or animates it at that
+geometry shares one encode, whatever its prompt or seed."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from PIL import Image
 
 from cachesvc.ledger import Ledger
 from cachesvc.tensor_cache import TensorCache
-from keys import Fingerprint, GenerationSpec, StoreKey, image_key, image_latent_key
+from keys import Fingerprint, GenerationSpec, StoreKey, image_key, image_latent_key, image_mask_key
 
 
 class ImageModel(Protocol):
@@ -73,14 +73,15 @@ def encode_image(cache: TensorCache, model: ImageModel, spec: GenerationSpec,
 def encode_mask(cache: TensorCache, model: ImageModel, spec: GenerationSpec,
                 ledger: Ledger | None = None) -> EncodedImage:
     """``spec``'s inpainting mask at its latents' size, from the cache where possible (one
-    per mask and geometry, as an image's encoding is); the lookup counted in ``ledger``."""
+    per mask and size, its own ``image_mask`` kind: no VAE runs); the lookup counted in
+    ``ledger``."""
     if spec.image is None or spec.image.mask is None:
         raise ValueError(f"request {spec.request_id} names no inpainting mask")
     if model.mask_fingerprint is None:
         raise ValueError(f"request {spec.request_id} names an inpainting mask, but the served "
                          "family does no inpainting")
-    key = image_latent_key(spec.tenant, model.mask_fingerprint, spec.image.mask, spec.width,
-                           spec.height, spec.num_frames)
+    key = image_mask_key(spec.tenant, model.mask_fingerprint, spec.image.mask, spec.width,
+                         spec.height)
     compute = functools.partial(_encode_stored, cache, spec, spec.image.mask, "L",
                                 lambda mask: model.encode_mask(mask, spec.width, spec.height))
     return EncodedImage(key, cache.get_or_compute(key, compute, ledger).tensor)

@@ -169,6 +169,15 @@ def image_latent_key(tenant: str, encoder: Fingerprint, content_hash: str, width
                     digest("image-latent", payload))
 
 
+def image_mask_key(tenant: str, processor: Fingerprint, content_hash: str, width: int,
+                   height: int) -> StoreKey:
+    """An inpainting mask resized to ``width`` x ``height``, binarised and brought to the
+    latents' size: one per mask and size, whatever the image it masks."""
+    payload: dict[str, Canonical] = {"processor": processor.hex, "mask": content_hash,
+                                     "size": [width, height]}
+    return StoreKey(check_tenant(tenant), KeyKind.IMAGE_MASK, digest("image-mask", payload))
+
+
 # --- store keys -------------------------------------------------------------------------------
 
 

@@ -51,6 +51,9 @@ class KeyKind(StrEnum):
     # The VAE's encoding of an input image at a request's size (its latent distribution),
     # by the image, the size and the encoder: what image-to-image starts from.
     IMAGE_LATENT = "image_latent"
+    # An inpainting mask brought to the latents' size (resized and binarised, no VAE), by the
+    # mask, the size and the processor: what every step of an inpainting keeps or repaints.
+    IMAGE_MASK = "image_mask"
     # Denoiser forwards under a step-cache policy: counted (a hit is a forward the policy
     # skipped part of), never stored; its state travels inside checkpoints.
     STEP = "step"

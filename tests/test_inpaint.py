@@ -29,7 +29,7 @@ from cachesvc.processes import ChildProcess
 from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
 from cli.main import app
-from keys import GenerationSpec, ImageInput, KeyKind, image_key, image_latent_key
+from keys import GenerationSpec, ImageInput, KeyKind, image_key, image_latent_key, image_mask_key
 from tests.test_img2img import lookups, picture, stored, uploaded
 from tests.workers_harness import (
     embedded_serving,
@@ -148,13 +148,16 @@ def test_inpainting_is_bit_identical_and_keeps_what_the_mask_keeps(
     second = inpainting(content_hash, mask, 1.0, seed=3, prompt="a small boat at sea")
     assert np.array_equal(run_request(inpaint_settings, inpaint_client, second),
                           reference(pipeline, second))
-    kind = KeyKind.IMAGE_LATENT.value
+    image_kind, mask_kind = KeyKind.IMAGE_LATENT.value, KeyKind.IMAGE_MASK.value
     made = wait_done(inpaint_client, first)
-    assert lookups(made).get(kind) == 2 and made.hits().get(kind, 0) == 0  # image, mask
+    for kind in (image_kind, mask_kind):
+        assert lookups(made).get(kind) == 1 and made.hits().get(kind, 0) == 0
     shared = wait_done(inpaint_client, plain)
-    assert lookups(shared).get(kind) == 1 and shared.hits().get(kind) == 1
+    assert lookups(shared).get(image_kind) == 1 and shared.hits().get(image_kind) == 1
+    assert mask_kind not in lookups(shared)
     again = wait_done(inpaint_client, second)
-    assert lookups(again).get(kind) == 2 and again.hits().get(kind) == 2
+    for kind in (image_kind, mask_kind):
+        assert lookups(again).get(kind) == 1 and again.hits().get(kind) == 1
 
 
 def test_an_inpainting_resumed_with_its_encodings_lost_gives_the_same_bytes(
@@ -174,10 +177,11 @@ def test_an_inpainting_resumed_with_its_encodings_lost_gives_the_same_bytes(
     cache = open_cache(inpaint_settings)
     try:
         rewind(inpaint_settings, cache, record, 3)
-        for encoder, hashed in [
-                (qwen_image.image_encoder_fingerprint(qwen_model_dir, CPU), content_hash),
-                (qwen_image.mask_fingerprint(qwen_model_dir, CPU), mask)]:
-            assert cache.remove(image_latent_key(TENANT, encoder, hashed, 64, 64, 1))
+        assert cache.remove(image_latent_key(
+            TENANT, qwen_image.image_encoder_fingerprint(qwen_model_dir, CPU), content_hash,
+            64, 64, 1))
+        assert cache.remove(image_mask_key(
+            TENANT, qwen_image.mask_fingerprint(qwen_model_dir, CPU), mask, 64, 64))
     finally:
         cache.close()
 
@@ -185,7 +189,8 @@ def test_an_inpainting_resumed_with_its_encodings_lost_gives_the_same_bytes(
     assert np.array_equal(run_request(inpaint_settings, inpaint_client, repeat), frames)
     resumed = wait_done(inpaint_client, repeat)
     assert resumed.fields["resumed_from"] == "3"
-    assert resumed.hits().get(KeyKind.IMAGE_LATENT.value, 0) == 0  # both encoded again
+    for kind in (KeyKind.IMAGE_LATENT, KeyKind.IMAGE_MASK):  # both encoded again
+        assert resumed.hits().get(kind.value, 0) == 0
 
 
 def test_a_mask_on_the_generate_route_the_command_line_and_openai_images_edit(

@@ -34,6 +34,7 @@ from keys import (
     chain_root,
     embedding_key,
     image_latent_key,
+    image_mask_key,
     latents_key,
     model_fingerprint,
     names,
@@ -387,3 +388,13 @@ def test_an_unconditional_prediction_is_named_by_the_image_condition_it_took() -
                 cfg_key("t", MODEL, negative, 999.0, "d", two)}) == 3
     # The condition of a video of other length is another encoding.
     assert image_latent_key("t", MODEL, "1" * 32, 64, 64, 9) != one
+
+
+def test_a_mask_is_named_by_its_pixels_and_size_apart_from_any_image() -> None:
+    mask = image_mask_key("t", MODEL, "1" * 32, 64, 64)
+    assert mask.kind is KeyKind.IMAGE_MASK
+    assert len({mask, image_mask_key("t", MODEL, "2" * 32, 64, 64),
+                image_mask_key("t", MODEL, "1" * 32, 64, 96),
+                image_mask_key("u", MODEL, "1" * 32, 64, 64)}) == 4
+    # The same hash as an image's is another entry: a mask is no VAE encoding.
+    assert str(mask) != str(image_latent_key("t", MODEL, "1" * 32, 64, 64, 1))
