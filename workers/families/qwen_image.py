@@ -93,10 +93,17 @@ PRESETS = {
 }
 
 
-def _tokenizer(preset: QwenPreset) -> Any:
+def template_prefix(template: str) -> str:
+    """What a pipeline drops of ``template``'s hidden states: all before the user's part (its
+    image, where it takes one; else its text)."""
+    return template[:template.index("<|vision_start|>" if "<|vision_start|>" in template
+                                    else "{}")]
+
+
+def _tokenizer(preset: QwenPreset, template: str = TEMPLATE, drop_idx: int = DROP_IDX) -> Any:
     """A ``Qwen2Tokenizer`` (byte-level BPE with Qwen2's pre-tokenizer), trained offline on
-    common English words and the prompt template, so the template's system prefix is exactly
-    ``DROP_IDX`` tokens, as with the real tokenizer."""
+    common English words and the prompt ``template``, so the template's system prefix is
+    exactly ``drop_idx`` tokens, as with the real tokenizer."""
     import wordfreq
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
     from tokenizers.models import BPE
@@ -111,7 +118,10 @@ def _tokenizer(preset: QwenPreset) -> Any:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     words = wordfreq.top_n_list("en", preset.vocab_words)
-    corpus = [TEMPLATE.replace("<|im_start|>", "").replace("<|im_end|>", "")] * 200
+    plain = template
+    for special in SPECIAL_TOKENS:
+        plain = plain.replace(special, "")
+    corpus = [plain] * 200
     corpus += [" ".join(words[i:i + 50]) for i in range(0, len(words), 50)]
     corpus += [" " + w.capitalize() for w in words[:1000]]
     tok.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
@@ -125,9 +135,8 @@ def _tokenizer(preset: QwenPreset) -> Any:
                                model_max_length=131072)
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
     tokenizer.eos_token = "<|im_end|>"  # as in Qwen2.5-VL-Instruct's tokenizer_config
-    prefix = TEMPLATE[:TEMPLATE.index("{}")]
-    if len(tokenizer(prefix).input_ids) != DROP_IDX:
-        raise RuntimeError(f"the template's system prefix must be {DROP_IDX} tokens")
+    if len(tokenizer(template_prefix(template)).input_ids) != drop_idx:
+        raise RuntimeError(f"the template's system prefix must be {drop_idx} tokens")
     return tokenizer
 
 
@@ -158,16 +167,28 @@ def pack_latents(latents: torch.Tensor) -> torch.Tensor:
 
 def untrained_pipeline(preset: QwenPreset, seed: int) -> Any:
     """A ``QwenImagePipeline`` of the preset's sizes with random weights drawn from ``seed``."""
+    from diffusers import QwenImagePipeline
+
+    pipe: Any = QwenImagePipeline(**untrained_components(preset, seed, TEMPLATE, DROP_IDX))
+    if (pipe.prompt_template_encode != TEMPLATE
+            or pipe.prompt_template_encode_start_idx != DROP_IDX):
+        raise RuntimeError("QwenImagePipeline's prompt template changed; update this family")
+    return pipe
+
+
+def untrained_components(preset: QwenPreset, seed: int, template: str, drop_idx: int
+                         ) -> dict[str, Any]:
+    """The components of a Qwen-Image pipeline of the preset's sizes, with random weights
+    drawn from ``seed`` and a tokenizer trained for ``template``."""
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
         QwenImageTransformer2DModel,
     )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    tokenizer = _tokenizer(preset)
+    tokenizer = _tokenizer(preset, template, drop_idx)
     ids = {s: tokenizer.convert_tokens_to_ids(s) for s in SPECIAL_TOKENS}
     heads = 2
     half = preset.text_hidden // heads // 2  # rotary pairs per head, split t/h/w as mrope does
@@ -199,13 +220,8 @@ def untrained_pipeline(preset: QwenPreset, seed: int) -> Any:
     vae = AutoencoderKLQwenImage(base_dim=preset.vae_base_dim, z_dim=16,
                                  dim_mult=list(preset.vae_dim_mult), num_res_blocks=1,
                                  temperal_downsample=[False] + [True] * (downsamples - 1))
-    pipe: Any = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
-                                  vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                                  transformer=transformer)
-    if (pipe.prompt_template_encode != TEMPLATE
-            or pipe.prompt_template_encode_start_idx != DROP_IDX):
-        raise RuntimeError("QwenImagePipeline's prompt template changed; update this family")
-    return pipe
+    return dict(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=vae,
+                text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
 
 
 # --- Encode ---------------------------------------------------------------------------------
