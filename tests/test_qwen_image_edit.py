@@ -5,7 +5,7 @@ runs on it offline, deterministically."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -77,3 +77,54 @@ def test_the_pipeline_edits_offline_the_same_way_twice(edit_dir: Path) -> None:
     assert first.shape == (1, 64, 64, 3)
     assert np.array_equal(first, edited("make it red"))
     assert not np.array_equal(first, edited("make it blue"))
+
+
+@pytest.fixture(scope="module")
+def small_area_pipe(edit_dir: Path) -> Iterator[Any]:
+    """The folder's pipeline with its condition area brought down to ``AREA``."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as module
+
+    original: Callable[..., Any] = module.calculate_dimensions
+    with mock.patch.object(module, "calculate_dimensions",
+                           lambda _, ratio: original(AREA, ratio)):
+        yield qwen_image_edit.load_pipeline(edit_dir)
+
+
+AREA = 128 * 128
+
+
+def test_the_condition_size_is_the_pipelines() -> None:
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    for width, height in [(48, 72), (1000, 10), (640, 480), (33, 33)]:
+        for area in (AREA, qwen_image_edit.CONDITION_AREA):
+            want = calculate_dimensions(area, width / height)[:2]  # type: ignore[no-untyped-call]
+            assert qwen_image_edit.condition_size(Image.new("RGB", (width, height)),
+                                                  area) == want
+
+
+def test_the_instruction_and_its_image_encode_as_the_pipeline_encodes_them(
+        edit_dir: Path, small_area_pipe: Any) -> None:
+    encoder = qwen_image_edit.EditTextEncoder(edit_dir, area=AREA)
+    image = picture()
+    width, height = qwen_image_edit.condition_size(image, AREA)
+    shown = small_area_pipe.image_processor.resize(image, height, width)
+    for text in ("make the sky green", " "):
+        want, mask = small_area_pipe.encode_prompt(text, image=shown)
+        assert mask is None  # one text: no padding
+        assert torch.equal(encoder.encode(text, image), want)
+    other = Image.fromarray(np.full((72, 48, 3), 200, dtype=np.uint8))
+    assert not torch.equal(encoder.encode(" ", other), encoder.encode(" ", image))
+
+
+def test_the_condition_latents_are_the_pipelines(edit_dir: Path, small_area_pipe: Any) -> None:
+    encoder = qwen_image_edit.EditConditionEncoder(edit_dir, area=AREA)
+    image = picture()
+    width, height = qwen_image_edit.condition_size(image, AREA)
+    pixels = small_area_pipe.image_processor.preprocess(
+        small_area_pipe.image_processor.resize(image, height, width), height, width).unsqueeze(2)
+    _, want = small_area_pipe.prepare_latents(pixels, 1, 16, 64, 64, torch.float32,
+                                              torch.device("cpu"), torch.Generator())
+    condition = encoder.encode(image)
+    assert condition.shape == (1, 16, 1, height // 8, width // 8)
+    assert torch.equal(qwen_image.pack_latents(condition[:, :, 0]), want)

@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+import torch
+from PIL import Image
+
 from workers.families import qwen_image
+from workers.families.base import CPU, Placement
 
 # QwenImageEditPipeline's prompt template: the image's tokens sit in the user's turn, and the
 # first EDIT_DROP_IDX tokens (all before them) are dropped from the hidden states.
@@ -28,6 +33,9 @@ EDIT_TEMPLATE = (
     "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
     "<|im_start|>assistant\n")
 EDIT_DROP_IDX = 64
+# The pixels the pipeline brings every condition image to, whatever the output's size (a
+# literal in its ``__call__``); tiny test models take less, and their reference patches it.
+CONDITION_AREA = 1024 * 1024
 # The tiny model's image processor: patches of the vision config's size, and an image of at
 # most 112x112 pixels, so the prompt carries at most 16 merged image tokens at any size.
 PROCESSOR_CONFIG: dict[str, Any] = {"patch_size": 14, "merge_size": 2,
@@ -82,3 +90,81 @@ def load_pipeline(directory: Path) -> Any:
     from diffusers import QwenImageEditPipeline
 
     return QwenImageEditPipeline.from_pretrained(directory, processor=load_processor(directory))
+
+
+def condition_size(image: Image.Image, area: int = CONDITION_AREA) -> tuple[int, int]:
+    """(width, height) the pipeline brings ``image`` to, for the VAE and the vision tower
+    alike: its aspect at about ``area`` pixels, each side rounded to a multiple of 32 (its
+    ``calculate_dimensions``)."""
+    ratio = image.width / image.height
+    width = math.sqrt(area * ratio)
+    height = width / ratio
+    return round(width / 32) * 32, round(height / 32) * 32
+
+
+class EditTextEncoder:
+    """The instruction's conditioning as ``QwenImageEditPipeline.encode_prompt`` computes it
+    for one text and its image: the image resized to the condition size, the template with
+    the image's tokens, the last hidden state from the image's tokens on (never cut)."""
+
+    def __init__(self, directory: Path, placement: Placement = CPU,
+                 area: int = CONDITION_AREA) -> None:
+        from diffusers.image_processor import VaeImageProcessor
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        self.device = placement.device
+        self.area = area
+        self.processor = load_processor(directory)
+        model: Any = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            directory / "text_encoder", dtype=placement.text_dtype)
+        self.model = model.to(self.device).eval()
+        # The pipeline's image processor, for its resize only (Lanczos, as PIL does it).
+        self.resizer = VaeImageProcessor(vae_scale_factor=16)
+
+    @torch.no_grad()
+    def encode(self, text: str, image: Image.Image) -> torch.Tensor:
+        width, height = condition_size(image, self.area)
+        shown = self.resizer.resize(image, height, width)
+        inputs = self.processor(text=[EDIT_TEMPLATE.format(text)], images=shown, padding=True,
+                                return_tensors="pt").to(self.device)
+        # Exactly the pipeline's four inputs: the processor's ``mm_token_type_ids`` would
+        # change the positions the language model gives the image's tokens.
+        hidden = self.model(input_ids=inputs["input_ids"],
+                            attention_mask=inputs["attention_mask"],
+                            pixel_values=inputs["pixel_values"],
+                            image_grid_thw=inputs["image_grid_thw"],
+                            output_hidden_states=True).hidden_states[-1]
+        selected = hidden[inputs["attention_mask"].bool()][EDIT_DROP_IDX:]
+        return selected.unsqueeze(0).to(self.model.dtype).contiguous()
+
+
+class EditConditionEncoder:
+    """The condition image's latents as ``QwenImageEditPipeline.prepare_latents`` makes them:
+    resized to the condition size, encoded to the distribution's mode (no draw from the
+    generator), normalised by the VAE's mean and spread. Kept unpacked, (1, C, 1, h, w), so
+    its grid stays readable."""
+
+    def __init__(self, directory: Path, placement: Placement = CPU,
+                 area: int = CONDITION_AREA) -> None:
+        from diffusers import AutoencoderKLQwenImage
+        from diffusers.image_processor import VaeImageProcessor
+
+        self.device = placement.device
+        self.dtype = placement.text_dtype
+        self.area = area
+        self.vae = AutoencoderKLQwenImage.from_pretrained(
+            directory / "vae", dtype=placement.vae_dtype).to(self.device).eval()
+        self.processor = VaeImageProcessor(
+            vae_scale_factor=2 ** len(self.vae.temperal_downsample) * 2)
+
+    @torch.no_grad()
+    def encode(self, image: Image.Image) -> torch.Tensor:
+        width, height = condition_size(image, self.area)
+        shown = self.processor.resize(image, height, width)
+        pixels = self.processor.preprocess(shown, height, width).unsqueeze(2)
+        latents = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist.mode()
+        z = self.vae.config.z_dim
+        mean = torch.tensor(self.vae.config.latents_mean).view(1, z, 1, 1, 1)
+        std = torch.tensor(self.vae.config.latents_std).view(1, z, 1, 1, 1)
+        normalised: torch.Tensor = (latents - mean.to(latents)) / std.to(latents)
+        return normalised.contiguous()
