@@ -15,7 +15,9 @@ import pytest
 import torch
 from PIL import Image
 
+from keys import GenerationSpec, ImageInput
 from workers.families import qwen_image, qwen_image_edit
+from workers.queue.submit import new_request_id
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +130,33 @@ def test_the_condition_latents_are_the_pipelines(edit_dir: Path, small_area_pipe
     condition = encoder.encode(image)
     assert condition.shape == (1, 16, 1, height // 8, width // 8)
     assert torch.equal(qwen_image.pack_latents(condition[:, :, 0]), want)
+
+
+@pytest.mark.parametrize("guidance", [4.0, 1.0])
+def test_the_denoiser_steps_as_the_pipeline_does(edit_dir: Path, small_area_pipe: Any,
+                                                 guidance: float) -> None:
+    """The family's pieces in a plain loop (the three stages' work, in one place): the same
+    latents as the pipeline's, with true CFG and without."""
+    image, steps = picture(), 3
+    spec = GenerationSpec.create(
+        request_id=new_request_id(), tenant="t", prompt="make it red", negative_prompt=" ",
+        width=64, height=64, num_frames=1, num_inference_steps=steps,
+        guidance_scale=guidance, seed=9, image=ImageInput("0" * 32, strength=None))
+    texts = qwen_image_edit.EditTextEncoder(edit_dir, area=AREA)
+    condition = qwen_image_edit.EditConditionEncoder(edit_dir, area=AREA).encode(image)
+    denoiser = qwen_image_edit.EditDenoiser(edit_dir)
+    cond, uncond = texts.encode("make it red", image), texts.encode(" ", image)
+    latents, _ = denoiser.initial_latents(spec)
+    scheduler = denoiser.scheduler(spec)
+    for t in scheduler.timesteps:
+        noise = denoiser.predict(latents, t, cond, spec, condition=condition)
+        if guidance > 1:
+            noise = denoiser.guide(noise, denoiser.predict(latents, t, uncond, spec,
+                                                           condition=condition), guidance)
+        latents = scheduler.step(noise, t, latents, return_dict=False)[0]
+
+    want = small_area_pipe(image=image, prompt="make it red", negative_prompt=" ",
+                           true_cfg_scale=guidance, height=64, width=64,
+                           num_inference_steps=steps, output_type="latent",
+                           generator=torch.Generator().manual_seed(9)).images
+    assert torch.equal(latents, want)

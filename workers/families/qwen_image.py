@@ -432,17 +432,22 @@ class QwenDenoiser(QwenTrajectory):
         (``QwenImageImg2ImgPipeline``, and ``QwenImageInpaintPipeline`` alike), the same
         generator first samples the image's latent distribution, and the noise is mixed into
         that sample at the first step's sigma."""
-        from diffusers.utils.torch_utils import randn_tensor
 
         if spec.image is None:
-            generator = torch.Generator(device="cpu").manual_seed(spec.seed)
-            noise = randn_tensor(self._noise_shape(spec), generator=generator,
-                                 device=self.device, dtype=self.placement.text_dtype)
-            return pack_latents(noise[:, 0]), generator
+            return self.pure_noise(spec)
         start, noise, generator = self._image_start(spec, image)
         scheduler = self.scheduler(spec)
         t = scheduler.timesteps[spec.first_step:spec.first_step + 1]
         return pack_latents(scheduler.scale_noise(start, t, noise)[:, 0]), generator
+
+    def pure_noise(self, spec: GenerationSpec) -> tuple[torch.Tensor, torch.Generator]:
+        """Text-to-image's start: the seed's noise, packed, and the generator after it."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        generator = torch.Generator(device="cpu").manual_seed(spec.seed)
+        noise = randn_tensor(self._noise_shape(spec), generator=generator, device=self.device,
+                             dtype=self.placement.text_dtype)
+        return pack_latents(noise[:, 0]), generator
 
     def inpainting(self, spec: GenerationSpec, image: torch.Tensor,
                    mask: torch.Tensor) -> QwenInpainting:

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from PIL import Image
 
+from keys import GenerationSpec
 from workers.families import qwen_image
-from workers.families.base import CPU, Placement
+from workers.families.base import CPU, Placement, check_condition
 
 # QwenImageEditPipeline's prompt template: the image's tokens sit in the user's turn, and the
 # first EDIT_DROP_IDX tokens (all before them) are dropped from the hidden states.
@@ -168,3 +169,35 @@ class EditConditionEncoder:
         std = torch.tensor(self.vae.config.latents_std).view(1, z, 1, 1, 1)
         normalised: torch.Tensor = (latents - mean.to(latents)) / std.to(latents)
         return normalised.contiguous()
+
+
+class EditDenoiser(qwen_image.QwenDenoiser):
+    """The Qwen-Image DiT with the condition image's latents after the output's in its
+    sequence at every step (their own grid in its positions), only the output's part of the
+    prediction kept. The trajectory starts from noise, as text-to-image's does; the image
+    draws nothing from the seed."""
+
+    def initial_latents(self, spec: GenerationSpec, image: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Generator]:
+        if spec.image is None or spec.image.strength is not None:
+            raise ValueError(f"request {spec.request_id}: an edit takes an image, and no "
+                             "strength")
+        return self.pure_noise(spec)
+
+    @torch.no_grad()
+    def predict(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
+                spec: GenerationSpec, text_mask: torch.Tensor | None = None,
+                condition: torch.Tensor | None = None) -> torch.Tensor:
+        check_condition(spec, condition, takes=True)
+        assert condition is not None
+        rows = latents.shape[0]
+        packed = qwen_image.pack_latents(condition[:, :, 0]).to(latents)
+        packed = packed.expand(rows, -1, -1) if packed.shape[0] != rows else packed
+        grid = (1, condition.shape[-2] // 2, condition.shape[-1] // 2)
+        out = self.transformer(hidden_states=torch.cat([latents, packed], dim=1),
+                               timestep=t.expand(rows).to(latents.dtype) / 1000,
+                               guidance=None, encoder_hidden_states_mask=text_mask,
+                               encoder_hidden_states=embeds.to(self.device),
+                               img_shapes=[[(1, *self.tokens_per_side(spec)), grid]] * rows,
+                               attention_kwargs={}, return_dict=False)[0]
+        return out[:, :latents.shape[1]]
