@@ -1,6 +1,8 @@
-"""Qwen-Image-Edit groundwork: the tiny model builds, reads like a real checkpoint's folder,
-and its processor (images only, no torchvision) loads back to the same inputs; the pipeline
-runs on it offline, deterministically."""
+"""Qwen-Image-Edit's first part: the tiny model builds, reads like a real checkpoint's folder,
+and its processor (images only, no torchvision) loads back to the same inputs; the
+instruction's encoding with its image, the condition latents and the denoiser's steps are
+bit-identical to ``QwenImageEditPipeline``'s (CPU, float32, the condition area brought down
+to 128x128 pixels in both)."""
 
 from __future__ import annotations
 
@@ -19,12 +21,25 @@ from keys import GenerationSpec, ImageInput
 from workers.families import qwen_image, qwen_image_edit
 from workers.queue.submit import new_request_id
 
+AREA = 128 * 128  # the condition's pixels: the pipeline's megapixel would cost seconds a step
+
 
 @pytest.fixture(scope="module")
 def edit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("qwen-edit")
     qwen_image_edit.build(directory, "test", seed=0)
     return directory
+
+
+@pytest.fixture(scope="module")
+def small_area_pipe(edit_dir: Path) -> Iterator[Any]:
+    """The folder's pipeline with its condition area brought down to ``AREA``."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as module
+
+    original: Callable[..., Any] = module.calculate_dimensions
+    with mock.patch.object(module, "calculate_dimensions",
+                           lambda _, ratio: original(AREA, ratio)):
+        yield qwen_image_edit.load_pipeline(edit_dir)
 
 
 def picture() -> Image.Image:
@@ -60,19 +75,11 @@ def test_the_loaded_processor_gives_what_the_built_one_gave(edit_dir: Path) -> N
     assert int((one["input_ids"] == pad).sum()) > 1
 
 
-def test_the_pipeline_edits_offline_the_same_way_twice(edit_dir: Path) -> None:
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as module
-
-    pipe = qwen_image_edit.load_pipeline(edit_dir)
-    original: Callable[..., Any] = module.calculate_dimensions
-
+def test_the_pipeline_edits_offline_the_same_way_twice(small_area_pipe: Any) -> None:
     def edited(prompt: str) -> np.ndarray:
-        # The pipeline brings the condition to about a megapixel; a small area keeps it cheap.
-        with mock.patch.object(module, "calculate_dimensions",
-                               lambda _, ratio: original(128 * 128, ratio)):
-            out = pipe(image=picture(), prompt=prompt, negative_prompt=" ",
-                       true_cfg_scale=4.0, height=64, width=64, num_inference_steps=2,
-                       generator=torch.Generator().manual_seed(1), output_type="np")
+        out = small_area_pipe(image=picture(), prompt=prompt, negative_prompt=" ",
+                              true_cfg_scale=4.0, height=64, width=64, num_inference_steps=2,
+                              generator=torch.Generator().manual_seed(1), output_type="np")
         return np.asarray(out.images)
 
     first = edited("make it red")
@@ -81,18 +88,6 @@ def test_the_pipeline_edits_offline_the_same_way_twice(edit_dir: Path) -> None:
     assert not np.array_equal(first, edited("make it blue"))
 
 
-@pytest.fixture(scope="module")
-def small_area_pipe(edit_dir: Path) -> Iterator[Any]:
-    """The folder's pipeline with its condition area brought down to ``AREA``."""
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as module
-
-    original: Callable[..., Any] = module.calculate_dimensions
-    with mock.patch.object(module, "calculate_dimensions",
-                           lambda _, ratio: original(AREA, ratio)):
-        yield qwen_image_edit.load_pipeline(edit_dir)
-
-
-AREA = 128 * 128
 
 
 def test_the_condition_size_is_the_pipelines() -> None:

@@ -1,7 +1,9 @@
-"""Qwen-Image-Edit, groundwork (not a served family yet): the tiny model's build and the
-processor that loads without torchvision. The plan for the rest (the image-conditioned
-embedding, the condition in the DiT's sequence, the engine's token count) is in the branch's
-notes; nothing here is registered in ``workers.families``.
+"""Qwen-Image-Edit (instruction editing), its first part: the tiny model's build, the
+processor that loads without torchvision, and the three pieces that differ from Qwen-Image
+(the instruction encoded with its image, the condition image's latents, the DiT with the
+condition in its sequence), each bit-identical to ``QwenImageEditPipeline`` on the CPU in
+float32. Not served yet: nothing here is registered in ``workers.families``; the cache kind
+of the image-conditioned embedding, the engine's token count and the routes are to come.
 
 ``QwenImageEditPipeline`` takes a ``Qwen2VLProcessor``; transformers builds that one only with
 a video processor, which needs torchvision (a CUDA build on this index, which does not import
