@@ -15,6 +15,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
 
 from keys import GenerationSpec, ImageInput
@@ -22,6 +23,8 @@ from workers.families import qwen_image, qwen_image_edit
 from workers.queue.submit import new_request_id
 
 AREA = 128 * 128  # the condition's pixels: the pipeline's megapixel would cost seconds a step
+# The pipeline's own, taken before ``small_area_pipe`` patches it for the module's tests.
+UNPATCHED: Callable[..., Any] = pipeline_qwenimage_edit.calculate_dimensions
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +37,8 @@ def edit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def small_area_pipe(edit_dir: Path) -> Iterator[Any]:
     """The folder's pipeline with its condition area brought down to ``AREA``."""
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as module
-
-    original: Callable[..., Any] = module.calculate_dimensions
-    with mock.patch.object(module, "calculate_dimensions",
-                           lambda _, ratio: original(AREA, ratio)):
+    with mock.patch.object(pipeline_qwenimage_edit, "calculate_dimensions",
+                           lambda _, ratio: UNPATCHED(AREA, ratio)):
         yield qwen_image_edit.load_pipeline(edit_dir)
 
 
@@ -91,11 +91,9 @@ def test_the_pipeline_edits_offline_the_same_way_twice(small_area_pipe: Any) -> 
 
 
 def test_the_condition_size_is_the_pipelines() -> None:
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
-
     for width, height in [(48, 72), (1000, 10), (640, 480), (33, 33)]:
         for area in (AREA, qwen_image_edit.CONDITION_AREA):
-            want = calculate_dimensions(area, width / height)[:2]  # type: ignore[no-untyped-call]
+            want = UNPATCHED(area, width / height)[:2]
             assert qwen_image_edit.condition_size(Image.new("RGB", (width, height)),
                                                   area) == want
 
