@@ -116,7 +116,8 @@ def edits(form: Annotated[EditsForm, Form()], who: Tenant, svc: Svc, request: Re
           ) -> dict[str, object]:
     """OpenAI-compatible and synchronous, as ``/v1/images/generations``: the uploaded image
     (and mask) is kept as ``POST /v1/images`` keeps it (once the request is admitted) and the
-    prompt runs image-to-image from it, inpainting where a mask is given."""
+    prompt runs image-to-image from it, inpainting where a mask is given (or, on an editing
+    model, edits it as it says)."""
     served = svc.served()
     check_model(form.model, served)
     _makes_images(served, "image")

@@ -25,9 +25,9 @@ from workers.queue.messages import Stage
 
 WINDOW_MINUTES = 30
 RECENT = 15
-KINDS = [KeyKind.EMBEDDING, KeyKind.CFG, KeyKind.CHECKPOINT, KeyKind.OUTPUT, KeyKind.ADAPTER,
-         KeyKind.IMAGE, KeyKind.IMAGE_LATENT, KeyKind.IMAGE_MASK, KeyKind.STEP,
-         KeyKind.APPROXIMATE]
+KINDS = [KeyKind.EMBEDDING, KeyKind.IMAGE_EMBEDDING, KeyKind.CFG, KeyKind.CHECKPOINT,
+         KeyKind.OUTPUT, KeyKind.ADAPTER, KeyKind.IMAGE, KeyKind.IMAGE_LATENT,
+         KeyKind.IMAGE_MASK, KeyKind.STEP, KeyKind.APPROXIMATE]
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
 
 

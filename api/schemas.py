@@ -355,7 +355,8 @@ class ImagesBody(_ImageCall):
 class EditsForm(_ImageCall):
     """OpenAI ``POST /v1/images/edits``, multipart as the official client sends it: the
     image (``image``, or ``image[]`` when the client sends a list) is served as image-to-image
-    from it; its files are taken apart from these fields."""
+    from it (inpainting, with a mask; an edit as the prompt says, on an editing model); its
+    files are taken apart from these fields."""
 
     strength: float | None = Field(None, gt=0, le=1, description="extension: how far the "
                                    f"image is noised, as in POST /v1/generate (default "

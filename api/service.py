@@ -170,17 +170,24 @@ class Named:
 
 
 def _strength(body: GenerateBody, served: ServedModel, steps: int) -> float | None:
-    """How far an image-to-image request's image is noised; None for image-to-video, where
-    the image conditions every step."""
-    if served.limits.image_to_video:
+    """How far an image-to-image request's image is noised; None for image-to-video and
+    instruction editing, where the image conditions every step."""
+    if served.limits.image_conditions:
         if body.strength is not None:
             raise FieldError("strength", f"applies to image-to-image only; the served "
-                             f"{served.family} model animates the image from pure noise")
+                             f"{served.family} model {_takes(served)}, starting from pure "
+                             "noise")
         return None
     strength = DEFAULT_STRENGTH if body.strength is None else body.strength
     if start_step(steps, strength) >= steps:
         raise FieldError("strength", f"{strength} leaves none of the {steps} steps to run")
     return strength
+
+
+def _takes(served: ServedModel) -> str:
+    """What a model whose every step takes the input image does with it."""
+    return ("edits an input image as its prompt says" if served.limits.image_edit
+            else "animates an input image")
 
 
 def _wxh(size: tuple[int, int] | None) -> str:
@@ -255,20 +262,20 @@ class Service:
     def image_for(self, tenant: str, body: GenerateBody, served: ServedModel, steps: int,
                   uploads: Sequence[InputImage]
                   ) -> tuple[ImageInput | None, tuple[InputImage, ...]]:
-        """The input image a request starts from (image-to-image) or animates
-        (image-to-video), with its inpainting mask if it has one, each put back in the store
-        if it was lost (another tenant's reads as unknown, 404); and the images still to
-        keep, those that came with the request (inline, or in ``uploads``)."""
+        """The input image a request starts from (image-to-image), animates
+        (image-to-video) or edits, with its inpainting mask if it has one, each put back in
+        the store if it was lost (another tenant's reads as unknown, 404); and the images
+        still to keep, those that came with the request (inline, or in ``uploads``)."""
         limits = served.limits
         if body.image is None:
-            if limits.image_to_video:
-                raise FieldError("image", f"the served {served.family} model animates an "
-                                 "input image: give one")
+            if limits.image_conditions:
+                raise FieldError("image", f"the served {served.family} model "
+                                 f"{_takes(served)}: give one")
             for field in ("strength", "mask"):
                 if getattr(body, field) is not None:
                     raise FieldError(field, "applies to image-to-image only; give image too")
             return None, ()
-        if not (limits.image_to_image or limits.image_to_video):
+        if not (limits.image_to_image or limits.image_conditions):
             raise FieldError("image", f"the served {served.family} model takes no input image")
         if body.step_cache is not None and body.step_cache.policy is StepCachePolicy.MAGCACHE:
             # Its ratios were calibrated on text-only trajectories from step 0.

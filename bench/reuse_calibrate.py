@@ -30,7 +30,7 @@ import numpy as np
 from bench.common import model_stack, print_table, report, serve, workers
 from bench.reuse_trace import TracePrompt, correct, variants
 from cachesvc.connect import open_cache, open_redis
-from encoders.text import prompt_vector
+from encoders.text import ImageTextModel, prompt_vector
 from keys import GenerationSpec, OutputFormat, PromptSegment
 from training.classifier import AttributeClassifier, load_classifier
 from training.scenes import Scene
@@ -126,6 +126,9 @@ def view_and_pairs(directory: Path, shape: GenerationSpec, first: int, count: in
     returns, then caption to caption. ``shape`` is the requests' (their bucket's) shape."""
     family = family_of(directory)
     text = family.text_encoder(directory, CPU)
+    if isinstance(text, ImageTextModel):
+        raise SystemExit(f"{family.name} reads its prompts with an image: approximate reuse, "
+                         "and its calibration, take text-only models")
     scenes = range(first, first + count)
     prompts = [p for i in scenes for p in variants(i)]
     groups = [i for i in scenes for _ in variants(i)]

@@ -44,6 +44,9 @@ def policies(settings: CacheSettings) -> Mapping[KeyKind, KindPolicy]:
         # Computed from an uploaded image, shared by every request that edits it at a size:
         # pinned like a text's embedding.
         KeyKind.IMAGE_LATENT: KindPolicy(soft_pin=True, ttl_s=None, delete_on_consume=False),
+        # An instruction read with its image: pinned like a text's embedding.
+        KeyKind.IMAGE_EMBEDDING: KindPolicy(soft_pin=True, ttl_s=None,
+                                            delete_on_consume=False),
         # Small, and shared by every request that repaints through that mask at a size.
         KeyKind.IMAGE_MASK: KindPolicy(soft_pin=True, ttl_s=None, delete_on_consume=False),
         KeyKind.SCRATCH: KindPolicy(soft_pin=False, ttl_s=None, delete_on_consume=False),

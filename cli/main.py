@@ -284,8 +284,9 @@ def generate(
                                      "similar earlier request's checkpoint (and says so)"),
     image: Path | None = typer.Option(None, exists=True, dir_okay=False, readable=True,
                                       help="start from this picture (image-to-image), "
-                                      "or animate it (an image-to-video model); uploaded, "
-                                      "then referred to by its hash"),
+                                      "animate it (an image-to-video model) or edit it as "
+                                      "the prompt says (an editing model); uploaded, then "
+                                      "referred to by its hash"),
     strength: float | None = typer.Option(None, help="image-to-image: how far it is noised, "
                                           "above 0 and at most 1 (default: the server's, "
                                           "0.6)"),

@@ -64,7 +64,7 @@ def encode_image(cache: TensorCache, model: ImageModel, spec: GenerationSpec,
         raise ValueError(f"request {spec.request_id} names no input image")
     key = image_latent_key(spec.tenant, model.fingerprint, spec.image.hash, spec.width,
                            spec.height, spec.num_frames)
-    compute = functools.partial(_encode_stored, cache, spec, spec.image.hash, "RGB",
+    compute = functools.partial(stored_image, cache, spec, spec.image.hash, "RGB",
                                 lambda image: model.encode(image, spec.width, spec.height,
                                                            spec.num_frames))
     return EncodedImage(key, cache.get_or_compute(key, compute, ledger).tensor)
@@ -82,14 +82,15 @@ def encode_mask(cache: TensorCache, model: ImageModel, spec: GenerationSpec,
                          "family does no inpainting")
     key = image_mask_key(spec.tenant, model.mask_fingerprint, spec.image.mask, spec.width,
                          spec.height)
-    compute = functools.partial(_encode_stored, cache, spec, spec.image.mask, "L",
+    compute = functools.partial(stored_image, cache, spec, spec.image.mask, "L",
                                 lambda mask: model.encode_mask(mask, spec.width, spec.height))
     return EncodedImage(key, cache.get_or_compute(key, compute, ledger).tensor)
 
 
-def _encode_stored(cache: TensorCache, spec: GenerationSpec, content_hash: str, mode: str,
-                   encode: Callable[[Image.Image], torch.Tensor]) -> torch.Tensor:
-    """``encode`` of the stored image ``content_hash``, read in ``mode``."""
+def stored_image(cache: TensorCache, spec: GenerationSpec, content_hash: str, mode: str,
+                 encode: Callable[[Image.Image], torch.Tensor]) -> torch.Tensor:
+    """``encode`` of the stored image ``content_hash``, read in ``mode``; ImageLostError if
+    the store has it no more."""
     stored = cache.get(image_key(spec.tenant, content_hash), lookup=False)  # an input
     if stored is None:
         raise ImageLostError(f"request {spec.request_id}: input image {content_hash} of "

@@ -10,15 +10,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from PIL import Image
 
 from cachesvc.ledger import Ledger
 from cachesvc.single_flight import Outcome
 from cachesvc.tensor_cache import TensorCache
-from keys import Fingerprint, GenerationSpec, StoreKey, embedding_key
+from encoders.image import stored_image
+from keys import Fingerprint, GenerationSpec, StoreKey, embedding_key, image_embedding_key
 
 
 class TokenizedText(Protocol):
@@ -42,6 +44,20 @@ class TextModel(Protocol):
     def text_positions(self, tokens: TokenizedText, embedding: torch.Tensor) -> int:
         """How many leading positions of ``embedding`` hold the text, not padding."""
         ...
+
+
+@runtime_checkable
+class ImageTextModel(Protocol):
+    """What a family whose text encoder reads each text with the request's input image
+    provides (an instruction-editing model's)."""
+
+    fingerprint: Fingerprint  # the encoder's, its image processing and condition size too
+
+    def tokenize(self, text: str) -> TokenizedText:
+        """The text in its template, the image's place one placeholder."""
+        ...
+
+    def encode_with_image(self, text: str, image: Image.Image) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,4 +122,26 @@ def encode_texts(cache: TensorCache, model: TextModel, tenant: str,
         hit = cached.outcome in (Outcome.HIT, Outcome.WAITED)
         out[text] = EncodedText(text, key, cached.tensor, hit,
                                 model.text_positions(tokens, cached.tensor))
+    return out
+
+
+def encode_texts_with_image(cache: TensorCache, model: ImageTextModel, spec: GenerationSpec,
+                            texts: Sequence[str], ledger: Ledger | None = None
+                            ) -> dict[str, EncodedText]:
+    """Embeddings of each distinct text read with ``spec``'s input image, from the cache where
+    possible (the image is read from the store only on a miss); ImageLostError if it must be
+    and is not there."""
+    if spec.image is None:
+        raise ValueError(f"request {spec.request_id}: the served model reads its texts with an "
+                         "input image, and the request names none")
+    out: dict[str, EncodedText] = {}
+    for text in dict.fromkeys(texts):
+        tokens = model.tokenize(text)
+        key = image_embedding_key(spec.tenant, model.fingerprint, tokens.ids, spec.image)
+        compute = functools.partial(stored_image, cache, spec, spec.image.hash, "RGB",
+                                    functools.partial(model.encode_with_image, text))
+        cached = cache.get_or_compute(key, compute, ledger)
+        hit = cached.outcome in (Outcome.HIT, Outcome.WAITED)
+        # Every position holds the text or the image it is read with: none is padding.
+        out[text] = EncodedText(text, key, cached.tensor, hit, int(cached.tensor.shape[-2]))
     return out

@@ -16,7 +16,7 @@ import xxhash
 
 from keys.canonical import Canonical, digest
 from keys.names import KeyKind, StoreKey, check_tenant
-from keys.spec import SPEC_FIELDS, GenerationSpec, LoraUse, StepCachePolicy
+from keys.spec import SPEC_FIELDS, GenerationSpec, ImageInput, LoraUse, StepCachePolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +62,12 @@ EMBEDDING_FIELDS = FieldPolicy(
         "image": "the text encoder never sees an input image",
     },
 )
+IMAGE_EMBEDDING_FIELDS = FieldPolicy(
+    # An instruction is read with the image it edits: the image's hash enters (with its
+    # strength and mask, which an edit leaves unset, so that no other workflow shares one).
+    includes=EMBEDDING_FIELDS.includes | {"image"},
+    ignores={f: why for f, why in EMBEDDING_FIELDS.ignores.items() if f != "image"},
+)
 CHAIN_FIELDS = FieldPolicy(
     # cfg_cache counts only in its approximate mode; the exact tier never changes an output.
     # step_cache counts whenever a policy is on: every policy changes the output.
@@ -87,6 +93,7 @@ OUTPUT_FIELDS = FieldPolicy(
 )
 FIELD_POLICIES: Mapping[KeyKind, FieldPolicy] = {
     KeyKind.EMBEDDING: EMBEDDING_FIELDS,
+    KeyKind.IMAGE_EMBEDDING: IMAGE_EMBEDDING_FIELDS,
     KeyKind.CHECKPOINT: CHAIN_FIELDS,
     KeyKind.CFG: CFG_FIELDS,
     KeyKind.LATENTS: LATENTS_FIELDS,
@@ -196,6 +203,23 @@ def embedding_key(
         "max_length": max_length,
     }
     return StoreKey(check_tenant(tenant), KeyKind.EMBEDDING, digest("embed", payload))
+
+
+def image_embedding_key(
+    tenant: str,
+    encoder: Fingerprint,
+    token_ids: Sequence[int],
+    image: ImageInput,
+) -> StoreKey:
+    """Condition embedding of one tokenized text read with ``image`` (its template's image
+    tokens are the image's: how many, and what they hold, follow from the pixels and the
+    encoder's fingerprint, which carries its processor and condition size)."""
+    payload: dict[str, Canonical] = {
+        "encoder": encoder.hex,
+        "ids": list(token_ids),
+        "image": {"hash": image.hash, "strength": image.strength, "mask": image.mask},
+    }
+    return StoreKey(check_tenant(tenant), KeyKind.IMAGE_EMBEDDING, digest("image-embed", payload))
 
 
 def cfg_key(

@@ -51,6 +51,9 @@ class KeyKind(StrEnum):
     # The VAE's encoding of an input image at a request's size (its latent distribution),
     # by the image, the size and the encoder: what image-to-image starts from.
     IMAGE_LATENT = "image_latent"
+    # A text's condition embedding read together with an input image (an instruction-editing
+    # model's): by the text's token ids, the image and the encoder.
+    IMAGE_EMBEDDING = "image_embed"
     # An inpainting mask brought to the latents' size (resized and binarised, no VAE), by the
     # mask, the size and the processor: what every step of an inpainting keeps or repaints.
     IMAGE_MASK = "image_mask"

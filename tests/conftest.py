@@ -18,7 +18,7 @@ from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
 from tests import redis_databases
 from tests.workers_harness import publish_as_workers, serving, worker_pool
-from workers.families import qwen_image, wan, wan_i2v
+from workers.families import qwen_image, qwen_image_edit, wan, wan_i2v
 from workers.families.base import CPU
 from workers.queue.messages import Stage
 
@@ -91,6 +91,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def qwen_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("qwen-model")
     qwen_image.build(directory, "test")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def edit_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("qwen-edit-model")
+    qwen_image_edit.build(directory, "test")
     return directory
 
 

@@ -33,6 +33,7 @@ from keys import (
     cfg_key,
     chain_root,
     embedding_key,
+    image_embedding_key,
     image_latent_key,
     image_mask_key,
     latents_key,
@@ -86,6 +87,11 @@ def timesteps(spec: GenerationSpec) -> list[float]:
     return [1000.0 - 250.0 * i for i in range(spec.num_inference_steps)]
 
 
+# What an image-embedding key is built from for a spec with no image: no strategy below draws
+# this strength and mask together.
+NO_IMAGE = ImageInput("e" * 32, 0.5, "e" * 32)
+
+
 def all_keys(spec: GenerationSpec) -> dict[KeyKind, str]:
     """Every key a request derives, from the spec alone, through the functions the workers
     call: the chain is ``trajectory.chain_links``, so a change there changes these keys."""
@@ -99,6 +105,11 @@ def all_keys(spec: GenerationSpec) -> dict[KeyKind, str]:
     return {
         KeyKind.EMBEDDING: "|".join(str(text_key(spec, t))
                                     for t in (first.prompt, first.negative_prompt)),
+        # An edit's: each text read with its image (a stand-in where the spec has none).
+        KeyKind.IMAGE_EMBEDDING: "|".join(
+            str(image_embedding_key(spec.tenant, ENCODER, fake_tokens(t),
+                                    spec.image or NO_IMAGE))
+            for t in (first.prompt, first.negative_prompt)),
         KeyKind.CHECKPOINT: str(links[-1].checkpoint_key()),
         KeyKind.CFG: str(cfg_key(spec.tenant, model, text_key(spec, first.negative_prompt),
                                  timesteps(spec)[0], latent_digest)),
@@ -118,6 +129,8 @@ GOLDEN_CANONICAL = ("4c0000000000000002" "730000000000000001" "61" "4c0000000000
 GOLDEN_KEYS = {
     "embed": "v1:acme:embed:eba2fb8f96b5820396af37d57b0ddbad"
              "|v1:acme:embed:5e13209eeebf430066027b1b7ce1f897",
+    "image_embed": "v1:acme:image_embed:614ae4132db405fc10df876227bfb94e"
+                   "|v1:acme:image_embed:ed8557c8f8c5873d3b7030b3e88cf263",
     "ckpt": "v1:acme:ckpt:4-f4da553a6aa46ce60c8e36be4009aaa5",
     "cfg": "v1:acme:cfg:697d9d46eee3bebb395adcfe9dfd8b91",
     # Latents live between one denoise and one decode: never stored long enough to orphan.

@@ -6,7 +6,9 @@ to 128x128 pixels in both)."""
 
 from __future__ import annotations
 
+import io
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,20 +20,22 @@ import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
 
-from keys import GenerationSpec, ImageInput
+from cachesvc.images import normalise
+from cachesvc.tensor_cache import TensorCache
+from encoders.image import ImageLostError
+from encoders.text import encode_texts_with_image
+from keys import GenerationSpec, ImageInput, KeyKind, image_key
 from workers.families import qwen_image, qwen_image_edit
 from workers.queue.submit import new_request_id
 
-AREA = 128 * 128  # the condition's pixels: the pipeline's megapixel would cost seconds a step
+AREA = qwen_image_edit.SMALL_CONDITION["test"]  # the test preset's card lowers it
 # The pipeline's own, taken before ``small_area_pipe`` patches it for the module's tests.
 UNPATCHED: Callable[..., Any] = pipeline_qwenimage_edit.calculate_dimensions
 
 
 @pytest.fixture(scope="module")
-def edit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("qwen-edit")
-    qwen_image_edit.build(directory, "test", seed=0)
-    return directory
+def edit_dir(edit_model_dir: Path) -> Path:
+    return edit_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -100,27 +104,28 @@ def test_the_condition_size_is_the_pipelines() -> None:
 
 def test_the_instruction_and_its_image_encode_as_the_pipeline_encodes_them(
         edit_dir: Path, small_area_pipe: Any) -> None:
-    encoder = qwen_image_edit.EditTextEncoder(edit_dir, area=AREA)
+    encoder = qwen_image_edit.EditTextEncoder(edit_dir)
     image = picture()
     width, height = qwen_image_edit.condition_size(image, AREA)
     shown = small_area_pipe.image_processor.resize(image, height, width)
     for text in ("make the sky green", " "):
         want, mask = small_area_pipe.encode_prompt(text, image=shown)
         assert mask is None  # one text: no padding
-        assert torch.equal(encoder.encode(text, image), want)
+        assert torch.equal(encoder.encode_with_image(text, image), want)
     other = Image.fromarray(np.full((72, 48, 3), 200, dtype=np.uint8))
-    assert not torch.equal(encoder.encode(" ", other), encoder.encode(" ", image))
+    assert not torch.equal(encoder.encode_with_image(" ", other),
+                           encoder.encode_with_image(" ", image))
 
 
 def test_the_condition_latents_are_the_pipelines(edit_dir: Path, small_area_pipe: Any) -> None:
-    encoder = qwen_image_edit.EditConditionEncoder(edit_dir, area=AREA)
+    encoder = qwen_image_edit.EditConditionEncoder(edit_dir)
     image = picture()
     width, height = qwen_image_edit.condition_size(image, AREA)
     pixels = small_area_pipe.image_processor.preprocess(
         small_area_pipe.image_processor.resize(image, height, width), height, width).unsqueeze(2)
     _, want = small_area_pipe.prepare_latents(pixels, 1, 16, 64, 64, torch.float32,
                                               torch.device("cpu"), torch.Generator())
-    condition = encoder.encode(image)
+    condition = encoder.encode(image, 64, 64, 1)  # whatever the output's size
     assert condition.shape == (1, 16, 1, height // 8, width // 8)
     assert torch.equal(qwen_image.pack_latents(condition[:, :, 0]), want)
 
@@ -135,10 +140,10 @@ def test_the_denoiser_steps_as_the_pipeline_does(edit_dir: Path, small_area_pipe
         request_id=new_request_id(), tenant="t", prompt="make it red", negative_prompt=" ",
         width=64, height=64, num_frames=1, num_inference_steps=steps,
         guidance_scale=guidance, seed=9, image=ImageInput("0" * 32, strength=None))
-    texts = qwen_image_edit.EditTextEncoder(edit_dir, area=AREA)
-    condition = qwen_image_edit.EditConditionEncoder(edit_dir, area=AREA).encode(image)
+    texts = qwen_image_edit.EditTextEncoder(edit_dir)
+    condition = qwen_image_edit.EditConditionEncoder(edit_dir).encode(image, 64, 64, 1)
     denoiser = qwen_image_edit.EditDenoiser(edit_dir)
-    cond, uncond = texts.encode("make it red", image), texts.encode(" ", image)
+    cond, uncond = (texts.encode_with_image(text, image) for text in ("make it red", " "))
     latents, _ = denoiser.initial_latents(spec)
     scheduler = denoiser.scheduler(spec)
     for t in scheduler.timesteps:
@@ -153,3 +158,62 @@ def test_the_denoiser_steps_as_the_pipeline_does(edit_dir: Path, small_area_pipe
                            num_inference_steps=steps, output_type="latent",
                            generator=torch.Generator().manual_seed(9)).images
     assert torch.equal(latents, want)
+
+
+def test_an_instruction_is_encoded_once_per_image_and_needs_the_image_only_to_encode(
+        edit_dir: Path, cache: TensorCache) -> None:
+    encoder = qwen_image_edit.EditTextEncoder(edit_dir)
+    image, other = picture(), Image.fromarray(np.full((72, 48, 3), 90, dtype=np.uint8))
+    hashes = [kept(cache, p) for p in (image, other)]
+
+    def edit(content_hash: str) -> GenerationSpec:
+        return GenerationSpec.create(
+            request_id=new_request_id(), tenant="t", prompt="make it red", width=64, height=64,
+            num_frames=1, num_inference_steps=2, guidance_scale=1.0, seed=1,
+            image=ImageInput(content_hash, strength=None))
+
+    first = encode_texts_with_image(cache, encoder, edit(hashes[0]), ["make it red"])
+    assert not first["make it red"].hit
+    assert first["make it red"].key.kind is KeyKind.IMAGE_EMBEDDING
+    assert torch.equal(first["make it red"].tensor, encoder.encode_with_image("make it red", image))
+    # Read back, though the image is gone from the store: the key needed only its hash.
+    assert cache.remove(image_key("t", hashes[0]))
+    again = encode_texts_with_image(cache, encoder, edit(hashes[0]), ["make it red"])
+    assert again["make it red"].hit
+    assert torch.equal(again["make it red"].tensor, first["make it red"].tensor)
+    # Another image is another entry, and a lost one with no entry says so.
+    assert encode_texts_with_image(cache, encoder, edit(hashes[1]),
+                                   ["make it red"])["make it red"].key != first["make it red"].key
+    with pytest.raises(ImageLostError, match=hashes[0]):
+        encode_texts_with_image(cache, encoder, edit(hashes[0]), ["make it blue"])
+
+
+def kept(cache: TensorCache, image: Image.Image) -> str:
+    """``image`` in the store as ``POST /v1/images`` keeps it for tenant "t"; its hash."""
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    normalised = normalise(png.getvalue(), 2**20, 2**20)
+    cache.put(image_key("t", normalised.hash),
+              torch.frombuffer(bytearray(normalised.png), dtype=torch.uint8))
+    return normalised.hash
+
+
+def test_a_checkpoint_with_zero_cond_t_is_refused_naming_it(edit_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """Qwen-Image-Edit-2511's condition timesteps are a path the stages do not reproduce:
+    such a folder is refused, not served wrongly."""
+    qwen_image_edit.EditTrajectory(edit_dir)  # the tiny model has none
+    folder = tmp_path / "model"
+    shutil.copytree(edit_dir, folder)
+    config_path = folder / "transformer" / "config.json"
+    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"zero_cond_t": True}))
+    for load in (qwen_image_edit.EditTrajectory, qwen_image_edit.EditDenoiser):
+        with pytest.raises(qwen_image_edit.UnsupportedCheckpointError, match="zero_cond_t"):
+            load(folder)
+
+
+def test_a_prompt_holding_the_templates_image_marker_is_refused_naming_it(
+        edit_dir: Path) -> None:
+    encoder = qwen_image_edit.EditTextEncoder(edit_dir)
+    with pytest.raises(ValueError, match=r"<\|image_pad\|>"):
+        encoder.encode_with_image("a fox <|image_pad|> in snow", picture())

@@ -3,6 +3,7 @@ and helpers to submit requests and read their outputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -30,7 +31,7 @@ from cachesvc.settings import (
 from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import WaitTimeout, wait_until
-from keys import GenerationSpec, Priority, StoreKey
+from keys import GenerationSpec, Priority, StepCache, StoreKey
 from keys.names import consumer_group, request_record, stage_stream
 from workers.launch import wait_joined, worker_argv
 from workers.queue.messages import Job, Stage
@@ -251,6 +252,17 @@ def read_frames(settings: Settings, record: RequestRecord) -> np.ndarray:
         cache.close()
     assert data is not None
     return decode_npy(data.numpy().tobytes())
+
+
+def step_cache_is_the_pipelines(service: ModelService,
+                                pipeline: Callable[[GenerationSpec], np.ndarray],
+                                spec: GenerationSpec) -> None:
+    """``spec``, under a step cache, through the workers gives ``pipeline``'s output under the
+    same cache, which is not its output without one; and the cache stood in for work."""
+    want = pipeline(spec)
+    assert not np.array_equal(want, pipeline(dataclasses.replace(spec, step_cache=StepCache())))
+    assert np.array_equal(run_request(service.settings, service.client, spec), want)
+    assert wait_done(service.client, spec).counter("hits:step") > 0
 
 
 def reference(pipe: object, spec: GenerationSpec) -> np.ndarray:

@@ -61,6 +61,11 @@ def _geometry(row: Row) -> tuple[object, ...]:
             spec.num_frames, condition)
 
 
+def _tokens(model: Denoiser, row: Row) -> int:
+    """The image tokens ``row`` puts through the transformer, its condition's included."""
+    return model.tokens(row.spec, None if row.condition is None else tuple(row.condition.shape))
+
+
 class DenoiseEngine:
     def __init__(self, model: Denoiser, max_batch: int, max_tokens: int,
                  parallel: bool, exact_tier: ExactTier) -> None:
@@ -116,10 +121,10 @@ class DenoiseEngine:
             return []
         start = time.perf_counter()
         tokens, width = self.model.text_shape()
-        largest = self._per_forward(self.model.tokens(spec), 1)[1]
         # The family's own latents, for their dtype and device (the rows' inputs take both).
         latents, generator = self.model.initial_latents(spec)
         condition = self.model.condition_shape(spec)
+        largest = self._per_forward(self.model.tokens(spec, condition), 1)[1]
 
         def noise(*size: int) -> torch.Tensor:
             return torch.randn(size, generator=generator).to(latents)
@@ -231,7 +236,7 @@ class DenoiseEngine:
             slots.sort(key=lambda s: rows[s].embeds.shape[1])
             first = rows[slots[0]]
             text = max(rows[s].embeds.shape[1] for s in slots)
-            split, whole = self._per_forward(self.model.tokens(first.spec), text)
+            split, whole = self._per_forward(_tokens(self.model, first), text)
             geometry = _geometry(first)
             layout = (self.layouts.choose(geometry)
                       if self.max_batch > 1 and len(slots) > split and whole > split else None)
@@ -251,7 +256,7 @@ class DenoiseEngine:
                               []).append(slot)
         for slots in groups.values():
             first = rows[slots[0]]
-            size = self._per_forward(self.model.tokens(first.spec), first.embeds.shape[1])[0]
+            size = self._per_forward(_tokens(self.model, first), first.embeds.shape[1])[0]
             yield from (slots[start:start + size] for start in range(0, len(slots), size))
 
     def _hooked(self, rows: Sequence[Row]) -> tuple[torch.Tensor, float]:
@@ -281,7 +286,7 @@ class DenoiseEngine:
     def _batched(self, rows: Sequence[Row]) -> torch.Tensor:
         latents = torch.cat([r.latents for r in rows])
         timesteps = torch.stack([r.timestep for r in rows])
-        embeds, mask = pad_texts([r.embeds for r in rows], self.model.tokens(rows[0].spec))
+        embeds, mask = pad_texts([r.embeds for r in rows], _tokens(self.model, rows[0]))
         conditions = [r.condition for r in rows if r.condition is not None]
         if conditions and len(conditions) != len(rows):  # ``_geometry`` keeps them apart
             raise ValueError("rows with and without an image condition in one forward")

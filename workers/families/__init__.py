@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from workers.families import qwen_image, wan, wan_i2v
+from workers.families import qwen_image, qwen_image_edit, wan, wan_i2v
 from workers.families.base import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (wan.FAMILY, wan_i2v.FAMILY,
-                                                     qwen_image.FAMILY)}
+                                                     qwen_image.FAMILY, qwen_image_edit.FAMILY)}
 DEFAULT_FAMILY = wan.FAMILY.name  # what a random preset builds when the settings name no family
 
 

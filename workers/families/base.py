@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 from encoders.image import ImageModel
+from encoders.text import ImageTextModel
 from encoders.text import TextModel as TextEncoder
 from encoders.text import TokenizedText as Tokens
 from keys import (
@@ -125,11 +126,15 @@ class Denoiser(Trajectory, Protocol):
 
     def condition_shape(self, spec: GenerationSpec) -> tuple[int, ...] | None:
         """The shape of the image condition every forward of ``spec`` takes beside its
-        latents (image-to-video: ``ImageModel.encode``'s output), or None where the family
-        takes none; the input image then only starts the trajectory, if anything."""
+        latents (image-to-video: ``ImageModel.encode``'s output; for instruction editing,
+        whose condition's grid is its image's, that of an image of the output's aspect), or
+        None where the family takes none; the input image then only starts the trajectory,
+        if anything."""
 
-    def tokens(self, spec: GenerationSpec) -> int:
-        """The image tokens one row of ``spec`` puts through the transformer."""
+    def tokens(self, spec: GenerationSpec, condition: tuple[int, ...] | None = None) -> int:
+        """The image tokens one row of ``spec`` puts through the transformer, its image
+        condition of shape ``condition`` included where the family puts that in the
+        sequence (the text is told apart from them by its length)."""
 
     def text_shape(self) -> tuple[int, int]:
         """(tokens, width) of a typical prompt's embeddings: the text a warm-up's rows carry."""
@@ -176,7 +181,8 @@ class Family:
     limits: FamilyLimits
     presets: Sequence[str]
     build: Callable[[Path, str, int], None]
-    text_encoder: Callable[[Path, Placement], TextEncoder]
+    # A family whose encoder reads each text with the request's image gives an ImageTextModel.
+    text_encoder: Callable[[Path, Placement], TextEncoder | ImageTextModel]
     trajectory: Callable[[Path, Placement], Trajectory]
     denoiser: Callable[[Path, Placement], Denoiser]
     decoder: Callable[[Path, Placement], Decoder]
@@ -264,17 +270,20 @@ def check_condition(spec: GenerationSpec, condition: torch.Tensor | None,
                          f"{'an' if takes else 'no'} image condition")
 
 
-def placed_pipeline(pipeline_class: Any, directory: Path, placement: Placement) -> Any:
+def placed_pipeline(pipeline_class: Any, directory: Path, placement: Placement,
+                    **components: Any) -> Any:
     """A monolithic pipeline with each component where the workers put it: the DiT and the
     text encoder in their dtype, the VAE in its own, all on the device. The VAE is loaded in
     its dtype, as the workers load it: loaded with the rest and cast after, its weights would
-    have been rounded through the DiT's (bfloat16 on a GPU)."""
+    have been rounded through the DiT's (bfloat16 on a GPU). ``components``: those given,
+    not loaded (a processor transformers cannot load here)."""
     import diffusers
 
     _, vae_class = json.loads((directory / "model_index.json").read_text())["vae"]
     vae = getattr(diffusers, vae_class).from_pretrained(directory / "vae",
                                                         dtype=placement.vae_dtype)
-    pipe = pipeline_class.from_pretrained(directory, vae=vae, dtype=placement.dit_dtype)
+    pipe = pipeline_class.from_pretrained(directory, vae=vae, dtype=placement.dit_dtype,
+                                          **components)
     pipe.text_encoder.to(placement.device, placement.text_dtype)
     pipe.transformer.to(placement.device, placement.dit_dtype)
     pipe.vae.to(placement.device, placement.vae_dtype)

@@ -483,14 +483,15 @@ class QwenDenoiser(QwenTrajectory):
                              dtype=self.placement.text_dtype)
         return start, noise, generator
 
-    def tokens(self, spec: GenerationSpec) -> int:
+    def tokens(self, spec: GenerationSpec, condition: tuple[int, ...] | None = None
+               ) -> int:
         rows, cols = self.tokens_per_side(spec)
         return rows * cols
 
     def text_shape(self) -> tuple[int, int]:
         return TYPICAL_PROMPT_TOKENS, self.transformer.config.joint_attention_dim
 
-    def condition_shape(self, spec: GenerationSpec) -> None:
+    def condition_shape(self, spec: GenerationSpec) -> tuple[int, ...] | None:
         return None  # an input image only starts the trajectory (``initial_latents``)
 
     @torch.no_grad()

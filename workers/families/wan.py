@@ -281,7 +281,8 @@ class WanDenoiser(WanTrajectory):
     def text_shape(self) -> tuple[int, int]:
         return MAX_SEQUENCE_LENGTH, self.transformer.config.text_dim
 
-    def tokens(self, spec: GenerationSpec) -> int:
+    def tokens(self, spec: GenerationSpec, condition: tuple[int, ...] | None = None
+               ) -> int:
         _, _, frames, height, width = self.latent_shape(spec)
         pt, ph, pw = self.transformer.config.patch_size
         return (frames // pt) * (height // ph) * (width // pw)

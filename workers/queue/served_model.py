@@ -41,10 +41,18 @@ class FamilyLimits:
     image_to_image: bool = False  # whether a request may start from an input image
     image_to_video: bool = False  # whether a request must give an image, which every step takes
     inpainting: bool = False  # whether an image-to-image request may give a mask
+    # Whether a request must give an image, which every step takes, and the output is one
+    # picture (instruction editing); ``image_to_video`` is the same for a video.
+    image_edit: bool = False
     # The step-cache policies the family's denoiser drives on any model (MagCache also runs
     # where the model's card ships calibrated ratios: ``ServedModel.step_caches``).
     step_caches: frozenset[StepCachePolicy] = frozenset(
         {StepCachePolicy.FIRST_BLOCK, StepCachePolicy.TAYLORSEER})
+
+    @property
+    def image_conditions(self) -> bool:
+        """Whether a request must give an image, which every step takes (no strength)."""
+        return self.image_to_video or self.image_edit
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +136,9 @@ class ModelCard:
     # The vector the table's similarities are measured in (``workers/stages/prompt_view.py``):
     # the text encoder's mean, or the denoiser's first prediction.
     reuse_vector: str = "text-mean"
+    # Instruction editing: the pixels the condition image is brought to; None, the pipeline's
+    # megapixel (only tiny test models take less, their reference patched to match).
+    condition_area: int | None = None
 
     def warnings(self, spec: GenerationSpec) -> list[str]:
         """What a request asks for outside what the model was trained on: it runs, and

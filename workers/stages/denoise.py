@@ -89,9 +89,9 @@ class DenoiseHandler:
             height=defaults.height, num_frames=defaults.frames(limits.video),
             num_inference_steps=defaults.num_inference_steps,
             guidance_scale=defaults.guidance_scale, seed=0,
-            # Every request to an image-to-video model names an image (a stand-in here:
-            # the warm-up's rows are noise, its condition too).
-            image=ImageInput("0" * 32, strength=None) if limits.image_to_video else None)
+            # Every request to an image-to-video or editing model names an image (a
+            # stand-in here: the warm-up's rows are noise, its condition too).
+            image=ImageInput("0" * 32, strength=None) if limits.image_conditions else None)
         start = time.perf_counter()
         sizes = self.engine.warm_up(spec, self.settings.warm_up_s)
         log.info("warm-up at %dx%dx%d in %.1f s: batched rows proven exact for %s",

@@ -28,7 +28,13 @@ from cachesvc.output_files import OutputFiles
 from cachesvc.reuse_index import ReuseIndexError
 from cachesvc.tensor_cache import TensorCache
 from encoders.image import ImageLostError, ImageModel, encode_image, encode_mask
-from encoders.text import EncodedText, TextModel, encode_texts
+from encoders.text import (
+    EncodedText,
+    ImageTextModel,
+    TextModel,
+    encode_texts,
+    encode_texts_with_image,
+)
 from keys import GenerationSpec, KeyKind, StoreKey, adapted, output_key
 from workers.families.base import Trajectory
 from workers.queue.messages import IMAGE, MASK, RefName, Role, Stage, TensorRef
@@ -46,7 +52,8 @@ log = logging.getLogger(__name__)
 class EncodeHandler:
     stage = Stage.ENCODE
 
-    def __init__(self, cache: TensorCache, model: TextModel, trajectory: Trajectory,
+    def __init__(self, cache: TensorCache, model: TextModel | ImageTextModel,
+                 trajectory: Trajectory,
                  files: OutputFiles | None = None,
                  reuse: ApproximateReuse | None = None,
                  images: Callable[[], ImageModel] | None = None) -> None:
@@ -63,7 +70,10 @@ class EncodeHandler:
         job = ctx.job
         spec = ctx.spec()
         ledger = self.cache.ledger(spec.tenant)
-        encoded = self._encode(spec, ledger)
+        try:
+            encoded = self._encode(spec, ledger)
+        except ImageLostError as exc:  # an editing model reads its texts with the image
+            return self._image_lost(exc, tally_fields(ledger.take()))
         refs = self._refs(spec, encoded)
         cached = self._cached_output(spec, refs, ledger)
         rewrite = None
@@ -89,15 +99,18 @@ class EncodeHandler:
             try:
                 refs.extend(self._image_refs(spec, ledger))
             except ImageLostError as exc:
-                # No retry brings an upload back; a resume does (the API puts the image back
-                # from its file first), so the request fails now, saying so.
-                log.warning("%s", exc)
-                return Outcome(None, State.FAILED, counts | tally_fields(ledger.take())
-                               | RecordWrite({Field.ERROR: f"{exc}, or resume the request "
-                                                           "(POST /v1/resume puts it back)"}))
+                return self._image_lost(exc, counts | tally_fields(ledger.take()))
             counts = counts | tally_fields(ledger.take())
         return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=counts,
                        affinity=tuple(lora.hash for lora in spec.loras))
+
+    @staticmethod
+    def _image_lost(exc: ImageLostError, counts: RecordWrite) -> Outcome:
+        """No retry brings an upload back; a resume does (the API puts the image back from
+        its file first), so the request fails now, saying so."""
+        log.warning("%s", exc)
+        return Outcome(None, State.FAILED, counts | RecordWrite(
+            {Field.ERROR: f"{exc}, or resume the request (POST /v1/resume puts it back)"}))
 
     def _image_refs(self, spec: GenerationSpec, ledger: Ledger) -> list[TensorRef]:
         """The input image's encoding, and the inpainting mask's where the request has one."""
@@ -120,8 +133,10 @@ class EncodeHandler:
         counted) once per job, rewritten or not."""
         texts = [s.prompt for s in spec.schedule]
         texts += [s.negative_prompt for s in spec.schedule if spec.segment_uses_cfg(s)]
-        return encode_texts(self.cache, self.model, spec.tenant,
-                            [t for t in texts if t not in (have or {})], ledger)
+        texts = [t for t in texts if t not in (have or {})]
+        if isinstance(self.model, ImageTextModel):
+            return encode_texts_with_image(self.cache, self.model, spec, texts, ledger)
+        return encode_texts(self.cache, self.model, spec.tenant, texts, ledger)
 
     @staticmethod
     def _refs(spec: GenerationSpec, encoded: dict[str, EncodedText]) -> list[TensorRef]:
