@@ -267,16 +267,15 @@ class EditTrajectory(qwen_image.QwenTrajectory):
         self.image_fingerprint = condition_fingerprint(directory, placement)
 
 
-class EditDenoiser(qwen_image.QwenDenoiser):
+class EditDenoiser(qwen_image.QwenDenoiser, EditTrajectory):
     """The Qwen-Image DiT with the condition image's latents after the output's in its
     sequence at every step (their own grid in its positions), only the output's part of the
     prediction kept. The trajectory starts from noise, as text-to-image's does; the image
-    draws nothing from the seed."""
+    draws nothing from the seed. (``QwenDenoiser`` starts ``EditTrajectory`` first: the
+    checkpoint is checked before the DiT loads.)"""
 
     def __init__(self, directory: Path, placement: Placement = CPU) -> None:
-        check_checkpoint(directory)
         super().__init__(directory, placement)
-        self.image_fingerprint = condition_fingerprint(directory, placement)
         self.area = condition_area(directory)
 
     def condition_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
