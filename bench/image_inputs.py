@@ -2,17 +2,20 @@
 and by the monolithic pipelines, one workload per family.
 
 Edits: ten input images (renders of held-out scenes of the shapes dataset), each edited by six
-prompts, the scene's caption with the shape in each other colour, on the shipped shapes model
-in two workflows in turn: image-to-image (``QwenImageImg2ImgPipeline``, strengths 0.6 and 0.8)
-and inpainting under a mask over the shape's box (``QwenImageInpaintPipeline``, strengths 0.8
-and 1.0). Image-to-video: four more renders, each animated by five prompts, on a tiny random
-Wan image-to-video model (``WanImageToVideoPipeline``; its motion means nothing, its cost
-does). The report gives the condition-image encodes (the ``image_latent`` kind's lookups that
-missed: the goal is one per image and geometry; masks are counted apart, ``image_mask``),
-whether a sample of each family's outputs equals its pipeline's (one thread per op, as the
-workers run), the throughput against the pipelines serving the same requests one after
-another, and what the attribute classifier reads in the edits: the colour asked for, and the
-shape kept. Instruction editing is not served yet.
+prompts that ask for the shape in each other colour, in three workflows in turn. On the shipped
+shapes model, by the scene's caption recoloured: image-to-image (``QwenImageImg2ImgPipeline``,
+strengths 0.6 and 0.8) and inpainting under a mask over the shape's box
+(``QwenImageInpaintPipeline``, strengths 0.8 and 1.0). On a random Qwen-Image-Edit model of the
+``default`` preset, by an instruction ("make the circle green"): instruction editing
+(``QwenImageEditPipeline``; its pictures mean nothing, its cost does). Image-to-video: four
+more renders, each animated by five prompts, on a tiny random Wan image-to-video model
+(``WanImageToVideoPipeline``). The report gives the condition-image encodes (the
+``image_latent`` kind's lookups that missed: the goal is one per image, model and geometry;
+masks are counted apart, ``image_mask``, and so are instructions read with their image,
+``image_embed``, which are one per instruction by nature), whether a sample of each family's
+outputs equals its pipeline's (one thread per op, as the workers run), the throughput against
+the pipelines serving the same requests one after another, and what the attribute classifier
+reads in the shapes model's edits: the colour asked for, and the shape kept.
 """
 from __future__ import annotations
 
@@ -43,7 +46,9 @@ from workers.queue.submit import new_request_id, submit
 from workers.stages.media import encode_frames
 
 SEED = 800  # the input scenes' dataset seed: no other bench's, the model's or the classifier's
+WORKFLOWS = ("image-to-image", "inpainting", "instruction editing")  # in turn, on each image
 STRENGTHS = {"image-to-image": (0.6, 0.8), "inpainting": (0.8, 1.0)}
+SHAPES_MODEL = ("image-to-image", "inpainting")  # the workflows the shapes model serves
 MASK_MARGIN = 3  # pixels the inpainting mask's box reaches past the shape's
 ANIMATED_FROM = 1000  # the animated scenes' first index: none of them is also edited
 MOTIONS = ("the shape drifts slowly to the left", "the shape spins in place",
@@ -57,15 +62,12 @@ class Edit:
     """One request: a scene's render (and, to inpaint, the mask over its shape), and the scene
     its prompt asks for (recoloured, for an edit; the same scene, for an animation)."""
 
+    workflow: str
     source: Scene
     image: Image.Image
     mask: Image.Image | None
     target: Scene
     spec: GenerationSpec
-
-    @property
-    def workflow(self) -> str:
-        return "inpainting" if self.mask is not None else "image-to-image"
 
 
 def kept(cache: TensorCache, image: Image.Image, mask: bool = False) -> InputImage:
@@ -93,33 +95,40 @@ def shape_mask(scene: Scene) -> Image.Image:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """What one edit asks of a scene: its shape in ``colour``, at ``strength``, by
-    image-to-image or (``inpaint``) under the mask over the shape."""
+    """What one edit asks of a scene: its shape in ``colour``, by ``workflow`` (one of
+    ``WORKFLOWS``) at ``strength`` (none for instruction editing, which takes no strength)."""
 
     colour: Colour
-    strength: float
-    inpaint: bool = False
+    strength: float | None
+    workflow: str = "image-to-image"
 
 
 def recoloured(settings: Settings, cache: TensorCache, scene: Scene, targets: list[Target],
                first_seed: int) -> list[Edit]:
-    """``scene``'s render and its shape's mask, kept, then edited into each of ``targets``."""
+    """``scene``'s render (and, if one of ``targets`` inpaints, its shape's mask), kept, then
+    edited into each of ``targets``."""
     m = request_defaults(settings.model, settings.model_dir)
     render = scene.render()
     image = kept(cache, render).hash
-    mask = kept(cache, shape_mask(scene), mask=True)
-    with Image.open(io.BytesIO(mask.png)) as opened:  # as the pipeline is given it
-        mask_pixels = opened.copy()
+    mask = None
+    if any(t.workflow == "inpainting" for t in targets):
+        mask = kept(cache, shape_mask(scene), mask=True)
+        with Image.open(io.BytesIO(mask.png)) as opened:  # as the pipeline is given it
+            mask_pixels = opened.copy()
     edits = []
     for n, target in enumerate(targets):
         asked = dataclasses.replace(scene, colour=target.colour)
+        inpaint = mask if target.workflow == "inpainting" else None
+        prompt = (f"make the {scene.shape.value} {target.colour.name.lower()}"
+                  if target.workflow == "instruction editing" else asked.caption)
         spec = GenerationSpec.create(
-            request_id=new_request_id(), tenant=TENANT, prompt=asked.caption, width=m.width,
+            request_id=new_request_id(), tenant=TENANT, prompt=prompt, width=m.width,
             height=m.height, num_frames=1, num_inference_steps=m.num_inference_steps,
             guidance_scale=m.guidance_scale, seed=first_seed + n,
             output_format=OutputFormat.NPY,
-            image=ImageInput(image, target.strength, mask.hash if target.inpaint else None))
-        edits.append(Edit(scene, render, mask_pixels if target.inpaint else None, asked, spec))
+            image=ImageInput(image, target.strength, inpaint.hash if inpaint else None))
+        edits.append(Edit(target.workflow, scene, render, mask_pixels if inpaint else None,
+                          asked, spec))
     return edits
 
 
@@ -128,19 +137,22 @@ def other_colours(scene: Scene) -> list[Colour]:
     return [c for c in Colour if c not in (scene.colour, scene.background)]
 
 
-def workload(settings: Settings, cache: TensorCache, images: int) -> list[Edit]:
-    """Each scene edited into each of its other colours."""
+def workload(settings: Settings, cache: TensorCache, images: int, workflows: tuple[str, ...]
+             ) -> list[Edit]:
+    """Each scene edited into each of its other colours, by ``WORKFLOWS`` in turn: the edits
+    of ``workflows`` (those of the model that ``settings`` serves)."""
     edits: list[Edit] = []
     for index in range(images):
         scene = scene_at(SEED, index)
         targets = []
         for n, colour in enumerate(other_colours(scene)):
-            # The workflows in turn; each one's strengths in turn, from image to image.
-            workflow = "inpainting" if n % 2 else "image-to-image"
-            strengths = STRENGTHS[workflow]
-            strength = strengths[(n // 2 + index) % len(strengths)]
-            targets.append(Target(colour, strength, inpaint=workflow == "inpainting"))
-        edits += recoloured(settings, cache, scene, targets, 1000 + len(edits))
+            workflow = WORKFLOWS[n % len(WORKFLOWS)]
+            if workflow in workflows:
+                # Each workflow's strengths in turn, from image to image.
+                strengths = STRENGTHS.get(workflow, (None,))
+                strength = strengths[(n // len(WORKFLOWS) + index) % len(strengths)]
+                targets.append(Target(colour, strength, workflow))
+        edits += recoloured(settings, cache, scene, targets, 1000 + 6 * index)
     return edits
 
 
@@ -159,7 +171,7 @@ def animations(settings: Settings, cache: TensorCache, images: int) -> list[Edit
                 num_inference_steps=m.num_inference_steps, guidance_scale=m.guidance_scale,
                 seed=2000 + len(clips), output_format=OutputFormat.NPY,
                 image=ImageInput(image, strength=None))
-            clips.append(Edit(scene, render, None, scene, spec))
+            clips.append(Edit("image-to-video", scene, render, None, scene, spec))
     return clips
 
 
@@ -250,8 +262,13 @@ def main() -> None:
     args = parser.parse_args()
     with model_stack(model={"preset": "shapes"}) as settings:
         cache = open_cache(settings)
-        edits = workload(settings, cache, args.images)
+        edits = workload(settings, cache, args.images, SHAPES_MODEL)
         edited = serve(settings, cache, edits, args.sample)
+        cache.close()
+    with model_stack(family="qwen-image-edit") as settings:
+        cache = open_cache(settings)
+        instructions = workload(settings, cache, args.images, ("instruction editing",))
+        instructed = serve(settings, cache, instructions, args.sample)
         cache.close()
     with model_stack(family="wan-i2v") as settings:
         cache = open_cache(settings)
@@ -259,17 +276,19 @@ def main() -> None:
         animated = serve(settings, cache, clips, args.sample)
         cache.close()
 
-    lookups, encodes = image_encodes(edited.records + animated.records)
-    requests = len(edits) + len(clips)
-    baseline_s = edited.baseline_s + animated.baseline_s
-    diffcache_s = edited.diffcache_s + animated.diffcache_s
+    everything = (edited, instructed, animated)
+    lookups, encodes = image_encodes([r for s in everything for r in s.records])
+    requests = len(edits) + len(instructions) + len(clips)
+    baseline_s = sum(s.baseline_s for s in everything)
+    diffcache_s = sum(s.diffcache_s for s in everything)
     result = {"bench": "image_inputs", "requests": requests, "image_encodes": encodes,
               "image_encode_hit_rate": round(1 - encodes / lookups, 4) if lookups else 0.0,
-              "identical": edited.identical and animated.identical,
+              "identical": all(s.identical for s in everything),
               "throughput_ratio": round(baseline_s / diffcache_s, 4)}
     rows: list[list[object]] = []
     for name, pipeline, served, count in [
             ("edits", "QwenImageImg2ImgPipeline, QwenImageInpaintPipeline", edited, len(edits)),
+            ("instruction edits", "QwenImageEditPipeline", instructed, len(instructions)),
             ("image-to-video", "WanImageToVideoPipeline", animated, len(clips))]:
         rows += [[f"{name}: baseline ({pipeline}), one after another", served.baseline_s,
                   count / served.baseline_s, "", "", ""],
@@ -280,10 +299,14 @@ def main() -> None:
                   "", served.identical, "", ""]]
     masks, mask_encodes = image_encodes(edited.records, KeyKind.IMAGE_MASK)
     rows.append(["inpainting: mask lookups, masks made", masks, "", mask_encodes, "", ""])
+    read, made = image_encodes(instructed.records, KeyKind.IMAGE_EMBEDDING)
+    rows.append(["instruction edits: instructions (and negatives) read with their image, made",
+                 read, "", made, "", ""])
     rows += [[f"{workflow} at strength {strength}", count, "", "", asked, shape]
              for (workflow, strength), (count, asked, shape) in readings(
                  np.concatenate(edited.frames), edits).items()]
-    report(f"{len(edits)} edits (image-to-image and inpainting) on {args.images} images, "
+    report(f"{len(edits) + len(instructions)} edits (image-to-image, inpainting and "
+           f"instruction editing) on {args.images} images, "
            f"{len(clips)} image-to-video requests on {args.animated}",
            ["run", "seconds or count", "requests/s", "ratio or identical", "colour asked",
             "shape kept"], rows, result)

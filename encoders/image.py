@@ -24,6 +24,10 @@ class ImageModel(Protocol):
     """What a model family that takes input images provides."""
 
     fingerprint: Fingerprint
+    # Whether ``encode`` depends on the output's geometry (image-to-image, image-to-video), or
+    # on the image alone (an edit's condition, brought to a fixed area in its own aspect):
+    # then the key names no size, and one image edited at several sizes is encoded once.
+    sized_by_output: bool
     # How a mask becomes the latents' mask (``encode_mask``); None for a family that does
     # no inpainting.
     mask_fingerprint: Fingerprint | None
@@ -62,8 +66,8 @@ def encode_image(cache: TensorCache, model: ImageModel, spec: GenerationSpec,
     possible; the lookup counted in the job's ``ledger``."""
     if spec.image is None:
         raise ValueError(f"request {spec.request_id} names no input image")
-    key = image_latent_key(spec.tenant, model.fingerprint, spec.image.hash, spec.width,
-                           spec.height, spec.num_frames)
+    size = (spec.width, spec.height, spec.num_frames) if model.sized_by_output else None
+    key = image_latent_key(spec.tenant, model.fingerprint, spec.image.hash, size)
     compute = functools.partial(stored_image, cache, spec, spec.image.hash, "RGB",
                                 lambda image: model.encode(image, spec.width, spec.height,
                                                            spec.num_frames))

@@ -165,13 +165,14 @@ def image_key(tenant: str, content_hash: str) -> StoreKey:
     return StoreKey(check_tenant(tenant), KeyKind.IMAGE, content_hash)
 
 
-def image_latent_key(tenant: str, encoder: Fingerprint, content_hash: str, width: int,
-                     height: int, frames: int) -> StoreKey:
-    """The VAE's encoding of an input image resized to ``width`` x ``height`` (for
-    image-to-video, as the first of ``frames``): one per image and geometry, whatever the
-    prompt, seed or strength."""
+def image_latent_key(tenant: str, encoder: Fingerprint, content_hash: str,
+                     size: tuple[int, int, int] | None) -> StoreKey:
+    """The VAE's encoding of an input image resized to ``size``, (width, height, frames) (for
+    image-to-video, as the first of the frames): one per image and geometry, whatever the
+    prompt, seed or strength. ``None`` for an encoder whose size follows from the image alone
+    (its rule in ``encoder``)."""
     payload: dict[str, Canonical] = {"encoder": encoder.hex, "image": content_hash,
-                                     "size": [width, height, frames]}
+                                     "size": list(size) if size is not None else None}
     return StoreKey(check_tenant(tenant), KeyKind.IMAGE_LATENT,
                     digest("image-latent", payload))
 

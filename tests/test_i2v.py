@@ -143,8 +143,8 @@ def test_a_request_resumed_with_its_condition_lost_gives_the_same_bytes(
     try:
         rewind(i2v.settings, cache, record, 3)
         encoder = wan_i2v.condition_fingerprint(i2v_model_dir, CPU)
-        assert cache.remove(image_latent_key(TENANT, encoder, content_hash, spec.width,
-                                             spec.height, spec.num_frames))
+        assert cache.remove(image_latent_key(TENANT, encoder, content_hash, (
+            spec.width, spec.height, spec.num_frames)))
     finally:
         cache.close()
     repeat = dataclasses.replace(spec, request_id=new_request_id())

@@ -177,7 +177,7 @@ def test_a_request_resumed_with_its_image_encoding_lost_gives_the_same_bytes(
     try:
         rewind(img_settings, cache, record, 3)
         vae = qwen_image.image_encoder_fingerprint(qwen_model_dir, CPU)
-        assert cache.remove(image_latent_key(TENANT, vae, content_hash, 64, 64, 1))
+        assert cache.remove(image_latent_key(TENANT, vae, content_hash, (64, 64, 1)))
     finally:
         cache.close()
 

@@ -179,7 +179,7 @@ def test_an_inpainting_resumed_with_its_encodings_lost_gives_the_same_bytes(
         rewind(inpaint_settings, cache, record, 3)
         assert cache.remove(image_latent_key(
             TENANT, qwen_image.image_encoder_fingerprint(qwen_model_dir, CPU), content_hash,
-            64, 64, 1))
+            (64, 64, 1)))
         assert cache.remove(image_mask_key(
             TENANT, qwen_image.mask_fingerprint(qwen_model_dir, CPU), mask, 64, 64))
     finally:

@@ -395,12 +395,12 @@ def test_an_unconditional_prediction_is_named_by_the_image_condition_it_took() -
     under the same seed and negative prompt start from the same latents, so the CFG key must
     tell them apart (and a text-only key stays as it was)."""
     negative = StoreKey("t", KeyKind.EMBEDDING, "0" * 32)
-    one, two = (image_latent_key("t", MODEL, h * 32, 64, 64, 5) for h in "12")
+    one, two = (image_latent_key("t", MODEL, h * 32, (64, 64, 5)) for h in "12")
     plain = cfg_key("t", MODEL, negative, 999.0, "d")
     assert len({plain, cfg_key("t", MODEL, negative, 999.0, "d", one),
                 cfg_key("t", MODEL, negative, 999.0, "d", two)}) == 3
     # The condition of a video of other length is another encoding.
-    assert image_latent_key("t", MODEL, "1" * 32, 64, 64, 9) != one
+    assert image_latent_key("t", MODEL, "1" * 32, (64, 64, 9)) != one
 
 
 def test_a_mask_is_named_by_its_pixels_and_size_apart_from_any_image() -> None:
@@ -410,4 +410,4 @@ def test_a_mask_is_named_by_its_pixels_and_size_apart_from_any_image() -> None:
                 image_mask_key("t", MODEL, "1" * 32, 64, 96),
                 image_mask_key("u", MODEL, "1" * 32, 64, 64)}) == 4
     # The same hash as an image's is another entry: a mask is no VAE encoding.
-    assert str(mask) != str(image_latent_key("t", MODEL, "1" * 32, 64, 64, 1))
+    assert str(mask) != str(image_latent_key("t", MODEL, "1" * 32, (64, 64, 1)))

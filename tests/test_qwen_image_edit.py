@@ -22,7 +22,7 @@ from PIL import Image
 
 from cachesvc.images import normalise
 from cachesvc.tensor_cache import TensorCache
-from encoders.image import ImageLostError
+from encoders.image import ImageLostError, encode_image
 from encoders.text import encode_texts_with_image
 from keys import GenerationSpec, ImageInput, KeyKind, image_key
 from workers.families import qwen_image, qwen_image_edit
@@ -186,6 +186,27 @@ def test_an_instruction_is_encoded_once_per_image_and_needs_the_image_only_to_en
                                    ["make it red"])["make it red"].key != first["make it red"].key
     with pytest.raises(ImageLostError, match=hashes[0]):
         encode_texts_with_image(cache, encoder, edit(hashes[0]), ["make it blue"])
+
+
+def test_an_images_condition_is_encoded_once_whatever_the_output_size(
+        edit_dir: Path, cache: TensorCache) -> None:
+    """The condition's size is the image's own at the card's area, so its key names no output
+    size: an edit at another size reads it, and it is what the pipeline would encode."""
+    model = qwen_image_edit.EditConditionEncoder(edit_dir)
+    content_hash = kept(cache, picture())
+
+    def edit(width: int, height: int) -> GenerationSpec:
+        return GenerationSpec.create(
+            request_id=new_request_id(), tenant="t", prompt="make it red", width=width,
+            height=height, num_frames=1, num_inference_steps=2, guidance_scale=1.0, seed=1,
+            image=ImageInput(content_hash, strength=None))
+
+    first = encode_image(cache, model, edit(64, 64))
+    assert torch.equal(first.tensor, model.encode(picture(), 96, 48, 1))
+    # Read back at another size, though the image is gone: nothing was encoded again.
+    assert cache.remove(image_key("t", content_hash))
+    again = encode_image(cache, model, edit(96, 48))
+    assert again.key == first.key and torch.equal(again.tensor, first.tensor)
 
 
 def kept(cache: TensorCache, image: Image.Image) -> str:

@@ -311,6 +311,7 @@ class QwenImageEncoder:
             vae_scale_factor=self.scale_factor * 2, vae_latent_channels=self.vae.config.z_dim,
             do_normalize=False, do_binarize=True, do_convert_grayscale=True)
         self.fingerprint = image_encoder_fingerprint(directory, placement)
+        self.sized_by_output = True
         self.mask_fingerprint: Fingerprint | None = mask_fingerprint(directory, placement)
 
     @torch.no_grad()

@@ -56,8 +56,10 @@ VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 # The pixels the pipeline brings every condition image to, whatever the output's size (a
 # literal in its ``__call__``); tiny test models take less, and their reference patches it.
 CONDITION_AREA = 1024 * 1024
-# The presets whose card lowers it, so that a test's forward is not 4,096 tokens longer.
-SMALL_CONDITION = {"test": 128 * 128}
+# The presets whose card lowers it: the test one, so that a test's forward is not 4,096
+# tokens longer; the default one to its outputs' 96x96, so that, as on the real model at 1 MP,
+# the condition is as long as the output.
+SMALL_CONDITION = {"test": 128 * 128, "default": 96 * 96}
 # The tiny model's image processor: patches of the vision config's size, and an image of at
 # most 112x112 pixels, so the prompt carries at most 16 merged image tokens at any size.
 PROCESSOR_CONFIG: dict[str, Any] = {"patch_size": 14, "merge_size": 2,
@@ -219,6 +221,7 @@ class EditConditionEncoder:
         self.processor = VaeImageProcessor(
             vae_scale_factor=2 ** len(self.vae.temperal_downsample) * 2)
         self.fingerprint = condition_fingerprint(directory, placement)
+        self.sized_by_output = False  # the condition's size is the image's, at the area
         self.mask_fingerprint: Fingerprint | None = None  # an edit takes no mask
 
     @torch.no_grad()

@@ -73,6 +73,7 @@ class WanConditionEncoder:
             directory / "vae", dtype=placement.vae_dtype).to(self.device).eval()
         self.processor = VideoProcessor(vae_scale_factor=self.vae.config.scale_factor_spatial)
         self.fingerprint = condition_fingerprint(directory, placement)
+        self.sized_by_output = True
         self.mask_fingerprint: Fingerprint | None = None  # no inpainting
 
     def encode_mask(self, mask: Image.Image, width: int, height: int) -> torch.Tensor:
