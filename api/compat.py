@@ -44,7 +44,7 @@ _VIDEO_STATUS = {State.QUEUED: "queued", State.DONE: "completed", State.FAILED: 
 
 
 def _size(size: str | None) -> tuple[int | None, int | None]:
-    if size is None:
+    if size is None or size == "auto":
         return None, None
     width, height = size.split("x")
     return int(width), int(height)

@@ -331,7 +331,11 @@ class _ImageCall(BaseModel):
 
     prompt: str = Field(min_length=1)
     n: int = Field(1, ge=1, le=1, description="one image per call")
-    size: Annotated[str, Field(pattern=r"^\d{1,4}x\d{1,4}$")] | None = None
+    size: Annotated[str, Field(
+        pattern=r"^(\d{1,4}x\d{1,4}|auto)$",
+        description="WxH; auto, or none, for the model's default (for an editing model, the "
+                    "input image's aspect at the size its pipeline brings the image to)")
+                    ] | None = None
     response_format: Literal["b64_json", "url"] = "b64_json"
     model: str | None = None
     negative_prompt: str = ""

@@ -11,7 +11,7 @@ import binascii
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 from uuid import uuid4
 
@@ -169,6 +169,27 @@ class Named:
     to_keep: tuple[InputImage, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class GivenImage:
+    """What ``Service.image_for`` makes of a request's input image: the image (None if it
+    names none), its size where it was read, and the images still to keep."""
+
+    input: ImageInput | None
+    size: tuple[int, int] | None = None
+    to_keep: tuple[InputImage, ...] = ()
+
+
+def _sized_by_image(asked: Asked, body: GenerateBody, served: ServedModel,
+                    image: tuple[int, int] | None) -> Asked:
+    """``asked`` with the size an editing model's pipeline gives an output whose request
+    names none (each side apart): its input image's aspect at the condition area."""
+    default = served.size_for_image(*image) if image else None
+    if default is None:
+        return asked
+    return replace(asked, width=default[0] if body.width is None else asked.width,
+                   height=default[1] if body.height is None else asked.height)
+
+
 def _strength(body: GenerateBody, served: ServedModel, steps: int) -> float | None:
     """How far an image-to-image request's image is noised; None for image-to-video and
     instruction editing, where the image conditions every step."""
@@ -232,12 +253,14 @@ class Service:
         asked = Asked.of(served, body_texts(body), width=body.width, height=body.height,
                          frames=body.num_frames, steps=steps, output_format=body.output_format,
                          guidance_scale=body.guidance_scale, seed=body.seed)
+        given = self.image_for(tenant, body, served, asked.steps, uploads)
+        asked = _sized_by_image(asked, body, served, given.size)
         self.queue.admission.check(asked, served)
         schedule = None
         if body.schedule is not None:
             schedule = segments_from(body.schedule, body.negative_prompt, "schedule", 0,
                                      asked.steps)
-        image, uploads = self.image_for(tenant, body, served, asked.steps, uploads)
+        image = given.input
         fixed = ("a request with a schedule cannot use it (give prompt instead)"
                  if body.schedule is not None else
                  "a request with an input image cannot use it yet" if image else None)
@@ -257,15 +280,15 @@ class Service:
                 else served.step_caches, served.family),
             reuse=reuse_from(body.reuse, self.settings.api.reuse_defaults.get(
                 tenant, ReuseMode.EXACT), fixed), image=image)
-        return Admitted(self.queue.admission.within_cost(spec, served), uploads)
+        return Admitted(self.queue.admission.within_cost(spec, served), given.to_keep)
 
     def image_for(self, tenant: str, body: GenerateBody, served: ServedModel, steps: int,
-                  uploads: Sequence[InputImage]
-                  ) -> tuple[ImageInput | None, tuple[InputImage, ...]]:
+                  uploads: Sequence[InputImage]) -> GivenImage:
         """The input image a request starts from (image-to-image), animates
         (image-to-video) or edits, with its inpainting mask if it has one, each put back in
-        the store if it was lost (another tenant's reads as unknown, 404); and the images
-        still to keep, those that came with the request (inline, or in ``uploads``)."""
+        the store if it was lost (another tenant's reads as unknown, 404); its size, where
+        an editing model's output takes it; and the images still to keep, those that came
+        with the request (inline, or in ``uploads``)."""
         limits = served.limits
         if body.image is None:
             if limits.image_conditions:
@@ -274,7 +297,7 @@ class Service:
             for field in ("strength", "mask"):
                 if getattr(body, field) is not None:
                     raise FieldError(field, "applies to image-to-image only; give image too")
-            return None, ()
+            return GivenImage(None)
         if not (limits.image_to_image or limits.image_conditions):
             raise FieldError("image", f"the served {served.family} model takes no input image")
         if body.step_cache is not None and body.step_cache.policy is StepCachePolicy.MAGCACHE:
@@ -285,14 +308,16 @@ class Service:
             raise FieldError("mask", f"the served {served.family} model does no inpainting")
         strength = _strength(body, served, steps)
         given = {upload.hash: upload for upload in uploads}
-        image = self._input_image(tenant, body.image, given, "image", body.mask is not None)
+        image = self._input_image(tenant, body.image, given, "image",
+                                  sized=body.mask is not None or limits.image_edit)
         if body.mask is None:
-            return ImageInput(image.hash, strength), image.to_keep
+            return GivenImage(ImageInput(image.hash, strength), image.size, image.to_keep)
         mask = self._input_image(tenant, body.mask, given, "mask", sized=True)
         if mask.size != image.size:
             raise FieldError("mask", f"is {_wxh(mask.size)}, the image {_wxh(image.size)}: "
                              "a mask is its image's size")
-        return ImageInput(image.hash, strength, mask.hash), image.to_keep + mask.to_keep
+        return GivenImage(ImageInput(image.hash, strength, mask.hash), image.size,
+                          image.to_keep + mask.to_keep)
 
     def _input_image(self, tenant: str, given: str, uploads: dict[str, InputImage],
                      field: str, sized: bool) -> Named:

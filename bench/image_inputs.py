@@ -2,13 +2,14 @@
 and by the monolithic pipelines, one workload per family.
 
 Edits: ten input images (renders of held-out scenes of the shapes dataset), each edited by six
-prompts that ask for the shape in each other colour, in three workflows in turn. On the shipped
+prompts that ask for the shape in each other colour, every other image on each of two models
+(a picture is edited on one deployment, so each is encoded by one model). On the shipped
 shapes model, by the scene's caption recoloured: image-to-image (``QwenImageImg2ImgPipeline``,
 strengths 0.6 and 0.8) and inpainting under a mask over the shape's box
-(``QwenImageInpaintPipeline``, strengths 0.8 and 1.0). On a random Qwen-Image-Edit model of the
-``default`` preset, by an instruction ("make the circle green"): instruction editing
-(``QwenImageEditPipeline``; its pictures mean nothing, its cost does). Image-to-video: four
-more renders, each animated by five prompts, on a tiny random Wan image-to-video model
+(``QwenImageInpaintPipeline``, strengths 0.8 and 1.0), in turn. On a random Qwen-Image-Edit
+model of the ``default`` preset, by an instruction ("make the circle green"): instruction
+editing (``QwenImageEditPipeline``; its pictures mean nothing, its cost does). Image-to-video:
+four more renders, each animated by five prompts, on a tiny random Wan image-to-video model
 (``WanImageToVideoPipeline``). The report gives the condition-image encodes (the
 ``image_latent`` kind's lookups that missed: the goal is one per image, model and geometry;
 masks are counted apart, ``image_mask``, and so are instructions read with their image,
@@ -46,9 +47,9 @@ from workers.queue.submit import new_request_id, submit
 from workers.stages.media import encode_frames
 
 SEED = 800  # the input scenes' dataset seed: no other bench's, the model's or the classifier's
-WORKFLOWS = ("image-to-image", "inpainting", "instruction editing")  # in turn, on each image
 STRENGTHS = {"image-to-image": (0.6, 0.8), "inpainting": (0.8, 1.0)}
 SHAPES_MODEL = ("image-to-image", "inpainting")  # the workflows the shapes model serves
+EDITING_MODEL = ("instruction editing",)
 MASK_MARGIN = 3  # pixels the inpainting mask's box reaches past the shape's
 ANIMATED_FROM = 1000  # the animated scenes' first index: none of them is also edited
 MOTIONS = ("the shape drifts slowly to the left", "the shape spins in place",
@@ -96,7 +97,8 @@ def shape_mask(scene: Scene) -> Image.Image:
 @dataclass(frozen=True, slots=True)
 class Target:
     """What one edit asks of a scene: its shape in ``colour``, by ``workflow`` (one of
-    ``WORKFLOWS``) at ``strength`` (none for instruction editing, which takes no strength)."""
+    ``SHAPES_MODEL`` or ``EDITING_MODEL``) at ``strength`` (none for instruction editing,
+    which takes no strength)."""
 
     colour: Colour
     strength: float | None
@@ -139,19 +141,22 @@ def other_colours(scene: Scene) -> list[Colour]:
 
 def workload(settings: Settings, cache: TensorCache, images: int, workflows: tuple[str, ...]
              ) -> list[Edit]:
-    """Each scene edited into each of its other colours, by ``WORKFLOWS`` in turn: the edits
-    of ``workflows`` (those of the model that ``settings`` serves)."""
+    """Each scene edited into each of its other colours, every other one by
+    ``EDITING_MODEL``'s workflows and the rest by ``SHAPES_MODEL``'s, in turn: the edits of
+    ``workflows`` (those of the model that ``settings`` serves)."""
     edits: list[Edit] = []
     for index in range(images):
+        chosen = EDITING_MODEL if index % 2 else SHAPES_MODEL
+        if chosen != workflows:
+            continue
         scene = scene_at(SEED, index)
         targets = []
         for n, colour in enumerate(other_colours(scene)):
-            workflow = WORKFLOWS[n % len(WORKFLOWS)]
-            if workflow in workflows:
-                # Each workflow's strengths in turn, from image to image.
-                strengths = STRENGTHS.get(workflow, (None,))
-                strength = strengths[(n // len(WORKFLOWS) + index) % len(strengths)]
-                targets.append(Target(colour, strength, workflow))
+            workflow = chosen[n % len(chosen)]
+            # Each workflow's strengths in turn, from image to image.
+            strengths = STRENGTHS.get(workflow, (None,))
+            strength = strengths[(n // len(chosen) + index // 2) % len(strengths)]
+            targets.append(Target(colour, strength, workflow))
         edits += recoloured(settings, cache, scene, targets, 1000 + 6 * index)
     return edits
 
@@ -267,7 +272,7 @@ def main() -> None:
         cache.close()
     with model_stack(family="qwen-image-edit") as settings:
         cache = open_cache(settings)
-        instructions = workload(settings, cache, args.images, ("instruction editing",))
+        instructions = workload(settings, cache, args.images, EDITING_MODEL)
         instructed = serve(settings, cache, instructions, args.sample)
         cache.close()
     with model_stack(family="wan-i2v") as settings:

@@ -42,6 +42,7 @@ from keys import (
     image_latent_key,
 )
 from tests.workers_harness import (
+    answered_record,
     embedded_serving,
     make_spec,
     read_frames,
@@ -333,9 +334,8 @@ def test_openai_images_edit_from_the_official_client_is_the_same_image_to_image(
                                  prompt="a red fox", response_format="url",
                                  extra_body=extension)
         assert answer.data and answer.data[0].url
-        request_id = answer.data[0].url.rsplit("/", 2)[-2]
-        record = Records(img_client).get(img_settings.default_tenant, request_id)
-        assert record is not None and record.spec.image is not None
+        record = answered_record(img_client, img_settings, answer.data[0].url)
+        assert record.spec.image is not None
         assert (record.spec.image.strength, record.spec.seed) == (0.7, 9)
         kept = http.get(answer.data[0].url)
         assert kept.status_code == 200, kept.text

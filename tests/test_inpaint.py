@@ -32,6 +32,7 @@ from cli.main import app
 from keys import GenerationSpec, ImageInput, KeyKind, image_key, image_latent_key, image_mask_key
 from tests.test_img2img import lookups, picture, stored, uploaded
 from tests.workers_harness import (
+    answered_record,
     embedded_serving,
     make_spec,
     read_frames,
@@ -264,9 +265,8 @@ def test_a_mask_on_the_generate_route_the_command_line_and_openai_images_edit(
                                  prompt="a red fox", response_format="url",
                                  extra_body=extension)
         assert answer.data and answer.data[0].url
-        edited = Records(inpaint_client).get(inpaint_settings.default_tenant,
-                                             answer.data[0].url.rsplit("/", 2)[-2])
-        assert edited is not None and edited.spec.image is not None
+        edited = answered_record(inpaint_client, inpaint_settings, answer.data[0].url)
+        assert edited.spec.image is not None
         assert edited.spec.image == ImageInput(content_hash, 0.7, kept.hash)
         pixels = iio.imread(http.get(answer.data[0].url).content, extension=".png")
         assert np.array_equal(pixels, reference(lambda s: inpaint_pipe(s, image, mask_pixels),

@@ -17,6 +17,7 @@ import imageio.v3 as iio
 import numpy as np
 import openai
 import pytest
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
 
 from cachesvc.connect import open_cache
@@ -35,6 +36,7 @@ from tests.test_engine import batched_forwards, offered_together
 from tests.test_img2img import lookups, picture, stored
 from tests.workers_harness import (
     ModelService,
+    answered_record,
     make_spec,
     model_service,
     read_frames,
@@ -48,7 +50,6 @@ from tests.workers_harness import (
 from workers.families import qwen_image_edit
 from workers.families.base import CPU
 from workers.queue.messages import Stage
-from workers.queue.records import Records
 from workers.queue.schema import State
 from workers.queue.submit import new_request_id
 
@@ -178,9 +179,8 @@ def test_openai_images_edit_edits_and_the_routes_name_what_they_refuse(
                                  prompt="make the sky green", response_format="url",
                                  extra_body=extension)
         assert answer.data and answer.data[0].url
-        request_id = answer.data[0].url.rsplit("/", 2)[-2]
-        record = Records(edits.client).get(edits.settings.default_tenant, request_id)
-        assert record is not None and record.spec.image is not None
+        record = answered_record(edits.client, edits.settings, answer.data[0].url)
+        assert record.spec.image is not None
         assert record.spec.image.strength is None
         kept = http.get(answer.data[0].url)
         assert kept.status_code == 200, kept.text
@@ -196,7 +196,37 @@ def test_openai_images_edit_edits_and_the_routes_name_what_they_refuse(
         content_hash = record.spec.image.hash
         for changes, field in [({}, "image"), ({"image": content_hash, "strength": 0.5},
                                                "strength"),
-                               ({"image": content_hash, "mask": content_hash}, "mask")]:
+                               ({"image": content_hash, "mask": content_hash}, "mask"),
+                               ({"image": content_hash, "prompt": "a <|image_pad|>"},
+                                "prompt")]:
             generate = http.post("/v1/generate", json=body | changes)
             assert generate.status_code == 422, generate.text
             assert generate.json()["field"] == field, generate.text
+
+
+def test_an_edit_given_no_size_takes_its_images_aspect_as_the_pipeline_does(
+        edits: ModelService, edit_pipe: Callable[..., np.ndarray]) -> None:
+    """``QwenImageEditPipeline`` sizes an output left unsized as the condition: the input
+    image's aspect at the condition area (here a 48x72 picture, so not the model's square
+    default). Asked through the official client with ``size="auto"``."""
+    image = picture(37)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    with serve_api(edits.settings, ApiSettings()) as url, httpx.Client(base_url=url) as http:
+        wait_until(lambda: http.post("/v1/images", content=png.getvalue()).status_code == 201,
+                   timeout_s=60, what="the API's store connected")
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        answer = sdk.images.edit(image=("photo.png", png.getvalue(), "image/png"),
+                                 prompt="make the sky green", size="auto",
+                                 response_format="url",
+                                 extra_body={"seed": 3, "num_inference_steps": 2})
+        assert answer.data and answer.data[0].url
+        kept = http.get(answer.data[0].url)
+        assert kept.status_code == 200, kept.text
+    record = answered_record(edits.client, edits.settings, answer.data[0].url)
+    width, height, _ = pipeline_qwenimage_edit.calculate_dimensions(
+        qwen_image_edit.SMALL_CONDITION["test"], image.width / image.height)
+    assert (record.spec.width, record.spec.height) == (width, height)
+    assert (width, height) != (image.width, image.height)
+    assert np.array_equal(iio.imread(kept.content, extension=".png"),
+                          expected(edit_pipe, image, record.spec)[0])

@@ -26,6 +26,7 @@ from encoders.image import ImageLostError, encode_image
 from encoders.text import encode_texts_with_image
 from keys import GenerationSpec, ImageInput, KeyKind, image_key
 from workers.families import qwen_image, qwen_image_edit
+from workers.queue.admission import FieldError, TextLimits, check_texts
 from workers.queue.submit import new_request_id
 
 AREA = qwen_image_edit.SMALL_CONDITION["test"]  # the test preset's card lowers it
@@ -235,6 +236,14 @@ def test_a_checkpoint_with_zero_cond_t_is_refused_naming_it(edit_dir: Path,
 
 def test_a_prompt_holding_the_templates_image_marker_is_refused_naming_it(
         edit_dir: Path) -> None:
+    # At admission, by the family's published limits, naming the field that holds it ...
+    limits = TextLimits(1000, 1000, len, qwen_image_edit.LIMITS.reserved_texts)
+    check_texts((("prompt", "make the fox red"), ("negative_prompt", "blurry")), limits)
+    with pytest.raises(FieldError, match=r"<\|vision_end\|>") as refused:
+        check_texts((("prompt", "make the fox red"), ("negative_prompt", "a<|vision_end|>")),
+                    limits)
+    assert refused.value.field == "negative_prompt"
+    # ... and by the encoder, should a text reach it some other way.
     encoder = qwen_image_edit.EditTextEncoder(edit_dir)
     with pytest.raises(ValueError, match=r"<\|image_pad\|>"):
         encoder.encode_with_image("a fox <|image_pad|> in snow", picture())

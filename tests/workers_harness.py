@@ -170,6 +170,15 @@ def wait_done(client: redis.Redis, spec: GenerationSpec, timeout_s: float = 120)
         raise
 
 
+def answered_record(client: redis.Redis, settings: Settings, url: str | None) -> RequestRecord:
+    """The record of the request behind an OpenAI route's answer, by its output's ``url``
+    (``/v1/outputs/<request id>/<file>``), under the deployment's default tenant."""
+    assert url is not None, "the answer gave no url"
+    record = Records(client).get(settings.default_tenant, url.rsplit("/", 2)[-2])
+    assert record is not None, f"no record behind {url}"
+    return record
+
+
 def wait_for(client: redis.Redis, spec: GenerationSpec, state: State, min_step: int = 0,
              timeout_s: float = 120) -> dict[str, str]:
     """The record once it is in ``state`` with at least ``min_step`` steps reported."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -40,7 +39,13 @@ from workers.families.base import (
     vae_encode_fingerprint,
 )
 from workers.families.step_cache import hook_config, hooks_enabled
-from workers.queue.served_model import MODEL_CARD, FamilyLimits, model_card
+from workers.queue.served_model import (
+    EDIT_AREA,
+    MODEL_CARD,
+    FamilyLimits,
+    model_card,
+    size_at_area,
+)
 
 # QwenImageEditPipeline's prompt template: the image's tokens sit in the user's turn, and the
 # first EDIT_DROP_IDX tokens (all before them) are dropped from the hidden states.
@@ -55,7 +60,7 @@ EDIT_DROP_IDX = 64
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 # The pixels the pipeline brings every condition image to, whatever the output's size (a
 # literal in its ``__call__``); tiny test models take less, and their reference patches it.
-CONDITION_AREA = 1024 * 1024
+CONDITION_AREA = EDIT_AREA
 # The presets whose card lowers it: the test one, so that a test's forward is not 4,096
 # tokens longer; the default one to its outputs' 96x96, so that, as on the real model at 1 MP,
 # the condition is as long as the output.
@@ -136,17 +141,7 @@ def condition_size(image: Image.Image, area: int = CONDITION_AREA) -> tuple[int,
     """(width, height) the pipeline brings ``image`` to, for the VAE and the vision tower
     alike: its aspect at about ``area`` pixels, each side rounded to a multiple of 32 (its
     ``calculate_dimensions``)."""
-    return condition_size_of(image.width, image.height, area)
-
-
-def condition_size_of(width: int, height: int, area: int) -> tuple[int, int]:
-    """``condition_size`` of an image of ``width`` x ``height``."""
-    return _at_area(area, width / height)
-
-
-def _at_area(area: int, ratio: float) -> tuple[int, int]:
-    side = math.sqrt(area * ratio)
-    return round(side / 32) * 32, round(side / ratio / 32) * 32
+    return size_at_area(image.width, image.height, area)
 
 
 class EditTextEncoder:
@@ -284,7 +279,7 @@ class EditDenoiser(qwen_image.QwenDenoiser, EditTrajectory):
     def condition_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
         """An image of the output's aspect (the warm-up's stand-in: a request's own grid is
         its image's)."""
-        width, height = condition_size_of(spec.width, spec.height, self.area)
+        width, height = size_at_area(spec.width, spec.height, self.area)
         f = self.vae_scale_factor
         return (1, self.transformer.config.in_channels // 4, 1, height // f, width // f)
 
@@ -341,9 +336,9 @@ class EditReference:
         segment = spec.schedule[0]
         config = (hook_config(spec.step_cache, spec.num_inference_steps,
                               mag_ratios=self.mag_ratios) if spec.step_cache.on else None)
-        area = self.area
+        area, pipelines = self.area, module.calculate_dimensions  # its own rule, at the area
         with (mock.patch.object(module, "calculate_dimensions",
-                                lambda _, ratio: (*_at_area(area, ratio), None)),
+                                lambda _, ratio: pipelines(area, ratio)),
               hooks_enabled(self.pipe.transformer, config)):
             images = self.pipe(
                 image=image, prompt=segment.prompt, negative_prompt=segment.negative_prompt,
@@ -356,7 +351,8 @@ class EditReference:
 # The pipeline cuts no instruction; Qwen-Image's limit keeps the text's part of the sequence
 # as long as a text-to-image prompt's at most.
 LIMITS = FamilyLimits(video=False, frame_multiple=1, spatial_multiple=16,
-                      max_prompt_tokens=qwen_image.LIMITS.max_prompt_tokens, image_edit=True)
+                      max_prompt_tokens=qwen_image.LIMITS.max_prompt_tokens, image_edit=True,
+                      reserved_texts=VISION_TOKENS)
 
 
 FAMILY = Family(name="qwen-image-edit", pipeline_class="QwenImageEditPipeline",

@@ -106,6 +106,7 @@ class TextLimits:
     max_chars: int
     max_tokens: int
     count: TokenCounter
+    reserved: tuple[str, ...] = ()  # markers of the family's template a text may not hold
 
 
 def check_texts(texts: tuple[tuple[str, str | None], ...], limits: TextLimits) -> None:
@@ -117,6 +118,10 @@ def check_texts(texts: tuple[tuple[str, str | None], ...], limits: TextLimits) -
             raise FieldError(name, "must not be empty")
         if len(text) > limits.max_chars:
             raise FieldError(name, f"must be at most {limits.max_chars} characters")
+        for marker in limits.reserved:
+            if marker in text:
+                raise FieldError(name, f"holds {marker}, which marks the input image's place "
+                                 "in the served model's template; leave it out")
         if (tokens := limits.count(text)) > limits.max_tokens:
             raise FieldError(name, f"must be at most {limits.max_tokens} tokens of the served "
                              f"model's tokenizer, got {tokens}")
@@ -227,7 +232,7 @@ class Admission:
         tokens counted by its own tokenizer."""
         return TextLimits(self._limits.max_prompt_chars,
                           min(self._limits.max_prompt_tokens, model.limits.max_prompt_tokens),
-                          self._tokens.counter(model))
+                          self._tokens.counter(model), model.limits.reserved_texts)
 
     def check(self, asked: Asked, model: ServedModel) -> None:
         check_limits(asked, self._limits, model, self.text_limits(model))
