@@ -180,14 +180,16 @@ class GivenImage:
 
 
 def _sized_by_image(asked: Asked, body: GenerateBody, served: ServedModel,
-                    image: tuple[int, int] | None) -> Asked:
+                    image: tuple[int, int] | None) -> tuple[Asked, tuple[str, ...]]:
     """``asked`` with the size an editing model's pipeline gives an output whose request
-    names none (each side apart): its input image's aspect at the condition area."""
+    names none (each side apart): its input image's aspect at the condition area; and the
+    fields that took it."""
     default = served.size_for_image(*image) if image else None
     if default is None:
-        return asked
-    return replace(asked, width=default[0] if body.width is None else asked.width,
-                   height=default[1] if body.height is None else asked.height)
+        return asked, ()
+    width, height = body.width or default[0], body.height or default[1]
+    by_image = tuple(name for name in ("width", "height") if getattr(body, name) is None)
+    return replace(asked, width=width, height=height), by_image
 
 
 def _strength(body: GenerateBody, served: ServedModel, steps: int) -> float | None:
@@ -254,8 +256,15 @@ class Service:
                          frames=body.num_frames, steps=steps, output_format=body.output_format,
                          guidance_scale=body.guidance_scale, seed=body.seed)
         given = self.image_for(tenant, body, served, asked.steps, uploads)
-        asked = _sized_by_image(asked, body, served, given.size)
-        self.queue.admission.check(asked, served)
+        asked, by_image = _sized_by_image(asked, body, served, given.size)
+        try:
+            self.queue.admission.check(asked, served)
+        except FieldError as refused:
+            if refused.field not in by_image:
+                raise
+            raise FieldError(refused.field, f"{refused.message}, the size the served model "
+                             f"gives a {_wxh(given.size)} input image where the request names "
+                             "none; give width and height") from None
         schedule = None
         if body.schedule is not None:
             schedule = segments_from(body.schedule, body.negative_prompt, "schedule", 0,

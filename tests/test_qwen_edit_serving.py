@@ -7,6 +7,7 @@ refusals, each naming the field."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import io
 from collections.abc import Callable, Iterator
@@ -208,11 +209,14 @@ def test_an_edit_given_no_size_takes_its_images_aspect_as_the_pipeline_does(
         edits: ModelService, edit_pipe: Callable[..., np.ndarray]) -> None:
     """``QwenImageEditPipeline`` sizes an output left unsized as the condition: the input
     image's aspect at the condition area (here a 48x72 picture, so not the model's square
-    default). Asked through the official client with ``size="auto"``."""
+    default). Asked through the official client with ``size="auto"``; a size so made that
+    the deployment does not serve is refused saying where it came from."""
     image = picture(37)
-    png = io.BytesIO()
+    png, wide = io.BytesIO(), io.BytesIO()
     image.save(png, format="PNG")
-    with serve_api(edits.settings, ApiSettings()) as url, httpx.Client(base_url=url) as http:
+    Image.new("RGB", (200, 50), "teal").save(wide, format="PNG")
+    with serve_api(edits.settings, ApiSettings(max_width=192)) as url, \
+            httpx.Client(base_url=url) as http:
         wait_until(lambda: http.post("/v1/images", content=png.getvalue()).status_code == 201,
                    timeout_s=60, what="the API's store connected")
         sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -223,6 +227,10 @@ def test_an_edit_given_no_size_takes_its_images_aspect_as_the_pipeline_does(
         assert answer.data and answer.data[0].url
         kept = http.get(answer.data[0].url)
         assert kept.status_code == 200, kept.text
+        inline = "data:image/png;base64," + base64.b64encode(wide.getvalue()).decode()
+        refused = http.post("/v1/generate", json={"prompt": "make it red", "image": inline})
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["field"] == "width" and "200x50 input image" in refused.text
     record = answered_record(edits.client, edits.settings, answer.data[0].url)
     width, height, _ = pipeline_qwenimage_edit.calculate_dimensions(
         qwen_image_edit.SMALL_CONDITION["test"], image.width / image.height)
