@@ -28,6 +28,7 @@ from keys import (
     GenerationSpec,
     ImageInput,
     KeyKind,
+    PromptSegment,
     StepCache,
     StepCachePolicy,
     image_embedding_key,
@@ -155,6 +156,24 @@ def test_an_edit_resumed_with_its_encodings_lost_gives_the_same_bytes(
     assert resumed.fields["resumed_from"] == "3"
     for kind in (KeyKind.IMAGE_LATENT, KeyKind.IMAGE_EMBEDDING):  # made again
         assert resumed.hits().get(kind.value, 0) == 0
+
+
+def test_an_edit_branched_to_another_instruction_is_what_it_computes_from_scratch(
+        edits: ModelService) -> None:
+    """Edit-and-resume: the last steps under another instruction (read with the same image)
+    start from the checkpoint at the switch, and give what the branched request computes
+    from step 0 where nothing is shared (another tenant)."""
+    image = picture(38)
+    spec = edit(stored(edits.settings, image, TENANT), seed=43, num_inference_steps=6)
+    run_request(edits.settings, edits.client, spec)
+    tail = (PromptSegment("make the sky purple", spec.schedule[0].negative_prompt, 6),)
+    branch = spec.branch(new_request_id(), 3, tail)
+    branched = run_request(edits.settings, edits.client, branch)
+    assert wait_done(edits.client, branch).counter("resumed_from") == 3
+    elsewhere = dataclasses.replace(branch, request_id=new_request_id(), tenant="elsewhere")
+    stored(edits.settings, image, "elsewhere")
+    assert np.array_equal(run_request(edits.settings, edits.client, elsewhere), branched)
+    assert wait_done(edits.client, elsewhere).counter("resumed_from") == 0
 
 
 def test_a_step_cache_on_an_edit_is_the_pipelines(
