@@ -59,6 +59,10 @@ def admitted(queue: QueueClient, ask: Ask, tenant: str, out: str) -> GenerationS
     try:
         served = queue.served()
         check_model(ask.model, served)
+        if served.limits.image_conditions:  # submit sends no image; the API names the field
+            raise FieldError("image", f"the served {served.family} model takes an input image "
+                             "with every request, which submit does not send: use diffcache "
+                             "generate --image")
         texts = (("prompt", ask.prompt), ("negative_prompt", ask.negative_prompt))
         asked = Asked.of(served, texts, width=ask.width, height=ask.height, frames=ask.num_frames,
                          steps=ask.steps, output_format=OutputFormat(

@@ -96,6 +96,19 @@ def test_the_cli_refuses_what_the_api_refuses_with_the_same_error(
     assert client.zcard(active_requests()) == 1  # the CLI queued nothing
 
 
+def test_the_cli_refuses_a_request_without_the_image_an_editing_model_needs(
+        workerless_stack: Settings, edit_model_dir: Path, tmp_path: Path) -> None:
+    """``diffcache submit`` sends no image: for a model that takes one with every request it
+    refuses, naming the field the API names, and queues nothing."""
+    settings, client = served_without_folder(workerless_stack, edit_model_dir, tmp_path)
+    with front_doors(settings, ApiSettings()) as (http, cli):
+        api = error_body(http.post("/v1/generate", json={"prompt": "make it red"}), 422)
+        said = refusal(cli, Ask("make it red"), tmp_path)
+    assert api["field"] == "image" and "refused: image: " in said, (api, said)
+    assert "generate --image" in said
+    assert client.zcard(active_requests()) == 0
+
+
 def test_tokens_are_counted_as_the_model_folder_counts_them_without_the_folder(
         workerless_stack: Settings, qwen_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
