@@ -137,8 +137,11 @@ class GenerateBody(BaseModel):
     schedule: list[Segment] | None = Field(None, min_length=1, max_length=MAX_SEGMENTS,
                                            description="prompt per step range, instead of "
                                            "prompt; the last until_step is the step count")
-    width: Spatial | None = Field(None, description="default: the model's width")
-    height: Spatial | None = Field(None, description="default: the model's height")
+    width: Spatial | None = Field(None, description="default: the model's width (an editing "
+                                  "model's: the input image's, at its condition area)")
+    height: Spatial | None = Field(None, description="default: the model's height (an "
+                                   "editing model's: the input image's, at its condition "
+                                   "area)")
     num_frames: Frames | None = None
     num_inference_steps: Steps | None = Field(None, description="default: the model's, or the "
                                               "schedule's last until_step")
@@ -155,11 +158,13 @@ class GenerateBody(BaseModel):
     reuse: ReuseBody | None = Field(None, description="default: the tenant's mode "
                                     "(api.reuse_defaults), else exact")
     image: str | None = Field(None, pattern=INPUT_IMAGE, description="the image an "
-                              "image-to-image model starts from, or the first frame an "
-                              "image-to-video model animates (which requires it): the "
+                              "image-to-image model starts from, the first frame an "
+                              "image-to-video model animates, or the picture an editing "
+                              "model edits (both require it): the "
                               "hash of an image uploaded with POST /v1/images, or the image "
                               "itself inline as a data URL (data:image/png;base64,...; within "
-                              "api.max_body_bytes), resized to width x height")
+                              "api.max_body_bytes), resized to width x height (an editing "
+                              "model's to its condition area, in its own aspect)")
     strength: float | None = Field(None, gt=0, le=1, description="image-to-image only: how "
                                    "far the image is noised (1: from noise, as with no "
                                    f"image); default {DEFAULT_STRENGTH}")
@@ -375,7 +380,8 @@ class ModelFacts(BaseModel):
     max_size: str | None = Field(description="the largest it serves (api.enforce_model_max)")
     size_multiple: int = Field(description="width and height are multiples of this")
     prompts: str = Field(description="the kinds of prompt it was trained on")
-    defaults: dict[str, float] = Field(description="what a request leaves out gets")
+    defaults: dict[str, float] = Field(description="what a request leaves out gets (but "
+                                       "an editing model's size: its input image's)")
 
 
 class ModelObject(BaseModel):

@@ -179,19 +179,6 @@ class GivenImage:
     to_keep: tuple[InputImage, ...] = ()
 
 
-def _sized_by_image(asked: Asked, body: GenerateBody, served: ServedModel,
-                    image: tuple[int, int] | None) -> tuple[Asked, tuple[str, ...]]:
-    """``asked`` with the size an editing model's pipeline gives an output whose request
-    names none (each side apart): its input image's aspect at the condition area; and the
-    fields that took it."""
-    default = served.size_for_image(*image) if image else None
-    if default is None:
-        return asked, ()
-    width, height = body.width or default[0], body.height or default[1]
-    by_image = tuple(name for name in ("width", "height") if getattr(body, name) is None)
-    return replace(asked, width=width, height=height), by_image
-
-
 def _strength(body: GenerateBody, served: ServedModel, steps: int) -> float | None:
     """How far an image-to-image request's image is noised; None for image-to-video and
     instruction editing, where the image conditions every step."""
@@ -255,16 +242,16 @@ class Service:
         asked = Asked.of(served, body_texts(body), width=body.width, height=body.height,
                          frames=body.num_frames, steps=steps, output_format=body.output_format,
                          guidance_scale=body.guidance_scale, seed=body.seed)
-        given = self.image_for(tenant, body, served, asked.steps, uploads)
-        asked, by_image = _sized_by_image(asked, body, served, given.size)
-        try:
+        # An editing model's output left unsized takes its input image's size, so that image
+        # is read first; any other request passes every cheap check before any store work.
+        sized_by_image = (served.limits.image_edit and body.image is not None
+                          and (body.width is None or body.height is None))
+        if not sized_by_image:
             self.queue.admission.check(asked, served)
-        except FieldError as refused:
-            if refused.field not in by_image:
-                raise
-            raise FieldError(refused.field, f"{refused.message}, the size the served model "
-                             f"gives a {_wxh(given.size)} input image where the request names "
-                             "none; give width and height") from None
+        given = self.image_for(tenant, body, served, asked.steps, uploads, sized_by_image)
+        if sized_by_image:
+            assert given.size is not None  # read, as asked
+            asked = self._admitted_at_image_size(asked, body, served, given.size)
         schedule = None
         if body.schedule is not None:
             schedule = segments_from(body.schedule, body.negative_prompt, "schedule", 0,
@@ -291,12 +278,33 @@ class Service:
                 tenant, ReuseMode.EXACT), fixed), image=image)
         return Admitted(self.queue.admission.within_cost(spec, served), given.to_keep)
 
+    def _admitted_at_image_size(self, asked: Asked, body: GenerateBody, served: ServedModel,
+                                image: tuple[int, int]) -> Asked:
+        """``asked`` at the size an editing model's pipeline gives an output whose request
+        names none (each side apart): the input image's aspect at the condition area;
+        checked, a refusal of a side so made saying where it came from."""
+        default = served.size_for_image(*image)
+        assert default is not None  # an editing model's
+        by_image = [name for name in ("width", "height") if getattr(body, name) is None]
+        asked = replace(asked, width=body.width or default[0],
+                        height=body.height or default[1])
+        try:
+            self.queue.admission.check(asked, served)
+        except FieldError as refused:
+            if refused.field not in by_image:
+                raise
+            raise FieldError(refused.field, f"{refused.message}, the size the served model "
+                             f"gives a {_wxh(image)} input image where the request names "
+                             "none; give width and height (or raise api.max_width and "
+                             "api.max_height)") from None
+        return asked
+
     def image_for(self, tenant: str, body: GenerateBody, served: ServedModel, steps: int,
-                  uploads: Sequence[InputImage]) -> GivenImage:
+                  uploads: Sequence[InputImage], read_size: bool = False) -> GivenImage:
         """The input image a request starts from (image-to-image), animates
         (image-to-video) or edits, with its inpainting mask if it has one, each put back in
-        the store if it was lost (another tenant's reads as unknown, 404); its size, where
-        an editing model's output takes it; and the images still to keep, those that came
+        the store if it was lost (another tenant's reads as unknown, 404); its size, if
+        ``read_size`` (or it has a mask); and the images still to keep, those that came
         with the request (inline, or in ``uploads``)."""
         limits = served.limits
         if body.image is None:
@@ -318,7 +326,7 @@ class Service:
         strength = _strength(body, served, steps)
         given = {upload.hash: upload for upload in uploads}
         image = self._input_image(tenant, body.image, given, "image",
-                                  sized=body.mask is not None or limits.image_edit)
+                                  sized=body.mask is not None or read_size)
         if body.mask is None:
             return GivenImage(ImageInput(image.hash, strength), image.size, image.to_keep)
         mask = self._input_image(tenant, body.mask, given, "mask", sized=True)

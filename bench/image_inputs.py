@@ -157,7 +157,7 @@ def workload(settings: Settings, cache: TensorCache, images: int, workflows: tup
             strengths = STRENGTHS.get(workflow, (None,))
             strength = strengths[(n // len(chosen) + index // 2) % len(strengths)]
             targets.append(Target(colour, strength, workflow))
-        edits += recoloured(settings, cache, scene, targets, 1000 + 6 * index)
+        edits += recoloured(settings, cache, scene, targets, 1000 + len(Colour) * index)
     return edits
 
 
@@ -230,8 +230,8 @@ def serve(settings: Settings, cache: TensorCache, edits: list[Edit], sample: int
 
 def image_encodes(records: list[RequestRecord], kind: KeyKind = KeyKind.IMAGE_LATENT
                   ) -> tuple[int, int]:
-    """Lookups of condition-image encodings (or of masks, by ``kind``), and how many of them
-    missed (an encode)."""
+    """Lookups of condition-image encodings (or, by ``kind``, of masks or of instructions read
+    with their image), and how many of them missed (an encode)."""
     lookups = sum(r.per_kind(KindField.LOOKUPS).get(kind.value, 0) for r in records)
     hits = sum(r.hits().get(kind.value, 0) for r in records)
     return lookups, lookups - hits
@@ -262,7 +262,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--images", type=int, default=10, help="images edited")
     parser.add_argument("--animated", type=int, default=4, help="images animated")
-    parser.add_argument("--sample", type=int, default=6, help="outputs of each workflow "
+    parser.add_argument("--sample", type=int, default=6, help="outputs of each model "
                         "compared with the pipeline's, one thread per op")
     args = parser.parse_args()
     with model_stack(model={"preset": "shapes"}) as settings:

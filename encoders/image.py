@@ -62,8 +62,9 @@ class EncodedImage:
 
 def encode_image(cache: TensorCache, model: ImageModel, spec: GenerationSpec,
                  ledger: Ledger | None = None) -> EncodedImage:
-    """The encoding of ``spec``'s input image at its geometry, from the cache where
-    possible; the lookup counted in the job's ``ledger``."""
+    """The encoding of ``spec``'s input image at its geometry (or at the size the image alone
+    sets, for a model not ``sized_by_output``), from the cache where possible; the lookup
+    counted in the job's ``ledger``."""
     if spec.image is None:
         raise ValueError(f"request {spec.request_id} names no input image")
     size = (spec.width, spec.height, spec.num_frames) if model.sized_by_output else None

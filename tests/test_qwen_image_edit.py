@@ -192,7 +192,8 @@ def test_an_instruction_is_encoded_once_per_image_and_needs_the_image_only_to_en
 def test_an_images_condition_is_encoded_once_whatever_the_output_size(
         edit_dir: Path, cache: TensorCache) -> None:
     """The condition's size is the image's own at the card's area, so its key names no output
-    size: an edit at another size reads it, and it is what the pipeline would encode."""
+    size: the encoding asked at another size is the same, and an edit at that size reads
+    it."""
     model = qwen_image_edit.EditConditionEncoder(edit_dir)
     content_hash = kept(cache, picture())
 

@@ -81,7 +81,9 @@ class DenoiseHandler:
 
     def warm_up(self, defaults: RequestDefaults, limits: FamilyLimits) -> None:
         """Prove the engine's batch sizes at the served model's default request geometry, as
-        admission fills it in (``DenoiseEngine.warm_up``), before the first job arrives."""
+        admission fills it in (``DenoiseEngine.warm_up``), before the first job arrives. (An
+        editing model's unsized requests take their image's size instead: a geometry first
+        met is proven when it arrives.)"""
         if not self.settings.warm_up_s:
             return
         spec = GenerationSpec.create(

@@ -4,7 +4,8 @@ Reads: the encode stream; the request record for its spec.
 Writes: one condition embedding per distinct prompt and negative prompt (``embed`` entries,
 soft-pinned, shared by every request and tenant-namespaced).
 For a request with an input image, also its VAE encoding at the request's geometry
-(``image_latent``, soft-pinned, one per image and geometry), and its inpainting mask at the
+(``image_latent``, soft-pinned, one per image and geometry; an edit's condition depends on the
+image alone, one per image), and its inpainting mask at the
 latents' size where it has one (``image_mask``); a request whose uploaded image the
 store no longer holds fails, saying how to bring it back.
 Feeds: the denoise stream, with a typed reference (``RefName``: role and segment) to each;
