@@ -39,13 +39,7 @@ from workers.families.base import (
     vae_encode_fingerprint,
 )
 from workers.families.step_cache import hook_config, hooks_enabled
-from workers.queue.served_model import (
-    EDIT_AREA,
-    MODEL_CARD,
-    FamilyLimits,
-    model_card,
-    size_at_area,
-)
+from workers.queue.served_model import MODEL_CARD, FamilyLimits, model_card, size_at_area
 
 # QwenImageEditPipeline's prompt template: the image's tokens sit in the user's turn, and the
 # first EDIT_DROP_IDX tokens (all before them) are dropped from the hidden states.
@@ -60,7 +54,7 @@ EDIT_DROP_IDX = 64
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 # The pixels the pipeline brings every condition image to, whatever the output's size (a
 # literal in its ``__call__``); tiny test models take less, and their reference patches it.
-CONDITION_AREA = EDIT_AREA
+CONDITION_AREA = 1024 * 1024
 # The presets whose card lowers it: the test one, so that a test's forward is not 4,096
 # tokens longer; the default one to its outputs' 96x96, so that, as on the real model at 1 MP,
 # the condition is as long as the output.
@@ -352,7 +346,7 @@ class EditReference:
 # as long as a text-to-image prompt's at most.
 LIMITS = FamilyLimits(video=False, frame_multiple=1, spatial_multiple=16,
                       max_prompt_tokens=qwen_image.LIMITS.max_prompt_tokens, image_edit=True,
-                      reserved_texts=VISION_TOKENS)
+                      condition_area=CONDITION_AREA, reserved_texts=VISION_TOKENS)
 
 
 FAMILY = Family(name="qwen-image-edit", pipeline_class="QwenImageEditPipeline",

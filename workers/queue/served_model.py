@@ -29,15 +29,9 @@ from keys.names import lora_targets, served_model, served_tokenizer
 
 log = logging.getLogger(__name__)
 
-# The pixels ``QwenImageEditPipeline`` brings its condition image to, whatever the output's
-# size (a literal in its ``__call__``), and so its output's default size; a model card's
-# ``condition_area`` lowers it for tiny models.
-EDIT_AREA = 1024 * 1024
-
-
 def size_at_area(width: int, height: int, area: int) -> tuple[int, int]:
     """An image of ``width`` x ``height`` in its aspect at about ``area`` pixels, each side
-    rounded to a multiple of 32 (the editing pipeline's ``calculate_dimensions``)."""
+    rounded to a multiple of 32: how an editing pipeline sizes its condition image."""
     ratio = width / height
     side = math.sqrt(area * ratio)
     return round(side / 32) * 32, round(side / ratio / 32) * 32
@@ -58,6 +52,9 @@ class FamilyLimits:
     # Whether a request must give an image, which every step takes, and the output is one
     # picture (instruction editing); ``image_to_video`` is the same for a video.
     image_edit: bool = False
+    # An editing family's: the pixels its pipeline brings the condition image to (and so its
+    # output's default size); a model card's ``condition_area`` lowers it for tiny models.
+    condition_area: int | None = None
     # What no prompt may hold: the markers of the template the family puts prompts in (an
     # editing model's image tokens), which would give the image's place twice.
     reserved_texts: tuple[str, ...] = ()
@@ -223,9 +220,10 @@ class ServedModel:
         """The output size an editing model gives a request that names none, for an input
         image of ``width`` x ``height``, as its pipeline defaults it: the image's condition
         size. None for any other family, whose requests take the model's default size."""
-        if not self.limits.image_edit:
+        if self.limits.condition_area is None:
             return None
-        return size_at_area(width, height, self.card.condition_area or EDIT_AREA)
+        return size_at_area(width, height,
+                            self.card.condition_area or self.limits.condition_area)
 
     def cost(self, spec: GenerationSpec) -> int:
         geometry = self.geometry or ModelGeometry(self.limits.spatial_multiple,
