@@ -1,19 +1,21 @@
-# The image deploy/k8s runs: the diffcache package, torch and the Mooncake wheel for its variant,
-# with `diffcache` as the entrypoint.
+# The image deploy/k8s runs: the diffcache package, torch and the non-CUDA Mooncake wheel (on
+# every machine: the store takes tensors through pinned host memory), with `diffcache` as the
+# entrypoint.
 #   docker build -t diffcache:cpu .
-#   docker build -t diffcache:cu128 --build-arg TORCH_INDEX=cu128 .
+#   docker build -t diffcache:cu130 --build-arg TORCH_INDEX=cu130 .
 # Debian 12, as the machines `make up` is tested on.
 FROM python:3.11-slim-bookworm
 
-# "cpu", or the CUDA build of torch's wheel index (cu128, ...). It also picks the Mooncake wheel:
-# mooncake-transfer-engine-non-cuda for cpu, mooncake-transfer-engine for CUDA.
+# "cpu", or the CUDA build of torch's wheel index (cu130, ...).
 ARG TORCH_INDEX=cpu
 ARG TORCH_VERSION=2.13.0
 
-# Mooncake's binaries link libibverbs even for TCP, and libcurl and libnuma. The CUDA runtime
-# comes with torch's wheels; the driver comes from the node (NVIDIA container toolkit).
+# Mooncake's binaries link libibverbs even for TCP, and libcurl and libnuma; ibverbs-providers
+# holds the RDMA drivers (libmlx5) that store.protocol=rdma needs, a recommendation that
+# --no-install-recommends would drop. The CUDA runtime comes with torch's wheels; the driver
+# comes from the node (NVIDIA container toolkit).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends libibverbs1 libcurl4 libnuma1 \
+ && apt-get install -y --no-install-recommends libibverbs1 ibverbs-providers libcurl4 libnuma1 \
  && rm -rf /var/lib/apt/lists/*
 
 ENV PIP_NO_CACHE_DIR=1 \
@@ -33,9 +35,11 @@ COPY workers workers
 COPY api api
 COPY cli cli
 COPY bench bench
-RUN if [ "$TORCH_INDEX" = cpu ]; then extra=cpu; else extra=cuda; fi \
- && pip install ".[${extra}]" \
- && python -c "import mooncake.store, workers.queue.scripts, api.app"
+# torch first, as the workers import it; then what the API imports without torch. The
+# storage node's binary must find every library it links.
+RUN pip install . \
+ && python -c "import torch, mooncake.store, workers.queue.scripts, api.app" \
+ && ! ldd "$(python -c 'import mooncake, os; print(os.path.dirname(mooncake.__file__))')/mooncake_client" | grep 'not found'
 
 # The manifests mount a volume at /data and run as this user; without one, /data is still
 # writable.

@@ -40,12 +40,14 @@ WAIT_ALL_S = 3600.0
 
 @contextmanager
 def bench_stack(segment_mib: int, family: str = "auto",
-                model: dict[str, object] | None = None) -> Iterator[Settings]:
+                model: dict[str, object] | None = None,
+                store: dict[str, object] | None = None) -> Iterator[Settings]:
     """A private embedded stack in a temporary directory; resolved settings to reach it.
-    ``model`` overrides model settings (size, device). The model is the random one sized for
-    timing (preset ``default``) unless ``model`` names another preset."""
+    ``model`` overrides model settings (size, device), ``store`` store settings. The model is
+    the random one sized for timing (preset ``default``) unless ``model`` names another."""
     with tempfile.TemporaryDirectory(prefix="diffcache-bench-") as data_dir:
-        settings = load_settings(data_dir=data_dir, store={"segment_mib": segment_mib},
+        settings = load_settings(data_dir=data_dir,
+                                 store={"segment_mib": segment_mib, **(store or {})},
                                  model={"family": family, "preset": "default", **(model or {})})
         stack = EmbeddedStack(settings)
         with stack as addresses:

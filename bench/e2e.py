@@ -13,17 +13,22 @@ steps (one frame for an image family).
 from __future__ import annotations
 
 import argparse
+import io
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
+from PIL import Image
 
 from bench.common import model_stack, report, seconds_to_done, wait_all, workers
 from bench.workload import Draw, zipf_requests
 from cachesvc.connect import open_cache, open_redis
+from cachesvc.images import InputImage, normalise
 from cachesvc.settings import Settings
-from keys import GenerationSpec, OutputFormat, StoreKey
+from keys import GenerationSpec, ImageInput, OutputFormat, StoreKey, image_key
+from workers.engine.timing import release_memory
 from workers.families import family_named
 from workers.families.base import Family, Placement
 from workers.queue.messages import Stage
@@ -39,32 +44,69 @@ def placement_of(settings: Settings) -> Placement:
     return Placement.for_settings(settings.model.device, settings.model.dtype)
 
 
-def spec_for(settings: Settings, family: Family, draw: Draw) -> GenerationSpec:
+TENANT = "bench"
+
+
+def input_image(settings: Settings, family: Family) -> InputImage | None:
+    """For a family every request of which takes an image (image-to-video, editing): one,
+    uploaded as ``POST /v1/images`` keeps it; None for the others."""
+    if not family.limits.image_conditions:
+        return None
+    blocks = np.random.default_rng(0).integers(0, 256, (6, 6, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(blocks).resize((96, 96), Image.Resampling.NEAREST).save(out, format="PNG")
+    image = normalise(out.getvalue(), 2**20, 2**20)
+    cache = open_cache(settings)
+    try:
+        cache.put(image_key(TENANT, image.hash), torch.frombuffer(bytearray(image.png),
+                                                                  dtype=torch.uint8))
+    finally:
+        cache.close()
+    return image
+
+
+def spec_for(settings: Settings, family: Family, draw: Draw,
+             image: InputImage | None = None) -> GenerationSpec:
     m = request_defaults(settings.model, settings.model_dir)
     return GenerationSpec.create(
-        request_id=new_request_id(), tenant="bench", prompt=draw.prompt,
+        request_id=new_request_id(), tenant=TENANT, prompt=draw.prompt,
         negative_prompt=draw.negative_prompt, width=m.width, height=m.height,
         num_frames=m.num_frames if family.limits.video else 1,
         num_inference_steps=m.num_inference_steps, guidance_scale=m.guidance_scale,
-        seed=draw.seed, output_format=OutputFormat.NPY)
+        seed=draw.seed, output_format=OutputFormat.NPY,
+        image=None if image is None else ImageInput(image.hash, strength=None))
 
 
-def run_baseline(settings: Settings, family: Family,
-                 specs: list[GenerationSpec]) -> float:
-    """Seconds for the monolithic pipeline to serve ``specs`` one after another."""
+def pipeline_of(settings: Settings, family: Family,
+                image: InputImage | None) -> Callable[[GenerationSpec], np.ndarray]:
+    """The family's pipeline, placed as the workers are, given the requests' image."""
     pipeline = family.reference(settings.model_dir, placement_of(settings))
+    if image is None:
+        return pipeline
+    picture = Image.open(io.BytesIO(image.png))
+    return lambda spec: pipeline(spec, picture)
+
+
+def run_baseline(settings: Settings, family: Family, specs: list[GenerationSpec],
+                 image: InputImage | None = None) -> float:
+    """Seconds for the monolithic pipeline to serve ``specs`` one after another. Its weights
+    leave the device after (``release_memory``): the workers measured next have it whole."""
+    pipeline = pipeline_of(settings, family, image)
     start = time.perf_counter()
     for spec in specs:
         encode_frames([pipeline(spec)], OutputFormat.NPY, settings.workers.fps)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    del pipeline
+    release_memory(placement_of(settings).device)
+    return seconds
 
 
 def all_identical(settings: Settings, family: Family, specs: list[GenerationSpec],
-                  records: list[RequestRecord]) -> bool:
+                  records: list[RequestRecord], image: InputImage | None = None) -> bool:
     """Whether every diffcache output equals the pipeline's, both with one thread per op."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    pipeline = family.reference(settings.model_dir, placement_of(settings))
+    pipeline = pipeline_of(settings, family, image)
     cache = open_cache(settings)
     try:
         for spec, record in zip(specs, records, strict=True):
@@ -84,10 +126,11 @@ def measure(family: Family, requests: int, seed: int,
     """One run of the comparison; ``model`` overrides the model settings (size, device)."""
     with model_stack(family=family.name, model=model) as settings:
         draws = zipf_requests(requests, seed=seed)
-        baseline_s = run_baseline(settings, family, [spec_for(settings, family, d)
-                                                     for d in draws])
+        image = input_image(settings, family)
+        baseline_s = run_baseline(settings, family, [spec_for(settings, family, d, image)
+                                                     for d in draws], image)
         client = open_redis(settings)
-        specs = [spec_for(settings, family, d) for d in draws]
+        specs = [spec_for(settings, family, d, image) for d in draws]
         with workers(settings, settings.data_dir / "logs"):
             start = time.perf_counter()
             for spec in specs:
@@ -95,7 +138,7 @@ def measure(family: Family, requests: int, seed: int,
             done = wait_all(Records(client), specs, poll_s=0.05)
             diffcache_s = time.perf_counter() - start
         finished = [done[s.request_id] for s in specs]
-        identical = all_identical(settings, family, specs, finished)
+        identical = all_identical(settings, family, specs, finished, image)
 
     latencies = [seconds_to_done(r) for r in finished]
     seconds = {stage.value: sum(r.stage_seconds().get(stage, 0.0) for r in finished)
@@ -127,7 +170,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", default="wan", help="wan or qwen-image")
+    parser.add_argument("--family", default="wan", help="a family's name (workers.families)")
     args = parser.parse_args()
     result, rows = measure(family_named(args.family), args.requests, args.seed)
     report(f"{args.requests} requests, monolithic pipeline vs diffcache",

@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from keys import ReuseMode, StepCachePolicy
 
 ENV_PREFIX = "DIFFCACHE_"
+_DEVICE = r"^(auto|cpu|cuda(:\d+)?)$"  # a model device setting
 _NESTED = "__"
 
 
@@ -111,10 +112,17 @@ class ModelSettings(_Section):
     # name in the family registry (``workers.families``), which checks it: `diffcache up`
     # before it starts anything, and every worker.
     family: str = "auto"
-    # "auto": CUDA when there is a GPU, else the CPU.
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Where denoise and decode run, which every trajectory and output key names. "auto":
+    # CUDA when there is a GPU, else the CPU; "cuda" on a machine with several GPUs: `diffcache
+    # up` gives its workers one each, in turn (README "GPUs"); "cuda:N": that one.
+    device: str = Field("auto", pattern=_DEVICE)
+    # Where the text and image encoders run: "same" as device, or another (an encode pool on
+    # CPU beside GPU denoise workers). Name device explicitly then: "auto" on a CPU encode
+    # machine would name the CPU in keys the GPU workers write under CUDA.
+    encode_device: str = Field("same", pattern=rf"^same$|{_DEVICE}")
     # The DiT's and the text encoder's dtype; "auto": bfloat16 on CUDA and float32 on the CPU,
-    # as the reference pipelines run. The VAE always runs in float32.
+    # as the reference pipelines run. The VAE runs in float32, or in this dtype where the
+    # family's pipelines run it so (Qwen-Image's).
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     dir: Path | None = Field(None, description="default: <data_dir>/model")
     preset: Literal["shapes", "default", "test"] = Field(

@@ -2,7 +2,8 @@
 
 Restarts back off exponentially up to a cap, and a child that stayed up long enough starts
 over at the shortest delay. A child restarted too often within that window is reported as
-crash-looping, with its exit status and the last lines of its log, but is never given up on.
+crash-looping, with its exit status and the last lines of its log, but is never given up on,
+unless it exits saying no restart can help (``EXIT_CANNOT_FIT``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from cachesvc.wire import Wire, WireError
 from keys.names import supervised_children
 
 log = logging.getLogger(__name__)
+
+# A worker's exit status when its model does not fit in its device's memory: every restart
+# would fail alike, so it is not restarted (its status says why).
+EXIT_CANNOT_FIT = 75
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +64,8 @@ class ChildStatus:
             return "never exited"
         if self.last_exit < 0:
             return f"killed by {signal.Signals(-self.last_exit).name}"
+        if self.last_exit == EXIT_CANNOT_FIT:
+            return "out of device memory loading its model (not restarted)"
         return f"exited with status {self.last_exit}"
 
 
@@ -107,6 +114,11 @@ class Supervisor:
     def _exited(self, s: _Supervised, now: float) -> None:
         s.last_exit = s.child.returncode
         s.last_error = s.child.log_tail(3)
+        if s.last_exit == EXIT_CANNOT_FIT:
+            s.held = True
+            log.error("%s (pid %s) %s. Last log lines: %s", s.child.name, s.child.pid,
+                      self._status_of(s).describe_exit(), s.last_error)
+            return
         if now - s.started_at >= self.backoff.healthy_after_s:
             s.in_a_row = 0
         s.in_a_row += 1

@@ -207,6 +207,8 @@ class TensorCache:
         def compute_and_put() -> Entry:
             start = time.perf_counter()
             tensor = compute()
+            if tensor.is_cuda:  # kernels are queued: the cost is their run, not their launch
+                torch.cuda.synchronize(tensor.device)
             cost = time.perf_counter() - start
             try:
                 self.put(key, tensor, cost_s=cost)

@@ -204,7 +204,9 @@ class ServiceTree:
 
     def _start_workers(self, settings: Settings) -> None:
         """One child per configured worker; waits until each has joined its stage."""
-        from workers.launch import wait_joined, worker_argv
+        import torch
+
+        from workers.launch import device_environ, wait_joined, worker_argv
         from workers.main import ensure_model
         from workers.queue.messages import Stage
 
@@ -215,10 +217,15 @@ class ServiceTree:
             ensure_model(settings)
         env = child_environ(settings)
         client = open_redis(settings)
+        # Counted without opening a device (NVML), so this process holds no CUDA context.
+        devices = device_environ(settings.model, counts, torch.cuda.device_count())
+        for stage, i, device in devices:
+            child = self.stack.spawn(f"worker-{stage.value}-{i}", worker_argv(stage),
+                                     {**env, **device})
+            wait_joined(child, client, stage)
+            if device:
+                self.console.print(f"{stage.value:<8} worker {i} on {next(iter(device.values()))}")
         for stage, count in counts.items():
-            for i in range(count):
-                child = self.stack.spawn(f"worker-{stage.value}-{i}", worker_argv(stage), env)
-                wait_joined(child, client, stage)
             self.console.print(f"{stage.value:<8} workers {count}")
 
     def _start_api(self, settings: Settings) -> None:

@@ -398,12 +398,13 @@ def test_a_step_cache_run_parked_on_one_worker_resumes_on_another_bit_identicall
 
 
 def test_a_batch_whose_rows_differ_from_alone_is_refused_and_its_rows_run_alone() -> None:
-    """The engine's proof on its own device: a geometry whose batched rows differ from the
-    rows alone is never batched again, and the rows alone are what the step takes."""
+    """The engine's proof on its own device: a batch size whose batched rows differ from the
+    rows alone is never formed again for that geometry, and the rows alone are what the step
+    takes."""
     proof = RowProof()
     alone = torch.arange(6.0).reshape(3, 2)
     assert proof.settle("g", alone.clone(), lambda: alone).equal(alone)
-    assert proof.proven("g", 3) and proof.trusted("g")
+    assert proof.proven("g", 3) and proof.trusted("g", 3)
     # A larger batch is proven against forwards already proven: batches of 3, the rest alone.
     assert proof.largest_proven("g", below=7) == 3 and proof.largest_proven("g", below=3) == 1
 
@@ -414,7 +415,9 @@ def test_a_batch_whose_rows_differ_from_alone_is_refused_and_its_rows_run_alone(
     drifted = alone.clone()
     drifted[1, 0] += 1e-6
     assert proof.settle("h", drifted, lambda: alone).equal(alone)
-    assert not proof.trusted("h") and proof.trusted("g")
+    assert not proof.trusted("h", 3) and proof.trusted("g", 3)
+    # Another size of the refused geometry is still tried: kernels are picked per size.
+    assert proof.trusted("h", 2) and proof.usable("h", 4) == 4 and proof.usable("h", 3) == 2
 
 
 def test_a_batched_product_that_rounds_unlike_its_samples_is_not_batched_again() -> None:
@@ -424,7 +427,8 @@ def test_a_batched_product_that_rounds_unlike_its_samples_is_not_batched_again()
     g = torch.Generator().manual_seed(0)
     x, weight = torch.randn(3, 5, 32, generator=g), torch.randn(24, 32, generator=g)
     alone = torch.cat([torch.nn.functional.linear(x[i:i + 1], weight) for i in range(3)])
-    shape = ("linear", 5, 32, 24, 3, x.stride(), x.dtype, x.device, False)
+    shape = ("linear", 5, 32, 24, 3, x.stride(), x.dtype, x.device, False,
+             exact_rows.alignment(x, weight, None))
     exact_rows._CHECKED.pop(shape, None)
     try:
         # Equal to the samples alone whatever this CPU's verdict.

@@ -233,7 +233,8 @@ def test_scaled_objects_are_well_formed_and_scale_on_lag(overlay: tuple[str, lis
 
 def test_every_diffcache_variable_is_a_setting(overlay: tuple[str, list[Doc]],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    _, docs = overlay
+    overlay_name, docs = overlay
+    devices = set()  # what every worker names in its keys, wherever it computes
     maps = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
     for doc, container in _containers(docs):
         if container["image"].split(":")[0] != IMAGE:
@@ -258,6 +259,11 @@ def test_every_diffcache_variable_is_a_setting(overlay: tuple[str, list[Doc]],
             # A head given a master address would join it instead of starting one.
             assert settings.store.master_address is None, where
             assert settings.redis.url is not None, where
+        if container["name"] == "worker":
+            devices.add(settings.model.device)
+    # One serving device named by every stage: an encode pool left at ``auto`` on CPU nodes
+    # would key outputs and trajectories for the CPU, and no repeat would ever hit.
+    assert devices == ({"cuda"} if overlay_name == "gpu" else {"auto"})
 
 
 def test_a_storage_node_gets_its_segment_in_memory(overlay: tuple[str, list[Doc]]) -> None:

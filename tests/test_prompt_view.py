@@ -1,6 +1,6 @@
-"""The vectors approximate reuse compares prompts by: the denoiser's first prediction, the same
-for any seed and any family, capped in size; the text encoder's mean; a clear error for a card
-naming neither; and vectors of two views never share a bucket."""
+"""The vectors approximate reuse compares prompts by: the denoiser's first prediction and the
+prompt's effect on it, the same for any seed and any family, capped in size; the text encoder's
+mean; a clear error for a card naming none; and vectors of two views never share a bucket."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from workers.families.base import CPU
 from workers.stages.prompt_view import (
     FIRST_STEP,
     MAX_FLOATS,
+    PROMPT_EFFECT,
     TEXT_MEAN,
     FirstStep,
+    PromptEffect,
     ReuseViewError,
     prompt_view,
 )
@@ -30,15 +32,16 @@ def shaped(width: int = 32, height: int = 32, seed: int = 1) -> GenerationSpec:
                                  guidance_scale=4.0, seed=seed, output_format=OutputFormat.NPY)
 
 
+@pytest.mark.parametrize("name", [FIRST_STEP, PROMPT_EFFECT])
 @pytest.mark.parametrize("folder", ["model_dir", "qwen_model_dir"])
 def test_the_first_step_is_the_prompts_and_not_the_seeds(
-        folder: str, request: pytest.FixtureRequest) -> None:
+        folder: str, name: str, request: pytest.FixtureRequest) -> None:
     directory: Path = request.getfixturevalue(folder)
     family = family_of(directory)
     text = family.text_encoder(directory, CPU)
     denoiser = family.denoiser(directory, CPU)
-    view = prompt_view(FIRST_STEP, lambda: denoiser)
-    assert isinstance(view, FirstStep)
+    view = prompt_view(name, lambda: denoiser, lambda: text.encode(text.tokenize("")))
+    assert isinstance(view, FirstStep) and view.name == name
     spec = shaped()
     red = prompt_vector(text, view, "a red fox in the snow", spec)
     again = prompt_vector(text, view, "a red fox in the snow", dataclasses.replace(spec, seed=9))
@@ -50,15 +53,33 @@ def test_the_first_step_is_the_prompts_and_not_the_seeds(
     assert not np.allclose(red, blue)
 
 
-def test_a_large_first_prediction_is_averaged_down(qwen_model_dir: Path) -> None:
+def test_a_large_first_prediction_is_brought_down(qwen_model_dir: Path) -> None:
     family = family_of(qwen_model_dir)
     text = family.text_encoder(qwen_model_dir, CPU)
     denoiser = family.denoiser(qwen_model_dir, CPU)
     spec = shaped(width=256, height=256)
     assert int(np.prod(denoiser.latent_shape(spec))) > MAX_FLOATS
-    vector = prompt_vector(text, FirstStep(denoiser), "a red fox", spec)
-    assert vector.size == MAX_FLOATS
-    assert np.linalg.norm(vector) == pytest.approx(1.0, abs=1e-5)
+    for view in (FirstStep(denoiser),
+                 PromptEffect(denoiser, lambda: text.encode(text.tokenize("")))):
+        vector = prompt_vector(text, view, "a red fox", spec)
+        assert vector.size == MAX_FLOATS
+        assert np.linalg.norm(vector) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_the_prompts_effect_leaves_out_what_every_prompt_shares(qwen_model_dir: Path) -> None:
+    """Measured from the empty prompt's prediction: the empty prompt itself has no effect,
+    and a prompt's effect is its prediction less the empty one's, whatever the batch."""
+    family = family_of(qwen_model_dir)
+    text = family.text_encoder(qwen_model_dir, CPU)
+    denoiser = family.denoiser(qwen_model_dir, CPU)
+    blank = text.encode(text.tokenize(""))
+    view = PromptEffect(denoiser, lambda: blank)
+    spec = shaped()
+    assert not np.any(prompt_vector(text, view, "", spec))
+    fox = text.encode(text.tokenize("a red fox"))
+    effect = view.prediction(fox, spec) - view.prediction(blank, spec)
+    np.testing.assert_allclose(view.vector(fox, 3, spec),
+                               (effect / effect.norm()).numpy(), atol=1e-6)
 
 
 def test_the_text_mean_is_the_encoders_embedding_averaged(qwen_model_dir: Path) -> None:
@@ -76,6 +97,9 @@ def test_the_text_mean_is_the_encoders_embedding_averaged(qwen_model_dir: Path) 
 def test_a_card_naming_another_vector_is_refused_with_the_field() -> None:
     with pytest.raises(ReuseViewError, match=r"reuse_vector is 'clip'.*text-mean"):
         prompt_view("clip", lambda: pytest.fail("nothing to load"))
+    # A model whose texts are read with an image has no empty prompt's prediction alone.
+    with pytest.raises(ReuseViewError, match=r"reuse_vector is 'denoiser-prompt-effect'"):
+        prompt_view(PROMPT_EFFECT, lambda: pytest.fail("nothing to load"))
 
 
 def test_vectors_of_two_views_never_share_a_bucket() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import signal
+import sys
 from types import FrameType
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from cachesvc.connect import RedisClient, open_cache, open_redis
 from cachesvc.output_files import OutputFiles
 from cachesvc.settings import Settings
+from cachesvc.supervisor import EXIT_CANNOT_FIT
 from workers.families import is_built, resolve
 from workers.families.base import Family, Placement, tokenizer_json
 from workers.queue.adapter_stats import WorkerAdapters, publish_adapter_stats
@@ -55,7 +57,14 @@ def publish_model(client: RedisClient, settings: Settings, family: Family) -> No
 
 def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHandler]:
     family = resolve(settings.model.family, settings.model_dir, settings.model.preset)
-    placement = Placement.for_settings(settings.model.device, settings.model.dtype)
+    placement = Placement.for_settings(
+        settings.model.device, settings.model.dtype, settings.model.encode_device,
+        computes="encoders" if stage is Stage.ENCODE else "serving")
+    here = placement.encoding.device if stage is Stage.ENCODE else placement.device
+    if here.type == "cuda":
+        # Before anything touches CUDA: pinned buffers and the default stream then belong to
+        # this worker's own device, not to device 0.
+        torch.cuda.set_device(here)
     threads = {Stage.ENCODE: settings.workers.encode_threads,
                Stage.DENOISE: settings.workers.denoise_threads,
                Stage.DECODE: settings.workers.decode_threads}[stage]
@@ -69,21 +78,27 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
              if settings.cache.durable_outputs else None)
     if stage is Stage.ENCODE:
         from cachesvc.reuse_index import ReuseIndex
+        from encoders.text import ImageTextModel
         from workers.queue.records import Records
         from workers.stages.approximate import ApproximateReuse, ReuseTable
         from workers.stages.encode import EncodeHandler
         from workers.stages.prompt_view import prompt_view
 
+        # Keys name the serving placement (denoise and decode), wherever this worker encodes.
         trajectory = family.trajectory(directory, placement)
         card = model_card(directory)
-        view = prompt_view(card.reuse_vector, lambda: family.denoiser(directory, placement))
+        encoding = placement.encoding
+        text = family.text_encoder(directory, encoding)
+        view = prompt_view(card.reuse_vector, lambda: family.denoiser(directory, encoding),
+                           None if isinstance(text, ImageTextModel)
+                           else lambda: text.encode(text.tokenize("")))
         reuse = ApproximateReuse(ReuseIndex(client), Records(client), cache, trajectory,
                                  ReuseTable(card.reuse_table), view)
         image_encoder = family.image_encoder
         # Loaded once, by the first request with an image: most requests have none.
         images = (None if image_encoder is None
-                  else functools.cache(lambda: image_encoder(directory, placement)))
-        encode = EncodeHandler(cache, family.text_encoder(directory, placement), trajectory,
+                  else functools.cache(lambda: image_encoder(directory, encoding)))
+        encode = EncodeHandler(cache, text, trajectory,
                                files, reuse, images)
         router = (AdapterRouter(client, settings.workers.idle_timeout_s)
                   if settings.workers.adapter_routing else None)
@@ -124,7 +139,11 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
 def run(stage: Stage, settings: Settings) -> None:
     """Run a worker until SIGTERM or SIGINT: it takes no new job, a denoise job checkpoints
     and is re-queued, any other job finishes first."""
-    worker, _ = build_worker(stage, settings)
+    try:
+        worker, _ = build_worker(stage, settings)
+    except torch.OutOfMemoryError:
+        log.exception("%s worker: out of device memory loading the model", stage.value)
+        sys.exit(EXIT_CANNOT_FIT)  # a restart would fail alike: the supervisor holds it
 
     # Only sets the event: a handler that wrote a log line could interrupt another write to
     # the same stream, which fails.

@@ -15,6 +15,7 @@ decisions are bound to be equal. Family code stays behind
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,12 +30,25 @@ from workers.engine.layout import ForwardLayouts, Layout
 from workers.engine.row_proof import RowProof
 from workers.engine.run import DenoiseRun
 from workers.engine.step_cache import StepCacheHooks, decision_key
+from workers.engine.timing import release_memory, seconds_since
 from workers.families.base import Denoiser
 from workers.stages.guidance import ExactTier, Row, StepPlan
 from workers.stages.interrupt import BlockInterrupts, StepInterrupted
 
+log = logging.getLogger(__name__)
+
 # The rows of one forward: which run, which of its rows.
 Slot = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Computed:
+    """What the forwards of a set of rows gave: each row's output and share of its forward's
+    seconds, and the rows of each forward run."""
+
+    outputs: dict[Slot, torch.Tensor] = field(default_factory=dict)
+    seconds: dict[Slot, float] = field(default_factory=dict)
+    forwards: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +82,10 @@ def _tokens(model: Denoiser, row: Row) -> int:
 
 class DenoiseEngine:
     def __init__(self, model: Denoiser, max_batch: int, max_tokens: int,
-                 parallel: bool, exact_tier: ExactTier) -> None:
+                 parallel: bool, exact_tier: ExactTier | None) -> None:
         self.model = model
-        # Asked for every run's unconditional row of a step at once, before the forwards.
+        # Asked for every run's unconditional row of a step at once, before the forwards
+        # (None: an engine without the store, which asks nothing).
         self.exact_tier = exact_tier
         self.max_batch = max_batch
         self.max_tokens = max_tokens
@@ -82,11 +97,13 @@ class DenoiseEngine:
         # Independent forwards of one step (a step's conditional and unconditional rows when
         # their texts differ in length) run on two threads, each with this thread's intra-op
         # count: a kernel splits work by its thread count, and results must not depend on it.
+        # Not on a GPU: both threads would queue their kernels on its one stream.
         self._pool = (ThreadPoolExecutor(2, "forward", initializer=torch.set_num_threads,
                                          initargs=(torch.get_num_threads(),))
-                      if parallel else None)
+                      if parallel and model.device.type != "cuda" else None)
         self._interrupts = BlockInterrupts(model.transformer)
         self.hooks = StepCacheHooks(model.transformer, model.step_cache_config)
+        self._largest_forward = 0  # token-rows of the largest forward of the current step
 
     # --- membership ----------------------------------------------------------------------
 
@@ -138,10 +155,32 @@ class DenoiseEngine:
         geometry = _geometry(rows[0])
         self.hooks.off()
         for size in range(2, largest + 1):
-            if not self.proof.trusted(geometry) or time.perf_counter() - start > budget_s:
+            if seconds_since(start, self.model.device) > budget_s:
                 break
-            self._forward(rows[:size])
+            try:
+                self._forward(rows[:size])
+            except torch.OutOfMemoryError:
+                self.fit_after_out_of_memory()
+                break
         return [size for size in range(2, largest + 1) if self.proof.proven(geometry, size)]
+
+    def fit_after_out_of_memory(self) -> None:
+        """A forward of this step ran out of device memory: from now on a forward takes at
+        most half its token-rows (one row at the least), so the next steps fit."""
+        release_memory(self.model.device)
+        fits = max(1, self._largest_forward // 2)
+        if fits < self.max_tokens:
+            log.warning("out of %s memory in a forward of %d token-rows: forwards take at most "
+                        "%d from now on", self.model.device, self._largest_forward, fits)
+            self.max_tokens = fits
+
+    def describe(self, run: DenoiseRun) -> str:
+        """Why ``run`` cannot run here: its rows alone do not fit in the device's memory."""
+        spec = run.spec
+        return (f"out of {self.model.device} memory for one forward of its rows alone "
+                f"({spec.width}x{spec.height}, {spec.num_frames} frame(s), "
+                f"{self.model.tokens(spec)} image tokens a row); a smaller size or a device "
+                "with more memory serves it")
 
     def _per_forward(self, image_tokens: int, text_tokens: int) -> tuple[int, int]:
         """The most rows one forward of rows this long takes, within ``max_tokens``: as one of
@@ -161,35 +200,43 @@ class DenoiseEngine:
         if not active:
             return result
         plans = [run.plan() for run in active]
-        self.exact_tier.look_up([(run.guidance, plan)
-                                 for run, plan in zip(active, plans, strict=True)])
+        if self.exact_tier is not None:
+            self.exact_tier.look_up([(run.guidance, plan)
+                                     for run, plan in zip(active, plans, strict=True)])
         rows = {(i, j): row for i, plan in enumerate(plans) for j, row in enumerate(plan.rows)}
-        outputs: dict[Slot, torch.Tensor] = {}
-        seconds: dict[Slot, float] = {}
         try:
             with self._interrupts.watching(lambda: all(r.wants_stop for r in active)):
-                for slots, out, took in self._run_forwards(rows):
-                    result.forwards.append(len(slots))
-                    for n, slot in enumerate(slots):
-                        outputs[slot] = out[n:n + 1]
-                        seconds[slot] = took / len(slots)
+                computed = self.compute(rows)
         except StepInterrupted:
             for run in active:
                 run.stopped_mid_step()
             return result
+        result.forwards.extend(computed.forwards)
         done: list[StepPlan] = []
         for i, (run, plan) in enumerate(zip(active, plans, strict=True)):
             n = len(plan.rows)
             try:
-                run.advance(plan, [outputs[i, j] for j in range(n)],
-                            [seconds[i, j] for j in range(n)])
+                run.advance(plan, [computed.outputs[i, j] for j in range(n)],
+                            [computed.seconds[i, j] for j in range(n)])
             except Exception as exc:  # its scheduler may be half-stepped: it must leave
                 result.failed.append((run, exc))
                 continue
             result.advanced.append(run)
             done.append(plan)
-        self.exact_tier.store(done)
+        if self.exact_tier is not None:
+            self.exact_tier.store(done)
         return result
+
+    def compute(self, rows: dict[Slot, Row]) -> Computed:
+        """Every row's output, the rows shared out into forwards as the module says."""
+        self._largest_forward = 0
+        computed = Computed()
+        for slots, out, took in self._run_forwards(rows):
+            computed.forwards.append(len(slots))
+            for n, slot in enumerate(slots):
+                computed.outputs[slot] = out[n:n + 1]
+                computed.seconds[slot] = took / len(slots)
+        return computed
 
     def _run_forwards(self, rows: dict[Slot, Row]
                       ) -> Iterator[tuple[list[Slot], torch.Tensor, float]]:
@@ -218,7 +265,8 @@ class DenoiseEngine:
         # computes the rows one at a time as well).
         if (len(groups) == 1 and not cached and layout is not None
                 and self.proof.verdicts + checks_made() == checks):
-            self.layouts.observe(geometry, layout, len(rows), time.perf_counter() - start)
+            self.layouts.observe(geometry, layout, len(rows),
+                                 seconds_since(start, self.model.device))
         for chunk, (out, took) in zip(chunks, results, strict=True):
             yield chunk, out, took
 
@@ -240,7 +288,8 @@ class DenoiseEngine:
             geometry = _geometry(first)
             layout = (self.layouts.choose(geometry)
                       if self.max_batch > 1 and len(slots) > split and whole > split else None)
-            per_forward = whole if layout is Layout.WHOLE else split
+            per_forward = self.proof.usable(geometry, whole if layout is Layout.WHOLE
+                                            else split)
             yield geometry, layout, [slots[start:start + per_forward]
                                      for start in range(0, len(slots), per_forward)]
 
@@ -264,24 +313,30 @@ class DenoiseEngine:
         that is proven equal to each row alone with its own state (as every batched forward
         is; under its own proof, the hooks skipping parts of it)."""
         start = time.perf_counter()
+        self._note_size(rows)
         slots = [row.cached for row in rows if row.cached is not None]
         geometry = (*_geometry(rows[0]), slots[0].cache.policy)
-        if len(rows) == 1 or not self.proof.trusted(geometry):
-            return self._apart(rows), time.perf_counter() - start
+        if len(rows) == 1 or not self.proof.trusted(geometry, len(rows)):
+            return self._apart(rows), seconds_since(start, self.model.device)
         batched = self.hooks.forward_many(slots, lambda: self._batched(rows))
         # The first time, the rows alone run as well (each leaving its own state, which then
         # stands) and decide.
         out = self.proof.settle(geometry, batched, lambda: self._apart(rows))
-        return out, time.perf_counter() - start
+        return out, seconds_since(start, self.model.device)
 
     def _forward(self, rows: Sequence[Row]) -> tuple[torch.Tensor, float]:
         start = time.perf_counter()
+        self._note_size(rows)
         geometry = _geometry(rows[0])
-        if len(rows) == 1 or not self.proof.trusted(geometry):
-            return self._apart(rows), time.perf_counter() - start
+        if len(rows) == 1 or not self.proof.trusted(geometry, len(rows)):
+            return self._apart(rows), seconds_since(start, self.model.device)
         out = self.proof.settle(geometry, self._batched(rows),
                                 lambda: self._reference(geometry, rows))
-        return out, time.perf_counter() - start
+        return out, seconds_since(start, self.model.device)
+
+    def _note_size(self, rows: Sequence[Row]) -> None:
+        tokens = _tokens(self.model, rows[0]) + max(r.embeds.shape[1] for r in rows)
+        self._largest_forward = max(self._largest_forward, tokens * len(rows))
 
     def _batched(self, rows: Sequence[Row]) -> torch.Tensor:
         latents = torch.cat([r.latents for r in rows])

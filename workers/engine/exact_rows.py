@@ -25,7 +25,8 @@ geometry with the rows alone (``row_proof``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -62,20 +63,40 @@ class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, 
 
     def __init__(self, text_mask: torch.Tensor | None = None) -> None:
         super().__init__()
+        self._mask = text_mask
         self._padded = 0 if text_mask is None else text_mask.shape[1]
-        # The samples of each text length (``pad_texts`` pads at the end, so a text's
-        # positions are a prefix), worked out once for the forward's every layer.
         self._texts: list[_Group] = []
         self._lengths: tuple[int, ...] = ()
+        self._kept: torch.Tensor | None = None
+        self._hold(text_mask)
+        # Each layer builds its own attention mask, of the same contents: its groups are
+        # worked out once, keyed by those contents.
+        self._mask_groups: dict[tuple[torch.device, tuple[int, ...], bytes], list[_Group]] = {}
+
+    def _hold(self, text_mask: torch.Tensor | None) -> None:
+        """The samples of each text length (``pad_texts`` pads at the end, so a text's
+        positions are a prefix), worked out once for the forward's every layer."""
         self._kept = None if text_mask is None else text_mask.unsqueeze(-1)
+        self._lengths, self._texts = (), []
         if text_mask is not None:
             lengths = text_mask.sum(dim=1).tolist()
             self._lengths = tuple(lengths)
             self._texts = [_Group(samples, length, text_mask.device)
                            for length, samples in _same(lengths).items()]
-        # Each layer builds its own attention mask, of the same contents: its groups are
-        # worked out once, keyed by those contents.
-        self._mask_groups: dict[tuple[torch.device, tuple[int, ...], bytes], list[_Group]] = {}
+
+    @contextmanager
+    def narrowed(self, rows: list[int]) -> Iterator[None]:
+        """Within the block, the calls hold only ``rows`` of the forward's samples (a
+        block or module run on some of them): their texts are those rows' texts."""
+        if self._mask is None:
+            yield
+            return
+        held = self._kept, self._lengths, self._texts
+        self._hold(self._mask[rows])
+        try:
+            yield
+        finally:
+            self._kept, self._lengths, self._texts = held
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -154,11 +175,27 @@ def _linear_per_sample(x: torch.Tensor, weight: torch.Tensor,
     if rows * inner * outer < _NAIVE_BMM_BELOW:
         return one_at_a_time()
     shape = ("linear", rows, inner, outer, samples, x.stride(), x.dtype, x.device,
-             bias is not None)
+             bias is not None, alignment(x, weight, bias))
     # One product of every row is the cheapest, and on some CPUs a row of it rounds as the
     # row's own sample does (README "The denoise engine").
     return _checked(shape, (lambda: F.linear(x, weight, bias), per_sample_matrices),
                     one_at_a_time)
+
+
+# Pointer alignment beyond this many bytes picks no other kernel: cuBLASLt reads operands in
+# vectors of up to 16 bytes, CPU kernels in cache lines of 64.
+_ALIGNMENT_CAP = 64
+
+
+def alignment(*tensors: torch.Tensor | None) -> tuple[int, ...]:
+    """Each operand's pointer alignment in bytes (up to ``_ALIGNMENT_CAP``): a kernel library
+    may pick another kernel, and round otherwise, for another alignment of the same shapes
+    (a view into a batch starts at an offset), so a shape's verdict holds for its alignment."""
+    out = []
+    for t in tensors:
+        address = 0 if t is None else t.data_ptr()
+        out.append(_ALIGNMENT_CAP if address == 0 else min(address & -address, _ALIGNMENT_CAP))
+    return tuple(out)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -215,7 +252,7 @@ def _linear_of_texts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
     # Each sample's length in order: where a text's rows sit in the product may matter.
     shape = ("padded texts", x.shape, x.stride(), lengths, *weight.shape, x.dtype, x.device,
-             bias is not None)
+             bias is not None, alignment(x, weight, bias))
     return _checked(shape, (padded,), cut)
 
 
@@ -258,7 +295,7 @@ def _attention_of_groups(sdpa: Callable[..., Any], q: torch.Tensor, k: torch.Ten
             return sdpa(gq, gk, gv, **kwargs)
 
         shape = ("attention", gq.shape, gq.stride(), gk.shape, gk.stride(), gq.dtype,
-                 gq.device, tuple(sorted(kwargs.items())))
+                 gq.device, tuple(sorted(kwargs.items())), alignment(gq, gk, gv))
         found = _checked(shape, (together,), one_at_a_time)
         if isinstance(rows, slice):
             out[rows].index_copy_(2, kept, found)

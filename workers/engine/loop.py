@@ -15,12 +15,14 @@ import time
 from collections.abc import Callable
 
 import redis
+import torch
 
 from cachesvc.connect import REDIS_ERRORS, RedisClient
 from cachesvc.errors import StoreFullError, StoreUnavailableError
 from cachesvc.settings import WorkerSettings
 from workers.engine.core import StepResult
 from workers.engine.run import AdapterSet, DenoiseRun
+from workers.engine.timing import release_memory
 from workers.queue.engine_metrics import EngineMetrics
 from workers.queue.messages import Job
 from workers.queue.runtime import (
@@ -30,6 +32,7 @@ from workers.queue.runtime import (
     Outcome,
     PreemptCheck,
     StageWorker,
+    TooLargeError,
 )
 from workers.queue.schema import Field
 from workers.queue.scripts import RecordWrite
@@ -209,14 +212,23 @@ class EngineWorker(StageWorker):
                 self.stop.wait(CREDIT_POLL_S)
             return
         fresh = [r for r in self.engine.runs if r.first_step_at is None]
+        failure: Exception | None = None
         try:
             result = self.engine.step()
         except (StoreUnavailableError, StoreFullError) as away:
             self._outage(away)  # nothing of the step was applied: it is taken again
             return
-        except Exception:
+        except Exception as exc:
             log.warning("a batched step failed; each run steps alone to find which",
                         exc_info=True)
+            failure = exc
+        if failure is not None:
+            # Retried out here, not in the except block: its traceback holds the frames of
+            # the failed forward, and with them its activations, which the retries need.
+            out_of_memory = isinstance(failure, torch.OutOfMemoryError)
+            del failure
+            if out_of_memory:
+                self.engine.fit_after_out_of_memory()
             result = self._step_alone()
         self._outage_since = None
         for run, error in result.failed:
@@ -230,13 +242,20 @@ class EngineWorker(StageWorker):
 
     def _step_alone(self) -> StepResult:
         """Each run's step on its own, after a batched one raised: only a run whose own step
-        raises leaves (unacknowledged, redelivered from its checkpoint)."""
+        raises leaves (unacknowledged, redelivered from its checkpoint; or failed at once
+        when even its own rows do not fit in the device's memory)."""
         merged = StepResult()
         for run in list(self.engine.runs):
             try:
                 alone = self.engine.step([run])
+            except torch.OutOfMemoryError:
+                merged.failed.append((run, TooLargeError(run.ctx.job, self.engine.describe(run))))
+                release_memory(self.engine.model.device)
+                continue
             except Exception as exc:
-                merged.failed.append((run, exc))
+                log.warning("request %s: its step failed alone", run.ctx.job.request_id,
+                            exc_info=True)
+                merged.failed.append((run, exc.with_traceback(None)))  # frames: see ``_step``
                 continue
             merged.forwards.extend(alone.forwards)
             merged.advanced.extend(alone.advanced)

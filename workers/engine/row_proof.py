@@ -3,10 +3,11 @@
 Which matrix sizes round alike is a property of the CPU or GPU and its kernels, not of the code:
 batched rows proven exact on one machine differed on another. So the first batched forward of
 each geometry and batch size is also run row by row (or in batches of sizes already proven so,
-which is cheaper and proves the same), and the rows compared bit for bit. A
-geometry whose rows differ is never batched again by this worker (its rows get forwards of
-their own, as on a device where nothing was proven); the row-by-row outputs are the ones used,
-so no step ever takes a batched result that was not proven equal to the row alone.
+which is cheaper and proves the same), and the rows compared bit for bit. A batch size whose
+rows differ is never formed again for that geometry by this worker (kernels are picked per
+size: a GPU library may round a batch of 8 unlike its rows and a batch of 4 alike); the
+row-by-row outputs are the ones used, so no step ever takes a batched result that was not
+proven equal to the row alone.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class RowProof:
 
     def __init__(self) -> None:
         self._proven: set[tuple[Geometry, int]] = set()
-        self.refused: set[Geometry] = set()
+        self.refused: set[tuple[Geometry, int]] = set()
 
     @property
     def verdicts(self) -> int:
@@ -46,9 +47,14 @@ class RowProof:
         return max((size for g, size in self._proven if g == geometry and size < below),
                    default=1)
 
-    def trusted(self, geometry: Geometry) -> bool:
-        """Whether rows of ``geometry`` may share a forward at all."""
-        return geometry not in self.refused
+    def trusted(self, geometry: Geometry, size: int) -> bool:
+        """Whether ``size`` rows of ``geometry`` may share a forward."""
+        return (geometry, size) not in self.refused
+
+    def usable(self, geometry: Geometry, most: int) -> int:
+        """The largest batch size up to ``most`` not refused for ``geometry`` (1: rows
+        alone): forwards are cut to it, so one refused size does not end batching."""
+        return next((size for size in range(most, 1, -1) if self.trusted(geometry, size)), 1)
 
     def settle(self, geometry: Geometry, batched: torch.Tensor,
                alone: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -63,7 +69,7 @@ class RowProof:
         if all(same_bits(batched[i:i + 1], separate[i:i + 1]) for i in range(size)):
             self._proven.add((geometry, size))
             return batched
-        self.refused.add(geometry)
-        log.warning("rows of %s differ between a batch of %d and alone on this device: they "
-                    "get a forward each from now on", geometry, size)
+        self.refused.add((geometry, size))
+        log.warning("rows of %s differ between a batch of %d and alone on this device: no "
+                    "batch of %d is formed from now on", geometry, size, size)
         return separate

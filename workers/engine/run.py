@@ -12,6 +12,7 @@ import torch
 from cachesvc.ledger import Ledger
 from keys import ChainLink, GenerationSpec, LoraUse, StoreKey
 from workers.engine.step_cache import RunStepCache
+from workers.engine.timing import seconds_since
 from workers.families.base import Inpainting
 from workers.families.scheduler_state import SchedulerFields
 from workers.queue.messages import RefName, Role
@@ -98,7 +99,7 @@ class DenoiseRun:
         self.latents = self.scheduler.step(prediction, t, self.latents, return_dict=False)[0]
         if self.inpainting is not None:
             self.latents = self.inpainting.keep(self.latents, self.scheduler, self.step)
-        self.compute_s += sum(seconds) + time.perf_counter() - start
+        self.compute_s += sum(seconds) + seconds_since(start, self.latents.device)
         self.step += 1
         if self.first_step_at is None:
             self.first_step_at = time.monotonic()

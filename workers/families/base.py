@@ -8,6 +8,7 @@ is one module and one registry entry.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -44,24 +45,64 @@ class PlacementError(ValueError):
     """The settings ask for a device this machine does not have."""
 
 
+def resolve_device(name: str, setting: str = "model.device", checked: bool = True
+                   ) -> torch.device:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` as a device of this machine. ``checked``: this
+    process computes on it, so it must exist here; unchecked, it only names where another
+    process computes (an encode worker naming the denoise workers' device in its keys)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if checked and device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PlacementError(f"{setting} is {name}, but torch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise PlacementError(f"{setting} is {name}, but torch sees "
+                                 f"{torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where each component runs and in which dtype."""
+    """Where each component runs and in which dtype. ``device`` and the DiT's and VAE's dtypes
+    are the serving placement (denoise and decode), which every trajectory and output key
+    names; ``encoders`` is where the text and image encoders run when that is elsewhere (an
+    encode pool on CPU beside GPU denoise workers), which their own keys name."""
 
     device: torch.device
     dit_dtype: torch.dtype
     text_dtype: torch.dtype
     vae_dtype: torch.dtype
+    encoders: Placement | None = None
+
+    @property
+    def encoding(self) -> Placement:
+        """Where the encoders run."""
+        return self.encoders or self
 
     @classmethod
-    def for_settings(cls, device: str, dtype: str) -> Placement:
-        """``model.device`` and ``model.dtype`` resolved on this machine."""
-        if device == "cuda" and not torch.cuda.is_available():
-            raise PlacementError("model.device is cuda, but torch sees no CUDA device")
-        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    def for_settings(cls, device: str, dtype: str, encode_device: str = "same",
+                     computes: str = "all") -> Placement:
+        """``model.device``, ``model.dtype`` and ``model.encode_device`` resolved on this
+        machine. ``computes`` says which side this process runs (``all``, ``serving`` or
+        ``encoders``): only that side's device must exist here, the other is named only."""
+        here = resolve_device(device, checked=computes in ("all", "serving"))
+        serving = cls._on(here, dtype)
+        if encode_device == "same":
+            return serving
+        there = resolve_device(encode_device, "model.encode_device",
+                               checked=computes in ("all", "encoders"))
+        return dataclasses.replace(serving, encoders=cls._on(there, dtype))
+
+    @classmethod
+    def _on(cls, device: torch.device, dtype: str) -> Placement:
+        """``dtype`` on ``device``: ``auto`` is bfloat16 on CUDA and float32 on the CPU, as the
+        reference pipelines run; the VAE in float32 (a family whose pipelines run it in the
+        model's dtype says so: Qwen-Image's ``in_model_dtype``)."""
+        cuda = device.type == "cuda"
         chosen = {"auto": torch.bfloat16 if cuda else torch.float32, "float32": torch.float32,
                   "bfloat16": torch.bfloat16}[dtype]
-        return cls(torch.device("cuda" if cuda else "cpu"), chosen, chosen, torch.float32)
+        return cls(device, chosen, chosen, torch.float32)
 
 
 CPU = Placement(torch.device("cpu"), torch.float32, torch.float32, torch.float32)
@@ -284,9 +325,12 @@ def placed_pipeline(pipeline_class: Any, directory: Path, placement: Placement,
                                                         dtype=placement.vae_dtype)
     pipe = pipeline_class.from_pretrained(directory, vae=vae, dtype=placement.dit_dtype,
                                           **components)
-    pipe.text_encoder.to(placement.device, placement.text_dtype)
-    pipe.transformer.to(placement.device, placement.dit_dtype)
-    pipe.vae.to(placement.device, placement.vae_dtype)
+    # The device alone: ``from_pretrained`` gave each its dtype, keeping in float32 the
+    # modules the model keeps so (Wan's ``_keep_in_fp32_modules``), as the workers' loads do;
+    # a cast here would round them to bfloat16 on a GPU.
+    pipe.text_encoder.to(placement.device)
+    pipe.transformer.to(placement.device)
+    pipe.vae.to(placement.device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -11,6 +11,7 @@ outputs bit-identical to them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Iterator
@@ -272,6 +273,14 @@ class QwenTextEncoder:
         return int(embedding.shape[-2])
 
 
+def in_model_dtype(placement: Placement) -> Placement:
+    """Qwen-Image's placement of its VAE: in the model's dtype, as its pipelines run it (they
+    cast an input image to the prompt's dtype before encoding it, and are run in bfloat16
+    whole), where Wan's keep theirs in float32."""
+    encoders = None if placement.encoders is None else in_model_dtype(placement.encoders)
+    return dataclasses.replace(placement, vae_dtype=placement.dit_dtype, encoders=encoders)
+
+
 def image_encoder_fingerprint(directory: Path, placement: Placement) -> Fingerprint:
     """The VAE as it encodes an input image; the pipeline casts the pixels to the prompt
     embeddings' dtype first."""
@@ -299,6 +308,7 @@ class QwenImageEncoder:
         from diffusers import AutoencoderKLQwenImage
         from diffusers.image_processor import VaeImageProcessor
 
+        placement = in_model_dtype(placement)
         self.device = placement.device
         self.dtype = placement.text_dtype
         self.vae = AutoencoderKLQwenImage.from_pretrained(
@@ -353,6 +363,7 @@ class QwenTrajectory:
     def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
+        placement = in_model_dtype(placement)
         self.device = placement.device
         self.placement = placement
         self.mag_ratios = model_card(directory).magcache_ratios
@@ -369,8 +380,8 @@ class QwenTrajectory:
                                                  placement.dit_dtype, self.device)
         self.decoder_fingerprint = component_fingerprint(directory, "vae", placement.vae_dtype,
                                                          self.device)
-        self.image_fingerprint: Fingerprint | None = image_encoder_fingerprint(directory,
-                                                                               placement)
+        self.image_fingerprint: Fingerprint | None = image_encoder_fingerprint(
+            directory, placement.encoding)  # the image's encoder runs with the encoders
 
     def tokens_per_side(self, spec: GenerationSpec) -> tuple[int, int]:
         """Packed latent tokens along the height and the width."""
@@ -501,9 +512,11 @@ class QwenDenoiser(QwenTrajectory):
                 condition: torch.Tensor | None = None) -> torch.Tensor:
         check_condition(spec, condition, takes=False)
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
+        # In the DiT's dtype: texts encoded elsewhere (an encode pool on CPU) come in float32.
+        embeds = embeds.to(self.device, self.transformer.dtype)
         return self.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=None,
                                 encoder_hidden_states_mask=text_mask,
-                                encoder_hidden_states=embeds.to(self.device),
+                                encoder_hidden_states=embeds,
                                 img_shapes=[[(1, *self.tokens_per_side(spec))]]
                                 * latents.shape[0],
                                 attention_kwargs={}, return_dict=False)[0]
@@ -531,6 +544,7 @@ class QwenDecoder:
         from diffusers import AutoencoderKLQwenImage
         from diffusers.image_processor import VaeImageProcessor
 
+        placement = in_model_dtype(placement)
         self.device = placement.device
         self.vae = AutoencoderKLQwenImage.from_pretrained(
             directory / "vae", dtype=placement.vae_dtype).to(self.device).eval()
@@ -560,6 +574,7 @@ class QwenReference:
     def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import QwenImageImg2ImgPipeline, QwenImageInpaintPipeline, QwenImagePipeline
 
+        placement = in_model_dtype(placement)
         self.pipe = placed_pipeline(QwenImagePipeline, directory, placement)
         self.img2img = sibling_pipeline(QwenImageImg2ImgPipeline, self.pipe)
         self.inpaint = sibling_pipeline(QwenImageInpaintPipeline, self.pipe)

@@ -202,6 +202,7 @@ class EditConditionEncoder:
         from diffusers import AutoencoderKLQwenImage
         from diffusers.image_processor import VaeImageProcessor
 
+        placement = qwen_image.in_model_dtype(placement)
         self.device = placement.device
         self.dtype = placement.text_dtype
         self.area = condition_area(directory)
@@ -254,9 +255,10 @@ class EditTrajectory(qwen_image.QwenTrajectory):
     the chain names the condition latents' encoder."""
 
     def __init__(self, directory: Path, placement: Placement = CPU) -> None:
+        placement = qwen_image.in_model_dtype(placement)
         check_checkpoint(directory)
         super().__init__(directory, placement)
-        self.image_fingerprint = condition_fingerprint(directory, placement)
+        self.image_fingerprint = condition_fingerprint(directory, placement.encoding)
 
 
 class EditDenoiser(qwen_image.QwenDenoiser, EditTrajectory):
@@ -301,7 +303,8 @@ class EditDenoiser(qwen_image.QwenDenoiser, EditTrajectory):
         out = self.transformer(hidden_states=torch.cat([latents, packed], dim=1),
                                timestep=t.expand(rows).to(latents.dtype) / 1000,
                                guidance=None, encoder_hidden_states_mask=text_mask,
-                               encoder_hidden_states=embeds.to(self.device),
+                               encoder_hidden_states=embeds.to(self.device,
+                                                               self.transformer.dtype),
                                img_shapes=[[(1, *self.tokens_per_side(spec)), grid]] * rows,
                                attention_kwargs={}, return_dict=False)[0]
         return out[:, :latents.shape[1]]
@@ -315,6 +318,7 @@ class EditReference:
     def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         from diffusers import QwenImageEditPipeline
 
+        placement = qwen_image.in_model_dtype(placement)
         self.pipe = placed_pipeline(QwenImageEditPipeline, directory, placement,
                                     processor=load_processor(directory))
         self.area = condition_area(directory)

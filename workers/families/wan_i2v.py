@@ -111,7 +111,7 @@ class WanI2VTrajectory(wan.WanTrajectory):
     def __init__(self, directory: Path, placement: Placement = CPU) -> None:
         check_checkpoint(directory)
         super().__init__(directory, placement)
-        self.image_fingerprint = condition_fingerprint(directory, placement)
+        self.image_fingerprint = condition_fingerprint(directory, placement.encoding)
 
 
 class WanI2VDenoiser(WanI2VTrajectory, wan.WanDenoiser):

@@ -59,6 +59,12 @@ class InputLostError(StageError):
         self.redo = redo
 
 
+class TooLargeError(StageError):
+    """A job that cannot run on this worker's device however it is batched (its own rows do
+    not fit in memory): it fails at once with the reason, since every delivery would fail
+    alike."""
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What a handler hands back: the next stage's job and what to write to the record."""
@@ -374,13 +380,18 @@ class StageWorker:
         return JobContext(self.records, job, delivery.attempt, check, self.stop)
 
     def failed(self, ctx: JobContext, delivery: Delivery, exc: Exception) -> None:
-        """A job that raised: a lost input is recomputed upstream; anything else is left
-        unacknowledged (redelivered after the idle timeout, dead-lettered after
-        max_deliveries) with the error on the record meanwhile."""
+        """A job that raised: a lost input is recomputed upstream; one too large for the device
+        fails at once; anything else is left unacknowledged (redelivered after the idle
+        timeout, dead-lettered after max_deliveries) with the error on the record meanwhile."""
         job = ctx.job
         if isinstance(exc, InputLostError):
             ctx.close()
             self._recompute(job, delivery, exc)
+            return
+        if isinstance(exc, TooLargeError):
+            log.error("%s; failing it", exc)
+            ctx.close()
+            self.records.dead_letter(job, delivery, str(exc))
             return
         log.error("request %s failed in %s", job.request_id, job.stage, exc_info=exc)
         ctx.progress(RecordWrite({Field.ERROR: f"{type(exc).__name__}: {exc}"}))

@@ -39,6 +39,7 @@ from keys import (
 from workers.engine.core import DenoiseEngine
 from workers.engine.run import AdapterSet, DenoiseRun, Embeddings
 from workers.engine.step_cache import RunStepCache
+from workers.engine.timing import release_memory
 from workers.families.base import Denoiser, Inpainting
 from workers.queue.credits import Credits
 from workers.queue.messages import IMAGE, LATENTS, MASK, Job, Stage, TensorRef
@@ -95,7 +96,15 @@ class DenoiseHandler:
             # stand-in here: the warm-up's rows are noise, its condition too).
             image=ImageInput("0" * 32, strength=None) if limits.image_conditions else None)
         start = time.perf_counter()
-        sizes = self.engine.warm_up(spec, self.settings.warm_up_s)
+        try:
+            sizes = self.engine.warm_up(spec, self.settings.warm_up_s)
+        except torch.OutOfMemoryError:
+            # Not even its first rows fit: the worker serves on, proving sizes as they come
+            # (a request too large for the device fails alone, naming itself).
+            release_memory(self.model.device)
+            log.warning("warm-up at %dx%dx%d skipped: out of %s memory", spec.width,
+                        spec.height, spec.num_frames, self.model.device)
+            return
         log.info("warm-up at %dx%dx%d in %.1f s: batched rows proven exact for %s",
                  spec.width, spec.height, spec.num_frames, time.perf_counter() - start,
                  f"{sizes[0]} to {sizes[-1]} rows" if sizes else "no batch size")
