@@ -16,7 +16,7 @@ from api.metrics import ClusterCollector, registry_with, tenant_labeller
 from api.schemas import ErrorBody
 from api.service import Service
 from cachesvc.cache_link import CacheLink
-from cachesvc.connect import open_redis
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings
 
 ERRORS: dict[int | str, dict[str, object]] = {

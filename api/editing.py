@@ -54,10 +54,15 @@ def cfg_cache_from(body: CfgCacheBody) -> CfgCache:
 
 
 def step_cache_from(body: StepCacheBody | None, default: StepCachePolicy,
-                    served: frozenset[StepCachePolicy], family: str) -> StepCache:
+                    served: frozenset[StepCachePolicy], family: str,
+                    part_way: bool = False) -> StepCache:
     """The request's step cache (``default`` when it names none), refused unless the served
     model can run it. A tenant default the model cannot run is no default: such a request
-    never named the field it would be refused for."""
+    never named the field it would be refused for. ``part_way``: the request starts after
+    step 0 (image-to-image below strength 1), where MagCache's per-step ratios do not hold,
+    so a MagCache default does not apply (``Service.image_for`` refuses one asked for)."""
+    if body is None and part_way:
+        served = served - {StepCachePolicy.MAGCACHE}
     if body is None:
         body = StepCacheBody(policy=default if default in served else StepCachePolicy.OFF)
     try:

@@ -9,6 +9,8 @@ A scrape needs no key, so tenant names are replaced by digests once tenants have
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 from prometheus_client import CollectorRegistry
@@ -36,6 +38,71 @@ def tenant_labeller(api: ApiSettings) -> Callable[[str], str]:
     return hashed_tenant if mode == "hashed" else str
 
 
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """One metric ``/metrics`` shows: declared here, listed in the documentation's reference
+    (``docs/gen_reference.py``), and made into a family at each scrape."""
+
+    name: str
+    kind: type[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]
+    help: str
+    labels: tuple[str, ...] = ()
+
+    def family(self) -> Any:
+        return self.kind(self.name, self.help, labels=list(self.labels))
+
+
+CACHE = {event: Metric(f"diffcache_cache_{event.value}", CounterMetricFamily,
+                       f"Cache {event.value.replace('_', ' ')}, all processes",
+                       ("kind", "tenant")) for event in Event}
+STEP_CACHE = Metric("diffcache_step_cache_forwards", CounterMetricFamily,
+                    "Denoiser forwards run under a step-cache policy: computed in full, or "
+                    "skipped (a rule stood in for part of them)", ("tenant", "policy", "outcome"))
+# Its lookups, hits and seconds saved are the ``approx`` kind of the cache families.
+STEPS_REUSED = Metric("diffcache_approximate_steps_reused", CounterMetricFamily,
+                      "Denoising steps approximate reuse took from similar requests' "
+                      "checkpoints instead of computing them", ("tenant",))
+STAGE_SECONDS = Metric("diffcache_stage_seconds", HistogramMetricFamily,
+                       "Seconds per stage job", ("stage", "priority"))
+RESCUED = Metric("diffcache_requests_rescued", CounterMetricFamily,
+                 "Requests the watchdog re-queued because no live worker owned them and no "
+                 "entry would be delivered; 0 in normal operation", ("stage", "reason"))
+SERVED = Metric("diffcache_served_model_info", GaugeMetricFamily, "The model the workers serve",
+                ("family", "name"))
+QUEUE = ("stage", "priority")
+DEPTH = Metric("diffcache_queue_depth", GaugeMetricFamily, "Jobs waiting or in progress", QUEUE)
+IN_FLIGHT = Metric("diffcache_queue_in_flight", GaugeMetricFamily,
+                   "Jobs a worker has taken and not yet acknowledged", QUEUE)
+OLDEST = Metric("diffcache_queue_oldest_waiting_seconds", GaugeMetricFamily,
+                "Seconds since the oldest job no worker has taken was added; 0 when none "
+                "waits", QUEUE)
+CHILD = ("role", "child")
+RESTARTS = Metric("diffcache_child_restarts", CounterMetricFamily,
+                  "Times a supervisor restarted a child that exited", CHILD)
+UP = Metric("diffcache_child_up", GaugeMetricFamily, "1 while the child runs", CHILD)
+LOOPING = Metric("diffcache_child_crash_looping", GaugeMetricFamily,
+                 "1 while the child keeps exiting soon after each start", CHILD)
+LORA_LOADS = Metric("diffcache_lora_loads", CounterMetricFamily,
+                    "LoRA adapters a worker loaded from the store", ("worker",))
+LORA_SWAPS = Metric("diffcache_lora_swaps", CounterMetricFamily,
+                    "Adapters a worker unloaded to make room for another", ("worker",))
+LORA_SECONDS = Metric("diffcache_lora_load_seconds", CounterMetricFamily,
+                      "Seconds spent loading adapters", ("worker",))
+LORA_HELD = Metric("diffcache_lora_held", GaugeMetricFamily, "Adapters a worker keeps loaded",
+                   ("worker",))
+ROWS = Metric("diffcache_engine_rows_per_forward", HistogramMetricFamily,
+              "Rows one transformer forward of a denoise engine took")
+JOIN_WAIT = Metric("diffcache_engine_join_wait_seconds", HistogramMetricFamily,
+                   "Seconds from a denoise job's arrival to its first step in an engine")
+OCCUPANCY = Metric("diffcache_engine_occupancy", GaugeMetricFamily,
+                   "Runs a denoise worker's engine holds, as a share of its max_batch",
+                   ("worker",))
+# Every metric ``/metrics`` shows, in the order it shows them.
+METRICS = (*CACHE.values(), STEP_CACHE, STEPS_REUSED, DEPTH, IN_FLIGHT, OLDEST, STAGE_SECONDS,
+           RESCUED, RESTARTS, UP, LOOPING, LORA_LOADS, LORA_SWAPS, LORA_SECONDS, LORA_HELD,
+           ROWS, JOIN_WAIT, OCCUPANCY, SERVED)
+
+
 class ClusterCollector(Collector):
     def __init__(self, view: ClusterView, label: Callable[[str], str] = str) -> None:
         self._view = view
@@ -44,18 +111,8 @@ class ClusterCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily |
                                   HistogramMetricFamily]:
-        families = {event: CounterMetricFamily(
-            f"diffcache_cache_{event.value}", f"Cache {event.value.replace('_', ' ')}, "
-            "all processes", labels=["kind", "tenant"]) for event in Event}
-        step_cache = CounterMetricFamily(
-            "diffcache_step_cache_forwards", "Denoiser forwards run under a step-cache "
-            "policy: computed in full, or skipped (a hook stood in for part of them)",
-            labels=["tenant", "policy", "outcome"])
-        # Its lookups, hits and seconds saved are the ``approx`` kind of the cache families.
-        steps_reused = CounterMetricFamily(
-            "diffcache_approximate_steps_reused", "Denoising steps approximate reuse took "
-            "from similar requests' checkpoints instead of computing them",
-            labels=["tenant"])
+        families = {event: CACHE[event].family() for event in Event}
+        step_cache, steps_reused = STEP_CACHE.family(), STEPS_REUSED.family()
         for tenant in tenants(self._redis):
             totals = read_totals(self._redis, tenant)
             for field, value in totals.items():
@@ -71,8 +128,7 @@ class ClusterCollector(Collector):
 
         yield from self._queue_families()
 
-        latency = HistogramMetricFamily("diffcache_stage_seconds", "Seconds per stage job",
-                                        labels=["stage", "priority"])
+        latency = STAGE_SECONDS.family()
         for stage in Stage:
             for priority in Priority:
                 h = self._view.latency(stage, priority)
@@ -80,10 +136,7 @@ class ClusterCollector(Collector):
                            for b, n in h.cumulative]
                 latency.add_metric([stage.value, priority.value], buckets, h.total)
         yield latency
-        rescued = CounterMetricFamily(
-            "diffcache_requests_rescued", "Requests the watchdog re-queued because no live "
-            "worker owned them and no entry would be delivered; 0 in normal operation",
-            labels=["stage", "reason"])
+        rescued = RESCUED.family()
         for (stage, reason), count in self._view.rescued().items():
             rescued.add_metric([stage.value, reason.value], count)
         yield rescued
@@ -91,23 +144,15 @@ class ClusterCollector(Collector):
         yield from adapter_families(self._view.adapters())
         yield from engine_families(self._view.engine())
         served = self._view.served()
+        info = SERVED.family()
         if served is not None:
-            info = GaugeMetricFamily("diffcache_served_model_info", "The model the workers "
-                                     "serve", labels=["family", "name"])
             info.add_metric([served.family, served.name], 1)
-            yield info
+        yield info
 
     def _queue_families(self) -> Iterator[GaugeMetricFamily]:
         """Depth, in-flight count and oldest waiting age per stage and class: the signals an
         autoscaler or an alert on a stuck pool needs."""
-        labels = ["stage", "priority"]
-        depth = GaugeMetricFamily("diffcache_queue_depth", "Jobs waiting or in progress",
-                                  labels=labels)
-        in_flight = GaugeMetricFamily("diffcache_queue_in_flight", "Jobs a worker has taken "
-                                      "and not yet acknowledged", labels=labels)
-        oldest = GaugeMetricFamily("diffcache_queue_oldest_waiting_seconds", "Seconds since "
-                                   "the oldest job no worker has taken was added; 0 when none "
-                                   "waits", labels=labels)
+        depth, in_flight, oldest = DEPTH.family(), IN_FLIGHT.family(), OLDEST.family()
         for q in self._view.queues(ages=True):
             key = [q.stage.value, q.priority.value]
             depth.add_metric(key, q.waiting + q.in_flight)
@@ -119,12 +164,7 @@ class ClusterCollector(Collector):
 def children_families(children: list[ChildStatus]) -> Iterator[CounterMetricFamily |
                                                                 GaugeMetricFamily]:
     """Restarts, liveness and crash loops of every supervised process."""
-    restarts = CounterMetricFamily("diffcache_child_restarts", "Times a supervisor restarted "
-                                   "a child that exited", labels=["role", "child"])
-    up = GaugeMetricFamily("diffcache_child_up", "1 while the child runs",
-                           labels=["role", "child"])
-    looping = GaugeMetricFamily("diffcache_child_crash_looping", "1 while the child keeps "
-                                "exiting soon after each start", labels=["role", "child"])
+    restarts, up, looping = RESTARTS.family(), UP.family(), LOOPING.family()
     for c in children:
         restarts.add_metric([c.role, c.name], c.restarts)
         up.add_metric([c.role, c.name], int(c.alive))
@@ -135,14 +175,8 @@ def children_families(children: list[ChildStatus]) -> Iterator[CounterMetricFami
 def adapter_families(workers: list[WorkerAdapters]) -> Iterator[CounterMetricFamily |
                                                                 GaugeMetricFamily]:
     """LoRA loads, swaps, load seconds and adapters held, per denoise worker."""
-    loads = CounterMetricFamily("diffcache_lora_loads", "LoRA adapters a worker loaded from "
-                                "the store", labels=["worker"])
-    swaps = CounterMetricFamily("diffcache_lora_swaps", "Times a worker changed the adapters "
-                                "it runs with", labels=["worker"])
-    seconds = CounterMetricFamily("diffcache_lora_load_seconds", "Seconds spent loading "
-                                  "adapters", labels=["worker"])
-    held = GaugeMetricFamily("diffcache_lora_held", "Adapters a worker keeps loaded",
-                             labels=["worker"])
+    loads, swaps = LORA_LOADS.family(), LORA_SWAPS.family()
+    seconds, held = LORA_SECONDS.family(), LORA_HELD.family()
     for w in workers:
         loads.add_metric([w.consumer], w.loads)
         swaps.add_metric([w.consumer], w.swaps)
@@ -155,8 +189,7 @@ def engine_families(engine: EngineView) -> Iterator[GaugeMetricFamily |
                                                     HistogramMetricFamily]:
     """Rows per transformer forward and the wait to join, over every denoise engine, and how
     full each worker's engine is."""
-    rows = HistogramMetricFamily("diffcache_engine_rows_per_forward", "Rows one transformer "
-                                 "forward of a denoise engine took", labels=[])
+    rows = ROWS.family()
     counts = engine.rows
     cumulative = [(str(bound), sum(n for r, n in counts.items() if r <= bound))
                   for bound in engine.row_bounds]
@@ -164,15 +197,11 @@ def engine_families(engine: EngineView) -> Iterator[GaugeMetricFamily |
                     sum(r * n for r, n in counts.items()))
     yield rows
     wait = engine.join_wait
-    joins = HistogramMetricFamily("diffcache_engine_join_wait_seconds", "Seconds from a "
-                                  "denoise job's arrival to its first step in an engine",
-                                  labels=[])
+    joins = JOIN_WAIT.family()
     joins.add_metric([], [("+Inf" if b == float("inf") else str(b), n)
                           for b, n in wait.cumulative], wait.total)
     yield joins
-    occupancy = GaugeMetricFamily("diffcache_engine_occupancy", "Runs a denoise worker's "
-                                  "engine holds, as a share of its max_batch",
-                                  labels=["worker"])
+    occupancy = OCCUPANCY.family()
     for o in engine.occupancy:
         occupancy.add_metric([o.worker], o.runs / o.capacity)
     yield occupancy

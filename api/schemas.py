@@ -380,7 +380,7 @@ class ModelFacts(BaseModel):
     max_size: str | None = Field(description="the largest it serves (api.enforce_model_max)")
     size_multiple: int = Field(description="width and height are multiples of this")
     prompts: str = Field(description="the kinds of prompt it was trained on")
-    defaults: dict[str, float] = Field(description="what a request leaves out gets (but "
+    defaults: dict[str, int | float] = Field(description="what a request leaves out gets (but "
                                        "an editing model's size: its input image's)")
 
 

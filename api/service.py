@@ -39,14 +39,16 @@ from api.schemas import (
 )
 from cachesvc.adapters import AdapterInfo, AdapterRegistry
 from cachesvc.cache_link import CacheLink
-from cachesvc.connect import RedisClient
 from cachesvc.errors import CacheError, StoreUnavailableError
 from cachesvc.images import ImageStore, InputImage, normalise, normalise_mask
 from cachesvc.output_files import OutputFiles
+from cachesvc.redis_client import RedisClient
 from cachesvc.settings import Settings
 from cachesvc.supervisor import ChildStatus, read_published
 from keys import (
     DEFAULT_STRENGTH,
+    IMAGE_NOT_REUSED,
+    MAGCACHE_PART_WAY,
     GenerationSpec,
     ImageInput,
     KeyKind,
@@ -259,7 +261,7 @@ class Service:
         image = given.input
         fixed = ("a request with a schedule cannot use it (give prompt instead)"
                  if body.schedule is not None else
-                 "a request with an input image cannot use it yet" if image else None)
+                 IMAGE_NOT_REUSED if image else None)
         spec = GenerationSpec.create(
             request_id=new_request_id(), tenant=tenant, prompt=body.prompt or "",
             negative_prompt=body.negative_prompt, schedule=schedule, width=asked.width,
@@ -271,9 +273,9 @@ class Service:
             step_cache=step_cache_from(
                 body.step_cache, self.settings.api.step_cache_defaults.get(tenant,
                                                                          StepCachePolicy.OFF),
-                # MagCache's ratios describe a trajectory from step 0 (``image_for``)
-                served.step_caches - {StepCachePolicy.MAGCACHE} if image
-                else served.step_caches, served.family),
+                served.step_caches, served.family,
+                part_way=bool(image and image.strength is not None
+                              and start_step(asked.steps, image.strength) > 0)),
             reuse=reuse_from(body.reuse, self.settings.api.reuse_defaults.get(
                 tenant, ReuseMode.EXACT), fixed), image=image)
         return Admitted(self.queue.admission.within_cost(spec, served), given.to_keep)
@@ -317,13 +319,12 @@ class Service:
             return GivenImage(None)
         if not (limits.image_to_image or limits.image_conditions):
             raise FieldError("image", f"the served {served.family} model takes no input image")
-        if body.step_cache is not None and body.step_cache.policy is StepCachePolicy.MAGCACHE:
-            # Its ratios were calibrated on text-only trajectories from step 0.
-            raise FieldError("step_cache.policy", "requests with an input image cannot use "
-                             "magcache (its ratios were calibrated on text-only trajectories)")
         if body.mask is not None and not limits.inpainting:
             raise FieldError("mask", f"the served {served.family} model does no inpainting")
         strength = _strength(body, served, steps)
+        if (body.step_cache is not None and body.step_cache.policy is StepCachePolicy.MAGCACHE
+                and strength is not None and start_step(steps, strength) > 0):
+            raise FieldError("step_cache.policy", MAGCACHE_PART_WAY)
         given = {upload.hash: upload for upload in uploads}
         image = self._input_image(tenant, body.image, given, "image",
                                   sized=body.mask is not None or read_size)

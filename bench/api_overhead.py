@@ -10,7 +10,6 @@ second that 200 open event streams of requests where nothing happens cost.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import tempfile
@@ -20,9 +19,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.common import bench_stack, report, start_workers
-from cachesvc.connect import RedisClient, open_redis
+from bench.common import bench_parser, bench_stack, report, start_workers
 from cachesvc.processes import ChildProcess, free_port
+from cachesvc.redis_client import RedisClient, open_redis
 from cachesvc.settings import ApiSettings, ModelSettings, Settings, child_environ
 from keys import GenerationSpec, OutputFormat
 from workers.main import ensure_model
@@ -119,7 +118,7 @@ def via_http(http: httpx.Client, prompt: str, seed: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=30, help="pairs of requests")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as model_dir, bench_stack(segment_mib=256) as base:

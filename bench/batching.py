@@ -13,7 +13,6 @@ alone, per family, plainly and with the per-sample layers run apart.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import random
@@ -26,8 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import model_stack, print_table, report, wait_all, workers
-from cachesvc.connect import open_cache, open_redis
+from bench.common import bench_parser, model_stack, print_table, report, wait_all, workers
+from cachesvc.connect import open_cache
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings, WorkerSettings
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, OutputFormat, Priority, StoreKey
@@ -189,7 +189,7 @@ def _text_dim(transformer: torch.nn.Module) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

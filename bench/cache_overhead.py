@@ -13,14 +13,13 @@ alike. Each ratio is one of medians.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import time
 from collections.abc import Callable
 
 import torch
 
-from bench.common import bench_stack, median, report
+from bench.common import bench_parser, bench_stack, median, report
 from cachesvc.buffers import TensorSlot
 from cachesvc.codec import TensorSpec
 from cachesvc.connect import open_cache
@@ -78,7 +77,7 @@ def one_round(cache: TensorCache, slot: TensorSlot, payload: torch.Tensor, confi
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=2 * len(ORDERS),
                         help=f"timed runs per size; a multiple of {len(ORDERS)} balances orders")
     args = parser.parse_args()

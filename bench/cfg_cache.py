@@ -11,14 +11,14 @@ Each run has a tenant of its own, so no run reuses another's entries.
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import numpy as np
 
-from bench.common import model_stack, report, serve, workers
+from bench.common import bench_parser, model_stack, report, serve, workers
 from bench.workload import NEGATIVE_PROMPTS, prompt_pool
-from cachesvc.connect import open_cache, open_redis
+from cachesvc.connect import open_cache
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
 from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat
@@ -53,7 +53,7 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--quality-requests", type=int, default=10)
     parser.add_argument("--intervals", type=int, nargs="+", default=[2, 3, 5])

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import report
+from bench.common import bench_parser, report
 from bench.netns import NodeSpec, network, start_cluster, unavailable
 from workers.families import wan
 
@@ -56,7 +56,7 @@ def run(nodes: int, model_dir: Path, work: Path, args: argparse.Namespace) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--size", type=int, default=64, help="width and height")

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
+import os
+import platform
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
@@ -16,14 +22,20 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from cachesvc.connect import open_redis
 from cachesvc.processes import ChildProcess
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings, WorkerSettings, child_environ, load_settings
 from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import WaitTimeout, wait_until
 from keys import GenerationSpec, StoreKey
-from workers.launch import wait_joined, worker_argv
+from workers.launch import (
+    device_environ,
+    stage_counts,
+    wait_joined,
+    with_worker_counts,
+    worker_argv,
+)
 from workers.queue.messages import Stage
 from workers.queue.records import Records
 from workers.queue.runtime import JobContext, Outcome, Worker
@@ -69,11 +81,70 @@ def median(samples: Sequence[float]) -> float:
     return statistics.median(samples)
 
 
+RESULTS = Path(__file__).parent / "results"  # each bench's recorded runs, one JSON line each
+
+
+def bench_parser(description: str | None) -> argparse.ArgumentParser:
+    """A bench's argument parser: its docstring as its help, and ``--record``."""
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--record", action="store_true",
+                        help="append the final line, with the date, commit and machine, to "
+                        "bench/results/<bench>.jsonl (the documentation's benchmarks page)")
+    return parser
+
+
 def report(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]],
            result: dict[str, object]) -> None:
-    """Print a readable table, then the one JSON line that the issue names."""
+    """Print a readable table, then the one JSON line that the issue names; with
+    ``--record`` (``bench_parser``), append that line to the bench's results too."""
     print_table(title, columns, rows)
     print(json.dumps(result), flush=True)
+    if "--record" in sys.argv[1:]:
+        record(result)
+
+
+def record(result: dict[str, object]) -> Path:
+    """``result`` with when, at which commit and on what it ran, appended to its bench's
+    results file; the file."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{result['bench']}.jsonl"
+    stamped = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine(),
+               **result}
+    with path.open("a") as out:
+        out.write(json.dumps(stamped) + "\n")
+    return path
+
+
+def commit() -> str:
+    """The checkout's commit, marked ``-dirty`` when it has uncommitted changes."""
+    top = Path(__file__).parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=top,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=top, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{head}-dirty" if dirty.strip() else head
+
+
+def machine() -> str:
+    """What ran a bench, in words: the CPU and its cores, and the GPU where there is one."""
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
+        cpu = names[0].strip() if names else cpu
+    words = f"{cpu}, {os.cpu_count()} cores"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            words += f", {torch.cuda.get_device_name()}"
+    except ImportError:
+        pass
+    return words
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
@@ -86,19 +157,21 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[obje
 
 
 def start_workers(settings: Settings, logs: Path) -> list[ChildProcess]:
-    """``workers.<stage>_workers`` worker processes per stage (one each by default), each
-    joined to its consumer group."""
+    """The worker processes ``diffcache up`` would start (one encode and one decode worker by
+    default, denoise workers as ``with_worker_counts`` resolves them), each joined to its
+    consumer group."""
+    import torch
+
     client = open_redis(settings)
-    counts = {Stage.ENCODE: settings.workers.encode_workers,
-              Stage.DENOISE: settings.workers.denoise_workers,
-              Stage.DECODE: settings.workers.decode_workers}
+    gpus = torch.cuda.device_count()
+    settings = with_worker_counts(settings, gpus)
     started = []
-    for stage, count in counts.items():
-        for i in range(count):
-            child = ChildProcess(f"bench-{stage.value}-{i}", worker_argv(stage),
-                                 logs / f"{stage.value}-{i}.log", child_environ(settings))
-            child.start()
-            started.append((child, stage))
+    for stage, i, device in device_environ(settings.model, stage_counts(settings), gpus):
+        child = ChildProcess(f"bench-{stage.value}-{i}", worker_argv(stage),
+                             logs / f"{stage.value}-{i}.log",
+                             {**child_environ(settings), **device})
+        child.start()
+        started.append((child, stage))
     for child, stage in started:
         wait_joined(child, client, stage)
     return [child for child, _ in started]

@@ -11,7 +11,6 @@ three masters with a replica each (``cachesvc.valkey_cluster``), beside the sing
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -23,13 +22,14 @@ from redis.cluster import RedisCluster
 from bench import raw_dispatch
 from bench.common import (
     NOOP_GO,
+    bench_parser,
     bench_stack,
     report,
     run_noop,
     start_noop_workers,
     stop_processes,
 )
-from cachesvc.connect import RedisClient, open_redis
+from cachesvc.redis_client import RedisClient, open_redis
 from cachesvc.settings import RedisSettings, Settings
 from cachesvc.valkey_cluster import LocalValkeyCluster
 from cachesvc.waiting import wait_until
@@ -102,7 +102,7 @@ def raw_round(settings: Settings, client: RedisClient, count: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=2000, help="per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--redis-cluster", action="store_true",

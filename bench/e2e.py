@@ -12,7 +12,6 @@ steps (one frame for an image family).
 
 from __future__ import annotations
 
-import argparse
 import io
 import statistics
 import time
@@ -22,10 +21,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bench.common import model_stack, report, seconds_to_done, wait_all, workers
+from bench.common import bench_parser, model_stack, report, seconds_to_done, wait_all, workers
 from bench.workload import Draw, zipf_requests
-from cachesvc.connect import open_cache, open_redis
+from cachesvc.connect import open_cache
 from cachesvc.images import InputImage, normalise
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, ImageInput, OutputFormat, StoreKey, image_key
 from workers.engine.timing import release_memory
@@ -167,7 +167,7 @@ def measure(family: Family, requests: int, seed: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", default="wan", help="a family's name (workers.families)")

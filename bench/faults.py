@@ -9,7 +9,6 @@ watchdog, should recover every routed job (``rescued`` 0).
 
 from __future__ import annotations
 
-import argparse
 import random
 import tempfile
 import threading
@@ -23,11 +22,11 @@ import redis
 import torch
 from safetensors.torch import save as save_safetensors
 
-from bench.common import report
+from bench.common import bench_parser, report
 from bench.lora import random_lora
 from bench.running_service import RunningService
-from cachesvc.connect import RedisClient
 from cachesvc.processes import free_port
+from cachesvc.redis_client import RedisClient
 from keys import GenerationSpec, OutputFormat
 from keys.names import worker_inboxes
 from workers.families import DEFAULT_FAMILY, family_named
@@ -89,7 +88,7 @@ def routed_jobs(client: RedisClient) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--every", type=float, default=4.0, help="seconds between kills")
     parser.add_argument("--seed", type=int, default=0, help="seeds the kill schedule")

@@ -8,14 +8,13 @@ needs neither the store nor Redis, for a lent machine that has neither.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
 
-from bench.common import bench_stack, report
+from bench.common import bench_parser, bench_stack, report
 from bench.e2e import measure
 from cachesvc.connect import open_cache
 from keys import KeyKind, StoreKey
@@ -57,7 +56,7 @@ def store_round_trip(mib: int) -> dict[str, float | bool]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

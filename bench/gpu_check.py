@@ -16,7 +16,6 @@ step cache's speedup. Timings wait for the device (CUDA events on a GPU). The fi
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import tempfile
@@ -29,15 +28,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from bench.common import report
+from bench.common import bench_parser, report
 from encoders.text import ImageTextModel
 from keys import GenerationSpec, ImageInput, OutputFormat, StepCache, StepCachePolicy
 from workers.engine.core import DenoiseEngine
-from workers.engine.step_cache import RunStepCache
+from workers.engine.guidance import Row
+from workers.engine.row_caches import RunStepCache
 from workers.engine.timing import release_memory
 from workers.families import FAMILIES, family_named
 from workers.families.base import Denoiser, Family, Placement
-from workers.stages.guidance import Row
 
 SMOKE = {"width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 3}
 # Where the tiny models do real work on a GPU: a 17-frame 256x256 video, a 512x512 image.
@@ -176,9 +175,9 @@ def check_family(family: Family, directory: Path, placement: Placement,
     clock = Clock(placement.device)
     image = picture(size["width"]) if family.limits.image_conditions else None
     parts = Components(family, directory, placement)
-    engine = DenoiseEngine(parts.model, 8, 1 << 20, parallel=False, exact_tier=None)
+    engine = DenoiseEngine(parts.model, 8, 1 << 20, adapters=4, parallel=False)
     proven = engine.warm_up(spec_for(family, size, 0), warm_up_s)
-    refused = sorted(n for _, n in engine.proof.refused)
+    refused = sorted(n for _, n in engine.executor.proof.refused)
 
     one = parts.trajectory(spec_for(family, size, 0), image)
     denoise(engine, [one], 1)
@@ -225,8 +224,7 @@ def prepare(folder: Path, preset: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--smoke", action="store_true", help="small sizes and few steps")

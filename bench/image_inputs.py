@@ -20,7 +20,6 @@ reads in the shapes model's edits: the colour asked for, and the shape kept.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
 import time
@@ -30,10 +29,11 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from bench.common import collect, model_stack, report, workers
+from bench.common import bench_parser, collect, model_stack, report, workers
 from bench.e2e import placement_of
-from cachesvc.connect import open_cache, open_redis
+from cachesvc.connect import open_cache
 from cachesvc.images import InputImage, normalise, normalise_mask
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
 from keys import GenerationSpec, ImageInput, KeyKind, OutputFormat, image_key
@@ -259,7 +259,7 @@ def readings(frames: np.ndarray, edits: list[Edit]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--images", type=int, default=10, help="images edited")
     parser.add_argument("--animated", type=int, default=4, help="images animated")
     parser.add_argument("--sample", type=int, default=6, help="outputs of each model "

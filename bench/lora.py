@@ -7,7 +7,6 @@ throughput of the routed phase over the unrouted one, and whether their outputs 
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -15,8 +14,9 @@ import torch
 import xxhash
 from safetensors.torch import save as save_safetensors
 
-from bench.common import model_stack, report, wait_all, workers
-from cachesvc.connect import RedisClient, open_cache, open_redis
+from bench.common import bench_parser, model_stack, report, wait_all, workers
+from cachesvc.connect import open_cache
+from cachesvc.redis_client import RedisClient, open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, LoraUse, OutputFormat, StoreKey, adapter_key
 from keys.names import adapter_stats
@@ -29,12 +29,16 @@ ADAPTERS = 3
 
 
 def random_lora(model_dir: Path, seed: int, rank: int = 4,
-                targets: tuple[str, ...] = ("attn1.to_q", "attn1.to_v"),
-                model_class: str = "WanTransformer3DModel") -> dict[str, torch.Tensor]:
-    """A diffusers-format LoRA on the linear layers whose names end with ``targets``."""
+                targets: tuple[str, ...] = ("attn1.to_q", "attn1.to_v")
+                ) -> dict[str, torch.Tensor]:
+    """A diffusers-format LoRA on the linear layers of the folder's transformer whose names
+    end with ``targets``."""
     import diffusers
 
-    model = getattr(diffusers, model_class).from_pretrained(model_dir / "transformer")
+    from workers.families.base import component_config
+
+    model_class = getattr(diffusers, component_config(model_dir, "transformer")["_class_name"])
+    model = model_class.from_pretrained(model_dir / "transformer")
     g = torch.Generator().manual_seed(seed)
     state = {}
     for name, module in model.named_modules():
@@ -82,7 +86,7 @@ def phase(settings: Settings, tenant: str, adapters: list[bytes], requests: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()

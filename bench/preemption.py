@@ -13,9 +13,9 @@ import time
 
 import numpy as np
 
-from bench.common import model_stack, report, seconds_to_done, wait_all, workers
+from bench.common import bench_parser, model_stack, report, seconds_to_done, wait_all, workers
 from bench.workload import prompt_pool
-from cachesvc.connect import open_redis
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, Priority
 from workers.queue.records import Records
@@ -67,7 +67,7 @@ def phase(settings: Settings, preempt: bool, args: argparse.Namespace) -> dict[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--batch", type=int, default=8, help="batch requests, queued at once")
     parser.add_argument("--batch-steps", type=int, default=100)
     parser.add_argument("--interactive", type=int, default=8)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.common import model_stack, report, wait_all, workers
+from bench.common import bench_parser, model_stack, report, wait_all, workers
 from bench.workload import ACTIONS, PLACES, SUBJECTS
-from cachesvc.connect import open_redis
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, PromptSegment
 from workers.queue.records import Records
@@ -61,7 +61,7 @@ def phase(settings: Settings, reuse: bool, args: argparse.Namespace) -> dict[str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--variations", type=int, default=4)
     args = parser.parse_args()

@@ -14,7 +14,6 @@ run an FID-style distance to the ground-truth renders, on the classifier's featu
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +27,10 @@ from torchmetrics.functional.image import (
 from torchmetrics.image.fid import FrechetInceptionDistance
 
 from bench.cfg_cache import run
-from bench.common import model_stack, report, serve, workers
+from bench.common import bench_parser, model_stack, report, serve, workers
 from bench.image_inputs import STRENGTHS, Target, other_colours, readings, recoloured
-from cachesvc.connect import open_cache, open_redis
+from cachesvc.connect import open_cache
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
 from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat, StepCache, StepCachePolicy
@@ -125,7 +125,7 @@ def image_to_image(settings: Settings, records: Records, cache: TensorCache,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--intervals", type=int, nargs="*", default=[2, 3, 5])
     parser.add_argument("--first-block", type=float, nargs="*", default=[0.1, 0.2, 0.3],

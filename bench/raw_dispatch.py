@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.common import NOOP_GO, NOOP_READY, NOOP_START_S
-from cachesvc.connect import RedisClient, open_redis
+from cachesvc.redis_client import RedisClient, open_redis
 from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
 from keys.names import consumer_group

@@ -1,40 +1,67 @@
 """Approximate reuse on a similarity-rich trace through the service, on the shipped shapes
-model: 40 scenes, each asked five ways (``bench.reuse_trace``), every request with its own
-seed, in five waves (the captions, then each other phrasing in turn, as similar prompts keep
-arriving). A wave arrives once the one before has left the queue (its every request has begun
-to denoise), so the service has work throughout, as under steady traffic; with ``--arrival
-served`` it waits until the one before is done. The trace runs twice in one stack, once per
-mode, each in a tenant of its own.
+model: 40 scenes, each asked six ways (``bench.reuse_trace``: its caption, two rewordings, one
+with what is implied left out, and two with one attribute changed, the attributes in turn over
+the scenes), every request with its own seed, in six waves (the captions, then each other
+phrasing in turn, as similar prompts keep arriving). A wave arrives once the one before has
+left the queue (its every request has begun to denoise), so the service has work throughout,
+as under steady traffic; with ``--arrival served`` it waits until the one before is done. The
+trace runs twice in one stack, once per mode, each in a tenant of its own.
 
 Per mode: denoise forwards, throughput, and the classifier's accuracy on the attributes each
-prompt asks for; for the approximate run, the hit rate, the steps reused, and the hits whose
-output shows an attribute of the source's that the request did not ask for. A sample of the
-rewritten requests is computed again from scratch (another tenant: no shared checkpoint) and
-compared bit for bit.
+prompt asks for. Per kind of prompt (the same attributes, or one changed): the hits, the steps
+reused, and the hits that reuse made wrong: an attribute other than asked where the same prompt
+computed exactly from the same seed (the rewrite's, its source's; ``X-Diffcache-Effective-
+Seed``) shows it as asked (``reuse_induced_wrong``); beside them, the hits wrong where the
+request's own seed in exact mode is right, which counts the other seed's own mistakes too. A
+sample of the rewritten requests is computed again from scratch (another tenant: no shared
+checkpoint) and compared bit for bit.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from bench.common import WAIT_ALL_S, collect, model_stack, report, serve, wait_all, workers
-from bench.reuse_trace import TracePrompt, correct, variants
-from cachesvc.connect import open_cache, open_redis
+from bench.common import (
+    WAIT_ALL_S,
+    bench_parser,
+    collect,
+    model_stack,
+    print_table,
+    report,
+    serve,
+    wait_all,
+    workers,
+)
+from bench.reuse_trace import (
+    SAME,
+    TracePrompt,
+    correct,
+    reuse_induced,
+    rotating_changes,
+    variants,
+)
+from cachesvc.connect import open_cache
+from cachesvc.redis_client import open_redis
 from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import wait_until
-from keys import DEFAULT_MAX_SKIP, GenerationSpec, OutputFormat, Reuse, ReuseMode
+from keys import (
+    DEFAULT_MAX_SKIP,
+    GenerationSpec,
+    OutputFormat,
+    PromptSegment,
+    Reuse,
+    ReuseMode,
+)
 from training.classifier import load_classifier
 from workers.queue.records import Records
 from workers.queue.schema import RequestRecord, State
 from workers.queue.served_model import RequestDefaults, request_defaults
 from workers.queue.submit import new_request_id, submit
 
-WAVES = 5
 # One mode's pass over the trace: its seconds, records, outputs and the prompts asked, in order.
 Run = tuple[float, list[RequestRecord], np.ndarray, list[TracePrompt]]
 # A request in one of these states has left the queue for denoise.
@@ -87,9 +114,63 @@ def run_trace(records: Records, cache: TensorCache, waves: list[list[TracePrompt
     return time.perf_counter() - start, done, np.concatenate(frames), asked
 
 
+def exact_spec(tenant: str, prompt: str, like: GenerationSpec,
+               schedule: tuple[PromptSegment, ...] | None = None) -> GenerationSpec:
+    """``prompt`` (or ``schedule``) computed exactly, at ``like``'s geometry, steps and seed."""
+    return GenerationSpec.create(
+        request_id=new_request_id(), tenant=tenant, prompt=prompt, width=like.width,
+        height=like.height, num_frames=1, num_inference_steps=like.num_inference_steps,
+        guidance_scale=like.guidance_scale, seed=like.seed, output_format=OutputFormat.NPY,
+        schedule=schedule)
+
+
+def kind_of(prompt: TracePrompt) -> str:
+    """The row of the per-kind table: the attribute a prompt changed, or ``reworded`` for one
+    that asks for its scene's attributes in other words."""
+    return "reworded" if prompt.variant in SAME else prompt.variant
+
+
+def per_kind(asked: list[TracePrompt], records: list[RequestRecord], hits: list[int],
+             induced: np.ndarray, own: np.ndarray) -> dict[str, dict[str, int]]:
+    """Per kind of prompt: its requests, hits, steps reused, and the hits made wrong (by the
+    reused steps, and against the request's own seed)."""
+    by_kind: dict[str, dict[str, int]] = {}
+    for prompt in asked:
+        row = by_kind.setdefault(kind_of(prompt), dict.fromkeys(
+            ("requests", "hits", "steps_reused", "reuse_induced_wrong", "wrong_vs_own_seed"),
+            0))
+        row["requests"] += 1
+    for i, n in enumerate(hits):
+        row = by_kind[kind_of(asked[n])]
+        hit = records[n].approximate
+        assert hit is not None
+        row["hits"] += 1
+        row["steps_reused"] += hit.step
+        row["reuse_induced_wrong"] += int(induced[i])
+        row["wrong_vs_own_seed"] += int(own[i])
+    return by_kind
+
+
+def made_wrong_rows(asked: list[TracePrompt], records: list[RequestRecord], hits: list[int],
+                    induced: np.ndarray) -> list[list[object]]:
+    """Each hit the reused steps made wrong: its kind, prompt, source's prompt, similarity
+    and steps reused."""
+    by_id = {r.spec.request_id: n for n, r in enumerate(records)}
+    rows: list[list[object]] = []
+    for i, n in enumerate(hits):
+        hit = records[n].approximate
+        if induced[i] and hit is not None:
+            source = by_id.get(hit.source_request_id)
+            rows.append([kind_of(asked[n]), asked[n].prompt,
+                         "?" if source is None else asked[source].prompt,
+                         f"{hit.similarity:.5f}", hit.step])
+    return rows
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--scenes", type=int, default=40)
+    parser.add_argument("--changes", type=int, default=2, help="changed prompts per scene")
     parser.add_argument("--min-similarity", type=float, default=0.9)
     parser.add_argument("--max-skip", type=float, default=DEFAULT_MAX_SKIP)
     parser.add_argument("--verify", type=int, default=5, help="rewritten requests recomputed")
@@ -98,8 +179,8 @@ def main() -> None:
                         "served")
     args = parser.parse_args()
     classifier = load_classifier()
-    trace = [variants(i) for i in range(args.scenes)]
-    waves = [[prompts[w] for prompts in trace] for w in range(WAVES)]
+    trace = [variants(i, rotating_changes(i, args.changes)) for i in range(args.scenes)]
+    waves = [[prompts[w] for prompts in trace] for w in range(len(trace[0]))]
     modes = {"exact": Reuse(),
              "approximate": Reuse(ReuseMode.APPROXIMATE, args.min_similarity, args.max_skip)}
     runs: dict[str, Run] = {}
@@ -110,55 +191,58 @@ def main() -> None:
             for mode, reuse in modes.items():
                 runs[mode] = run_trace(records, cache, waves, args.arrival,
                                        functools.partial(trace_spec, m, f"trace-{mode}", reuse))
-            rewritten = [r for r in runs["approximate"][1] if r.approximate is not None]
-            sample = rewritten[:args.verify]
-            again = [GenerationSpec.create(
-                request_id=new_request_id(), tenant="trace-verify", prompt="",
-                width=r.spec.width, height=r.spec.height, num_frames=1,
-                num_inference_steps=r.spec.num_inference_steps,
-                guidance_scale=r.spec.guidance_scale, seed=r.spec.seed,
-                output_format=OutputFormat.NPY, schedule=r.spec.schedule) for r in sample]
+            _, approx_records, approx_frames, asked = runs["approximate"]
+            hits = [n for n, r in enumerate(approx_records) if r.approximate is not None]
+            # Each hit's prompt from its rewrite's seed, exactly; and a sample of the rewrites
+            # themselves from scratch.
+            _, at_seed = serve(records, cache, [
+                exact_spec("trace-seed", asked[n].prompt, approx_records[n].spec)
+                for n in hits])
+            sample = [approx_records[n] for n in hits[:args.verify]]
+            again = [exact_spec("trace-verify", "", r.spec, r.spec.schedule) for r in sample]
             _, recomputed = serve(records, cache, again)
         cache.close()
-    by_id = {r.spec.request_id: p for r, p in zip(runs["approximate"][1],
-                                                  runs["approximate"][3], strict=True)}
-    approx_frames = dict(zip((r.spec.request_id for r in runs["approximate"][1]),
-                             runs["approximate"][2], strict=True))
     # Each output of ``serve`` is one (1, H, W, 3) array; a run's are concatenated.
-    identical = all(np.array_equal(approx_frames[r.spec.request_id], f[0])
-                    for r, f in zip(sample, recomputed, strict=True))
-    wrong = 0
-    for record in rewritten:
-        hit = record.approximate
-        assert hit is not None
-        source, target = by_id.get(hit.source_request_id), by_id[record.spec.request_id]
-        if source is None:
-            continue
-        read = classifier.read(approx_frames[record.spec.request_id][None])
-        got, theirs, mine = ({k: int(v[0]) for k, v in read.items()}, source.scene.labels(),
-                             target.scene.labels())
-        wrong += any(theirs[a] != mine[a] and got[a] == theirs[a] for a in got)
+    identical = all(np.array_equal(approx_frames[n], f[0])
+                    for n, f in zip(hits[:args.verify], recomputed, strict=True))
+    wanted = [asked[n].scene for n in hits]
+    induced = reuse_induced(classifier, approx_frames[hits], np.concatenate(at_seed), wanted)
+    own = reuse_induced(classifier, approx_frames[hits], runs["exact"][2][hits], wanted)
+    by_kind = per_kind(asked, approx_records, hits, induced, own)
+    made_wrong = made_wrong_rows(asked, approx_records, hits, induced)
+    if made_wrong:
+        print_table("Hits the reused steps made wrong",
+                    ["kind", "prompt", "source's prompt", "similarity", "steps reused"],
+                    made_wrong)
     rows, acc, forwards, seconds = [], {}, {}, {}
-    for mode, (elapsed, done, outputs, asked) in runs.items():
-        acc[mode] = float(correct(classifier, outputs, [p.scene for p in asked]).mean())
+    for mode, (elapsed, done, outputs, prompts) in runs.items():
+        acc[mode] = float(correct(classifier, outputs, [p.scene for p in prompts]).mean())
         forwards[mode] = sum(r.counter("forwards") for r in done)
         seconds[mode] = elapsed
-        hits = [r for r in done if r.approximate is not None]
+        reused = [r for r in done if r.approximate is not None]
         rows.append([mode, len(done), forwards[mode], len(done) / elapsed, acc[mode],
-                     len(hits) / len(done), sum(r.approximate.step for r in hits
-                                                if r.approximate is not None)])
-    hit_rate = len(rewritten) / len(runs["approximate"][1])
-    report(f"{len(runs['exact'][1])} requests ({args.scenes} scenes x {WAVES} phrasings, each "
-           f"its own seed) on the shapes model, per reuse mode (min_similarity "
+                     len(reused) / len(done), sum(r.approximate.step for r in reused
+                                                  if r.approximate is not None)])
+    print_table("Per kind of prompt (approximate mode)",
+                ["kind", "requests", "hits", "steps reused", "reuse-induced wrong",
+                 "wrong vs own seed"],
+                [[kind, *row.values()] for kind, row in sorted(by_kind.items())])
+    report(f"{len(approx_records)} requests ({args.scenes} scenes x {len(waves)} phrasings, "
+           f"each its own seed) on the shapes model, per reuse mode (min_similarity "
            f"{args.min_similarity}, max_skip {args.max_skip})",
            ["mode", "requests", "forwards", "requests/s", "accuracy", "hit rate",
             "steps reused"], rows,
-           {"bench": "reuse", "requests": len(runs["exact"][1]),
+           {"bench": "reuse", "requests": len(approx_records),
             "forwards_saved": round(1 - forwards["approximate"] / forwards["exact"], 4),
             "throughput_ratio": round(seconds["exact"] / seconds["approximate"], 3),
             "acc_exact": round(acc["exact"], 4), "acc_approximate": round(acc["approximate"], 4),
             "acc_delta": round(acc["approximate"] - acc["exact"], 4),
-            "hit_rate": round(hit_rate, 4), "wrong_attribute_hits": wrong,
+            "hit_rate": round(len(hits) / len(approx_records), 4),
+            "reuse_induced_wrong": int(induced.sum()),
+            "wrong_vs_own_seed": int(own.sum()),
+            "by_kind": {kind: {"hits": row["hits"],
+                               "reuse_induced_wrong": row["reuse_induced_wrong"]}
+                        for kind, row in sorted(by_kind.items())},
             "identical_rewrites": identical and bool(sample)})
 
 

@@ -10,13 +10,12 @@ same bucket), since faiss' inverted-file index trades a little recall for speed.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 
-from bench.common import bench_stack, report
-from cachesvc.connect import open_redis
+from bench.common import bench_parser, bench_stack, report
+from cachesvc.redis_client import open_redis
 from cachesvc.reuse_index import ReuseIndex
 
 TENANT = "bench"
@@ -61,7 +60,7 @@ def lookups(index: ReuseIndex, buckets: list[str], vectors: np.ndarray, queries:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--vectors", type=int, default=1_000_000)
     parser.add_argument("--dim", type=int, default=256, help="floats per vector: 256, the "
                         "most a first-step vector keeps (prompt_view.MAX_FLOATS); the "

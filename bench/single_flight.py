@@ -7,14 +7,13 @@ caller would compute; with it, one does.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import time
 
 import redis
 import torch
 
-from bench.common import bench_stack, report
+from bench.common import bench_parser, bench_stack, report
 from cachesvc.connect import open_cache
 from cachesvc.settings import Settings
 from keys import KeyKind, StoreKey
@@ -45,7 +44,7 @@ def caller(settings: Settings, callers: int, compute_s: float,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--callers", type=int, default=16)
     parser.add_argument("--compute-s", type=float, default=1.0)
     args = parser.parse_args()

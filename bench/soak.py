@@ -10,13 +10,19 @@ removed what it keeps, so both measure what stays behind rather than what is in 
 
 from __future__ import annotations
 
-import argparse
 import threading
 import time
 from collections.abc import Sequence
 
-from bench.common import NOOP_GO, bench_stack, report, start_noop_workers, stop_processes
-from cachesvc.connect import RedisClient, open_redis
+from bench.common import (
+    NOOP_GO,
+    bench_parser,
+    bench_stack,
+    report,
+    start_noop_workers,
+    stop_processes,
+)
+from cachesvc.redis_client import RedisClient, open_redis
 from cachesvc.settings import RetentionSettings, Settings
 from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import request_index, stage_stream
@@ -110,7 +116,7 @@ def settle(client: RedisClient, sweeper: Sweeper, retain_s: float) -> dict[str, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--jobs", type=int, default=20_000)
     parser.add_argument("--first", type=int, default=None,
                         help="jobs before the first measurement (default: a tenth)")

@@ -11,7 +11,6 @@ whether each of them, resumed from a checkpoint half-way, gives the same output 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import tempfile
 from pathlib import Path
@@ -19,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import model_stack, report, serve, workers
+from bench.common import bench_parser, model_stack, report, serve, workers
 from bench.quality import HELD_OUT, READ, accuracy, specs_for
-from cachesvc.connect import open_cache, open_redis
+from cachesvc.connect import open_cache
 from cachesvc.output_files import OutputFiles
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings, WorkerSettings
 from cachesvc.tensor_cache import TensorCache
 from keys import CfgCache, StepCache, StepCachePolicy, StoreKey
@@ -67,7 +67,7 @@ def denoise_seconds(records: list[RequestRecord]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--sample", type=int, default=3,
                         help="outputs per policy checked against the pipeline and on resume")

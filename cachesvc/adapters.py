@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import xxhash
 from pydantic import TypeAdapter
 
-from cachesvc.connect import RedisClient
 from cachesvc.errors import UploadError
 from cachesvc.output_files import OutputFiles
+from cachesvc.redis_client import RedisClient
 from cachesvc.wire import UNVERSIONED, Wire
 from keys import adapter_key
 from keys.names import adapter_index

@@ -18,6 +18,7 @@ import torch
 from cachesvc import codec
 from cachesvc.errors import CacheError
 from cachesvc.store_backend import StoreBackend
+from cachesvc.tensor_view import typed_view
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class TensorSlot:
 
     def __post_init__(self) -> None:
         # Made once, before any transfer: after a transfer's wait the same work runs cold.
-        object.__setattr__(self, "tensor", codec.typed_view(self.buffer.raw,
+        object.__setattr__(self, "tensor", typed_view(self.buffer.raw,
                                                             self.spec.header_bytes, self.spec))
         object.__setattr__(self, "layout", codec.Layout.of(self.spec))
 

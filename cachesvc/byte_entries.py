@@ -10,13 +10,13 @@ from contextlib import contextmanager
 from functools import partial
 
 from cachesvc.codec import TensorSpec
-from cachesvc.connect import RedisClient
 from cachesvc.counted_store import CountedStore
 from cachesvc.counters import Event, QueuedCounters
 from cachesvc.entry_io import discard, expired, seal, send, verified
 from cachesvc.errors import CodecError, EntryTooLargeError
 from cachesvc.policy import policies
-from cachesvc.settings import CacheSettings
+from cachesvc.redis_client import RedisClient, open_redis
+from cachesvc.settings import CacheSettings, Settings
 from cachesvc.store_backend import StoreBackend
 from cachesvc.ttl_index import TtlIndex, now_ms
 from keys import StoreKey
@@ -103,3 +103,12 @@ class ByteEntries:
             yield buffer, ptr
         finally:
             self.store.unregister(ptr)
+
+
+def open_byte_entries(settings: Settings, client: RedisClient | None = None) -> ByteEntries:
+    """Byte entries over the configured store (no torch); ``client`` shares a Redis pool."""
+    from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints
+
+    store = MooncakeStore.connect(StoreEndpoints.configured(settings.store), settings.store)
+    return ByteEntries(store, client or open_redis(settings), settings.cache,
+                       stats_bucket_s=settings.retention.stats_bucket_s)

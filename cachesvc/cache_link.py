@@ -13,8 +13,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from cachesvc.connect import RedisClient
 from cachesvc.errors import StoreUnavailableError
+from cachesvc.redis_client import RedisClient
 from cachesvc.settings import Settings
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class CacheLink:
         delay = FIRST_RETRY_S
         while not self._closed.is_set():
             try:
-                from cachesvc.connect import open_byte_entries  # Mooncake loads here
+                from cachesvc.byte_entries import open_byte_entries  # Mooncake loads here
 
                 cache = open_byte_entries(self._settings, self._client)
                 if self._closed.is_set():  # closed while it connected: nobody will use it

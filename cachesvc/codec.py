@@ -53,16 +53,6 @@ def _unsupported(dtype: object) -> CodecError:
     return CodecError(f"unsupported dtype {dtype!r}; supported: {sorted(_DTYPES)}")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    """``torch.float32`` for ``"float32"``; raises CodecError for dtypes entries cannot hold."""
-    if name not in _DTYPES:
-        raise _unsupported(name)
-    import torch  # only callers that hold tensors get here, with torch loaded
-
-    dtype: torch.dtype = getattr(torch, name)
-    return dtype
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in _DTYPES:
@@ -86,10 +76,6 @@ class TensorSpec:
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorSpec:
         return cls(dtype_name(tensor.dtype), tuple(tensor.shape))
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return dtype_from_name(self.dtype)
 
     @property
     def payload_bytes(self) -> int:
@@ -219,9 +205,3 @@ class Layout:
             return None
         csum, cost_us, expires = _PER_ENTRY.unpack_from(buf, _PER_ENTRY_AT)
         return Header(self.spec, size, self.spec.payload_bytes, csum, cost_us, expires)
-
-
-def typed_view(raw: torch.Tensor, offset: int, spec: TensorSpec) -> torch.Tensor:
-    """A tensor of ``spec`` viewing the uint8 tensor ``raw`` from ``offset``; no copy."""
-    flat = raw[offset:offset + spec.payload_bytes]
-    return flat.view(spec.torch_dtype).view(spec.shape)

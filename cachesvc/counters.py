@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from prometheus_client import Counter
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from keys import KeyKind
 from keys.names import stats_bucket, stats_total, tenants_registry
 

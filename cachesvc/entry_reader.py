@@ -19,6 +19,7 @@ from cachesvc.counted_store import CountedStore
 from cachesvc.counters import CacheCounters, Event
 from cachesvc.entry_io import discard, expired, verified
 from cachesvc.errors import CodecError, EntryTooLargeError
+from cachesvc.tensor_view import typed_view
 from keys import StoreKey
 
 # From this size up an entry moves through a get session and ranged transfers, whose wait
@@ -188,7 +189,7 @@ class EntryReader:
             self._discard(key, Event.EXPIRED, None)
             return None
         if view is None:
-            view = codec.typed_view(buf.raw, offset + header.size, header.spec)
+            view = typed_view(buf.raw, offset + header.size, header.spec)
         return Entry(view, header.cost_us / 1e6, header.payload_bytes)
 
     def _discard(self, key: StoreKey, event: Event, error: CodecError | None) -> None:

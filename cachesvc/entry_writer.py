@@ -10,13 +10,14 @@ from contextlib import contextmanager
 
 import torch
 
-from cachesvc import codec, entry_io
+from cachesvc import entry_io
 from cachesvc.buffers import BufferPool, TensorSlot, packed_offsets
 from cachesvc.codec import TensorSpec
 from cachesvc.counted_store import CountedStore
 from cachesvc.counters import Event, QueuedCounters
 from cachesvc.entry_io import seal, send
 from cachesvc.policy import KindPolicy
+from cachesvc.tensor_view import typed_view
 from cachesvc.ttl_index import TtlIndex, now_ms
 from keys import KeyKind, StoreKey
 
@@ -86,7 +87,7 @@ class EntryWriter:
         with self._pool.lease(offsets[-1]) as buf:
             for (_, tensor), spec, off, cost in zip(items, specs, offsets[:-1], costs,
                                                     strict=True):
-                codec.typed_view(buf.raw, off + spec.header_bytes, spec).copy_(tensor)
+                typed_view(buf.raw, off + spec.header_bytes, spec).copy_(tensor)
                 seal(buf.memoryview()[off:off + spec.entry_bytes], spec, int(cost * 1e6),
                      expires_at_ms)
             self._store.write(keys[0], lambda: raw.batch_put_from(

@@ -54,6 +54,15 @@ class StoreEndpoints:
     metadata_server: str
     metrics_url: str | None = None
 
+    @classmethod
+    def configured(cls, store: StoreSettings) -> StoreEndpoints:
+        """The endpoints the settings name; StoreUnavailableError where they name none."""
+        if not store.master_address or not store.metadata_server:
+            raise StoreUnavailableError(
+                "no store configured: run `diffcache up`, or set DIFFCACHE_STORE__MASTER_ADDRESS "
+                "and DIFFCACHE_STORE__METADATA_SERVER", op="connect")
+        return cls(store.master_address, store.metadata_server, store.master_metrics_url)
+
 
 def mounted_bytes(metrics_url: str) -> int | None:
     """The memory every mounted storage node contributes, as the master reports it; None if

@@ -14,7 +14,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from keys.names import reuse_vectors
 
 log = logging.getLogger(__name__)

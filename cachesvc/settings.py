@@ -122,7 +122,7 @@ class ModelSettings(_Section):
     encode_device: str = Field("same", pattern=rf"^same$|{_DEVICE}")
     # The DiT's and the text encoder's dtype; "auto": bfloat16 on CUDA and float32 on the CPU,
     # as the reference pipelines run. The VAE runs in float32, or in this dtype where the
-    # family's pipelines run it so (Qwen-Image's).
+    # family's pipelines run it so (its module says which).
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     dir: Path | None = Field(None, description="default: <data_dir>/model")
     preset: Literal["shapes", "default", "test"] = Field(
@@ -142,7 +142,10 @@ class WorkerSettings(_Section):
     """Stage workers: delivery, leases, retries and how many of each ``diffcache up`` starts."""
 
     encode_workers: int = Field(1, ge=0)
-    denoise_workers: int = Field(1, ge=0)
+    # None: one per GPU where the model computes on CUDA, else one per CPU core, since a
+    # worker runs one thread per op (``workers.launch``; docs "How many workers").
+    denoise_workers: int | None = Field(
+        None, ge=0, description="unset: one per GPU, or one per core on a CPU machine")
     decode_workers: int = Field(1, ge=0)
     idle_timeout_s: float = Field(30.0, gt=0, description="a silent job is reclaimed after this")
     max_deliveries: int = Field(3, ge=1, description="then the job goes to the dead letters")
@@ -225,7 +228,7 @@ class WorkerSettings(_Section):
     @property
     def credit_limit(self) -> int:
         """``decode_credits``, or its default."""
-        return self.decode_credits or 2 * self.max_batch * max(1, self.denoise_workers)
+        return self.decode_credits or 2 * self.max_batch * max(1, self.denoise_workers or 1)
 
     @property
     def orphan_bound_s(self) -> float:
@@ -315,6 +318,14 @@ class Settings(BaseSettings):
     workers: WorkerSettings = WorkerSettings()
     api: ApiSettings = ApiSettings()
 
+    @model_validator(mode="after")
+    def _adapters_fit_a_worker(self) -> Settings:
+        if self.api.max_loras > self.workers.lora_slots:
+            raise ValueError(f"api.max_loras ({self.api.max_loras}) is above "
+                             f"workers.lora_slots ({self.workers.lora_slots}): a request "
+                             "with that many adapters could never run")
+        return self
+
     @property
     def model_dir(self) -> Path:
         return self.model.dir or self.data_dir / "model"
@@ -359,7 +370,8 @@ def load_settings(**overrides: object) -> Settings:
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
-        raise SettingsError(f"setting {field}: {first['msg']}") from exc
+        message = first["msg"].removeprefix("Value error, ")
+        raise SettingsError(f"setting {field}: {message}" if field else message) from exc
 
 
 def to_environ(settings: Settings) -> dict[str, str]:

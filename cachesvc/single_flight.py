@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 
 import redis
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

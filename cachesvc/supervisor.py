@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from cachesvc.connect import RedisClient
 from cachesvc.processes import ChildProcess
+from cachesvc.redis_client import RedisClient
 from cachesvc.wire import Wire, WireError
 from keys.names import supervised_children
 

@@ -21,7 +21,6 @@ import torch
 
 from cachesvc.buffers import BufferPool, RegisteredBuffer, TensorSlot
 from cachesvc.codec import TensorSpec
-from cachesvc.connect import RedisClient
 from cachesvc.counted_store import CountedStore
 from cachesvc.counters import BUCKET_RETENTION_S, Event, QueuedCounters
 from cachesvc.entry_reader import Entry, EntryReader
@@ -29,6 +28,7 @@ from cachesvc.entry_writer import EntryWriter
 from cachesvc.errors import StoreUnavailableError
 from cachesvc.ledger import Ledger
 from cachesvc.policy import KindPolicy, policies
+from cachesvc.redis_client import RedisClient
 from cachesvc.settings import CacheSettings, StoreSettings
 from cachesvc.single_flight import Outcome, SingleFlight
 from cachesvc.store_backend import StoreBackend

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from cachesvc.store_backend import StoreBackend
 from keys import StoreKey
 from keys.names import tenants_registry, ttl_index

@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import typer
 from rich.console import Console
 from rich.progress import Progress
 
-from cachesvc.connect import open_cache, open_redis
+from cachesvc.connect import open_cache
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, Priority, StoreKey
 from workers.queue.admission import (
@@ -229,3 +231,16 @@ def _error(answer: httpx.Response) -> str:
     except ValueError:
         return answer.text
     return str(error.get("message", error) if isinstance(error, dict) else error)
+
+
+def lora_body(text: str) -> dict[str, str | float]:
+    """``--lora NAME`` or ``NAME:SCALE`` as the API's ``loras`` entry; typer.BadParameter
+    naming the option for a scale that is not a number."""
+    name, _, scale = text.rpartition(":") if ":" in text else (text, "", "")
+    if not scale:
+        return {"name": name}
+    try:
+        return {"name": name, "scale": float(scale)}
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: the scale after ':' must be a number",
+                                 param_hint="--lora") from None

@@ -282,6 +282,11 @@ def generate(
     priority: str = typer.Option("interactive", help="interactive or batch"),
     reuse: str | None = typer.Option(None, help="exact or approximate: may start from a "
                                      "similar earlier request's checkpoint (and says so)"),
+    step_cache: str | None = typer.Option(None, help="a step-cache policy at its defaults: "
+                                          "first_block, taylorseer or magcache (faster, and "
+                                          "no longer the exact output)"),
+    lora: list[str] = typer.Option([], help="a LoRA adapter, NAME or NAME:SCALE (uploaded "
+                                   "with POST /v1/adapters); repeat for several"),
     image: Path | None = typer.Option(None, exists=True, dir_okay=False, readable=True,
                                       help="start from this picture (image-to-image), "
                                       "animate it (an image-to-video model) or edit it as "
@@ -302,7 +307,7 @@ def generate(
     triangle on a plain background, as in "a small red circle on the left on a blue
     background"; other sizes and words run, with a warning. GET /v1/models says what the
     served model knows."""
-    from cli.client import call_and_follow, format_for
+    from cli.client import call_and_follow, format_for, lora_body
 
     body = {k: v for k, v in {
         "prompt": prompt, "negative_prompt": negative_prompt, "seed": seed,
@@ -310,6 +315,8 @@ def generate(
         "num_frames": num_frames, "num_inference_steps": steps,
         "guidance_scale": guidance_scale, "priority": priority,
         "reuse": None if reuse is None else {"mode": reuse},
+        "step_cache": None if step_cache is None else {"policy": step_cache},
+        "loras": [lora_body(text) for text in lora] or None,
         "strength": strength}.items() if v is not None}
     files = {field: path for field, path in (("image", image), ("mask", mask)) if path}
     call_and_follow(_api_base(), api_key, "/v1/generate", body, out, console, files)

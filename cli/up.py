@@ -23,12 +23,12 @@ import httpx
 import redis
 from rich.console import Console
 
-from cachesvc.connect import RedisClient, open_redis, store_endpoints
 from cachesvc.errors import CacheError
 from cachesvc.instance_lock import InstanceLock
-from cachesvc.mooncake_store import MooncakeStore
+from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints
 from cachesvc.output_files import OutputFiles
 from cachesvc.processes import require_free
+from cachesvc.redis_client import RedisClient, open_redis
 from cachesvc.settings import Settings, child_environ
 from cachesvc.stack import ONE_MACHINE, EmbeddedStack, Roles, StackAddresses
 from cachesvc.supervisor import Supervisor, publish
@@ -206,19 +206,24 @@ class ServiceTree:
         """One child per configured worker; waits until each has joined its stage."""
         import torch
 
-        from workers.launch import device_environ, wait_joined, worker_argv
+        from workers.launch import (
+            device_environ,
+            stage_counts,
+            wait_joined,
+            with_worker_counts,
+            worker_argv,
+        )
         from workers.main import ensure_model
-        from workers.queue.messages import Stage
 
-        counts = {Stage.ENCODE: settings.workers.encode_workers,
-                  Stage.DENOISE: settings.workers.denoise_workers,
-                  Stage.DECODE: settings.workers.decode_workers}
+        # Counted without opening a device (NVML), so this process holds no CUDA context.
+        gpus = torch.cuda.device_count()
+        settings = with_worker_counts(settings, gpus)
+        counts = stage_counts(settings)
         if any(counts.values()):
             ensure_model(settings)
         env = child_environ(settings)
         client = open_redis(settings)
-        # Counted without opening a device (NVML), so this process holds no CUDA context.
-        devices = device_environ(settings.model, counts, torch.cuda.device_count())
+        devices = device_environ(settings.model, counts, gpus)
         for stage, i, device in devices:
             child = self.stack.spawn(f"worker-{stage.value}-{i}", worker_argv(stage),
                                      {**env, **device})
@@ -259,7 +264,8 @@ def sweep_until(stop: threading.Event, settings: Settings) -> None:
     store: MooncakeStore | None = None
     while not stop.wait(settings.cache.sweep_interval_s):
         try:
-            store = store or MooncakeStore.connect(store_endpoints(settings), settings.store)
+            store = store or MooncakeStore.connect(StoreEndpoints.configured(settings.store),
+                                                   settings.store)
             index.sweep(store)
         except CacheError as exc:
             log.warning("cache sweep failed (%s); retrying next interval", exc)

@@ -32,6 +32,8 @@ from keys.names import KEY_VERSION, InvalidTenantError, KeyKind, StoreKey, check
 from keys.spec import (
     DEFAULT_MAX_SKIP,
     DEFAULT_STRENGTH,
+    IMAGE_NOT_REUSED,
+    MAGCACHE_PART_WAY,
     CfgCache,
     CfgMode,
     GenerationSpec,
@@ -51,7 +53,9 @@ __all__ = [
     "DEFAULT_MAX_SKIP",
     "DEFAULT_STRENGTH",
     "FIELD_POLICIES",
+    "IMAGE_NOT_REUSED",
     "KEY_VERSION",
+    "MAGCACHE_PART_WAY",
     "CfgCache",
     "CfgMode",
     "ChainLink",

@@ -99,6 +99,18 @@ _STEP_CACHE_RANGES: dict[str, tuple[float, float]] = {
 }
 
 
+# Why MagCache refuses an image-to-image request that skips the trajectory's first steps.
+MAGCACHE_PART_WAY = ("magcache's ratios are one per step of a whole trajectory, and an "
+                     "image-to-image request of strength below 1 starts part way (give "
+                     "strength 1, or another policy)")
+
+
+# Why approximate reuse refuses a request with an input image.
+IMAGE_NOT_REUSED = ("a request with an input image cannot use it: neighbours are ranked by "
+                    "the prompt's effect alone, and what the image's does to the shared steps "
+                    "is not calibrated")
+
+
 @dataclass(frozen=True, slots=True)
 class StepCache:
     """A request's step-cache policy with every parameter it takes, defaults filled in, so two
@@ -286,10 +298,8 @@ class GenerationSpec:
                 f"the last schedule segment must end at num_inference_steps="
                 f"{self.num_inference_steps}, it ends at {bounds[-1]}"
             )
-        if self.image is not None and self.step_cache.policy is StepCachePolicy.MAGCACHE:
-            # Its ratios were calibrated on trajectories from step 0; this one starts part way.
-            raise ValueError("step_cache.policy: requests with an input image cannot use "
-                             "magcache (its ratios were calibrated on text-only trajectories)")
+        if self.first_step > 0 and self.step_cache.policy is StepCachePolicy.MAGCACHE:
+            raise ValueError(f"step_cache.policy: {MAGCACHE_PART_WAY}")
         if self.image is not None and self.first_step >= self.num_inference_steps:
             raise ValueError(f"image.strength {self.image.strength} leaves no step of "
                              f"{self.num_inference_steps} to run; raise it or the steps")

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from cachesvc.connect import open_cache, open_redis
+from cachesvc.connect import open_cache
 from cachesvc.processes import ChildProcess
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings, load_settings
 from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache

@@ -19,7 +19,8 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from cachesvc.connect import open_cache, open_redis
+from cachesvc.connect import open_cache
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, StoreKey

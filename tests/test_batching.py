@@ -9,7 +9,7 @@ import threading
 import redis
 
 from bench.common import NoOp
-from cachesvc.connect import open_redis
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings, WorkerSettings
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, OutputFormat, Priority

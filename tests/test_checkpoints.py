@@ -28,11 +28,11 @@ from tests.workers_harness import (
     stop_owner_when,
     wait_done,
 )
+from workers.engine.checkpoint import Checkpoint
 from workers.families import family_named
 from workers.queue.messages import Stage
 from workers.queue.schema import State
 from workers.queue.submit import new_request_id, submit
-from workers.stages.checkpoint import Checkpoint
 from workers.stages.trajectory import checkpoint_every
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.

@@ -39,6 +39,7 @@ from tests.workers_harness import (
 )
 from workers.engine import exact_rows
 from workers.engine.exact_rows import rows_apart
+from workers.engine.guidance import Row
 from workers.engine.row_proof import RowProof
 from workers.families import qwen_image, wan, wan_i2v
 from workers.families.base import CPU
@@ -52,7 +53,6 @@ from workers.queue.schema import PreemptMode, State
 from workers.queue.served_model import request_defaults
 from workers.queue.submit import submit
 from workers.stages.denoise import DenoiseHandler
-from workers.stages.guidance import Row
 
 # Prompts of different lengths; the negative prompt is the same, so unconditional rows of
 # different requests share forwards while conditional ones group by length.
@@ -119,7 +119,7 @@ def test_a_warmed_up_engine_takes_its_first_batch_without_a_proof(
                                  Credits(redis_client, 8))
         handler.warm_up(request_defaults(ModelSettings(), directory), fam.LIMITS)
         engine = handler.engine
-        proofs = engine.proof.verdicts
+        proofs = engine.executor.proof.verdicts
         assert proofs == 5  # batch sizes 2 to 6: two rows for each of three runs
         spec = make_spec(width=96, height=96, num_frames=9 if fam.LIMITS.video else 1)
         g = torch.Generator().manual_seed(5)
@@ -132,9 +132,8 @@ def test_a_warmed_up_engine_takes_its_first_batch_without_a_proof(
                             condition=None if condition is None
                             else torch.randn(condition, generator=g))
                 for i in range(5)}
-        out = {slot: batched[n:n + 1] for slots, batched, _ in engine._run_forwards(rows)
-               for n, slot in enumerate(slots)}
-        assert engine.proof.verdicts == proofs
+        out = engine.compute(rows).outputs
+        assert engine.executor.proof.verdicts == proofs
         for slot, row in rows.items():
             alone = model.predict(row.latents, row.timestep.reshape(1), row.embeds, spec,
                                   condition=row.condition)
@@ -303,11 +302,11 @@ def test_kill_9_of_a_worker_holding_a_batch_finishes_every_request_once(
 
 
 @pytest.mark.slow
-def test_runs_of_different_adapter_sets_never_share_a_forward(
+def test_runs_with_and_without_an_adapter_share_forwards_each_its_pipelines(
         worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
         engine: ChildProcess, model_dir: Path, pipe: object) -> None:
-    """Offered together, runs with an adapter and runs without it each match their own
-    pipeline: a row of one set in a forward of the other would not."""
+    """Offered together, runs with an adapter and runs without it share forwards, each row
+    applying its own run's adapter, and each matches its own pipeline."""
     state = random_lora(model_dir, seed=5)
     content_hash = upload(worker_settings, state)
     adapted = [make_spec(tenant=TENANT, seed=2000 + i, prompt=PROMPTS[i],
@@ -317,9 +316,11 @@ def test_runs_of_different_adapter_sets_never_share_a_forward(
     cached = make_spec(tenant=TENANT, seed=2020, prompt=PROMPTS[2], step_cache=FIRST_BLOCK,
                        loras=(LoraUse(content_hash, 0.8),))
     specs = [adapted[0], plain[0], adapted[1], plain[1], cached]  # interleaved in the stream
+    before = batched_forwards(client)
     with only(engine, pool, client, worker_settings):
         offered_together(client, engine, specs)
         records = [wait_done(client, s) for s in specs]
+    assert batched_forwards(client) > before
     lora_pipe = wan.FAMILY.reference(model_dir, CPU)
     lora_pipe.pipe.load_lora_weights(state, adapter_name="a")  # type: ignore[attr-defined]
     lora_pipe.pipe.set_adapters(["a"], [0.8])  # type: ignore[attr-defined]
@@ -354,9 +355,8 @@ def test_runs_with_and_without_step_caches_batched_together_each_match_their_pip
 def test_runs_whose_step_cache_decides_alike_share_forwards_and_each_matches_the_pipeline(
         worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
         engine: ChildProcess, pipe: object) -> None:
-    """TaylorSeer decides by its counters alone: runs at the same point of the same policy
-    share forwards, their hook states joined along the batch, and each row is what its run
-    alone gives (the pipeline with the same hook)."""
+    """Runs under TaylorSeer share forwards, each row forecasting or computing by its own
+    counters, and each row is what its run alone gives (the pipeline with the same hook)."""
     cache = StepCache.create(StepCachePolicy.TAYLORSEER, interval=2, warmup=1)
     specs = [make_spec(seed=2300 + i, prompt=PROMPTS[i], num_inference_steps=6,
                        step_cache=cache) for i in range(3)]
@@ -371,15 +371,23 @@ def test_runs_whose_step_cache_decides_alike_share_forwards_and_each_matches_the
 
 
 @pytest.mark.slow
-def test_a_step_cache_run_parked_on_one_worker_resumes_on_another_bit_identically(
+@pytest.mark.parametrize("cache", [FIRST_BLOCK, StepCache.create(StepCachePolicy.TAYLORSEER,
+                                                                 interval=2, warmup=1)],
+                         ids=lambda c: c.policy.value)
+def test_a_step_cache_run_parked_mid_batch_resumes_on_another_worker_bit_identically(
         worker_settings: Settings, client: redis.Redis, pool: dict[Stage, list[ChildProcess]],
-        engine: ChildProcess, pipe: object) -> None:
+        engine: ChildProcess, pipe: object, cache: StepCache) -> None:
+    """Parked while it shares forwards with a plain run, the run's state travels in its
+    checkpoint: another worker resumes it to the pipeline's output under the same hook."""
     first = next(c for c in pool[Stage.DENOISE] if c is not engine and c.alive())
-    spec = make_spec(seed=2200, num_inference_steps=40, width=64, height=64,
-                     step_cache=FIRST_BLOCK)
+    # Seeds of their own per policy: a plain run computed under another parameter would be
+    # an output hit here, never in the engine beside this one.
+    seed = 2200 + 10 * list(StepCachePolicy).index(cache.policy)
+    spec = make_spec(seed=seed, num_inference_steps=40, width=64, height=64, step_cache=cache)
+    beside = make_spec(seed=seed + 1, num_inference_steps=40, width=64, height=64)
     lifecycle = Lifecycle(client)
     with only(first, pool, client, worker_settings):
-        submit(client, spec)
+        offered_together(client, first, [spec, beside])
         owner, _ = stop_owner_when(client, spec, Stage.DENOISE, [first],
                                    lambda f: int(f.get("step", 0)) >= 3)
         try:
@@ -387,6 +395,7 @@ def test_a_step_cache_run_parked_on_one_worker_resumes_on_another_bit_identicall
         finally:
             os.kill(owner.pid, signal.SIGCONT)  # type: ignore[arg-type]
         wait_for(client, spec, State.PREEMPTED)
+        wait_done(client, beside)
     parked = Records(client).get(spec.tenant, spec.request_id)
     assert parked is not None
     with only(engine, pool, client, worker_settings):

@@ -107,6 +107,8 @@ def test_the_official_sdk_lists_the_model_and_shows_our_errors(
     (listed,) = sdk.models.list().data
     assert listed.id == "qwen-image/shapes"
     assert sdk.models.retrieve("qwen-image/shapes").id == listed.id
+    defaults = (listed.model_extra or {})["diffcache"]["defaults"]
+    assert isinstance(defaults["width"], int) and isinstance(defaults["guidance_scale"], float)
     with pytest.raises(openai.NotFoundError, match="is not served here"):
         sdk.images.generate(model="dall-e-3", prompt="a red circle")
     with pytest.raises(openai.UnprocessableEntityError, match="width: must be a multiple of 8"):

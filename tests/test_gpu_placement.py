@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachesvc.settings import ModelSettings
+from cachesvc.settings import ModelSettings, load_settings
 from tests.workers_harness import make_spec
 from workers.engine import timing
 from workers.families import qwen_image, wan, wan_i2v
 from workers.families.base import Placement, PlacementError
-from workers.launch import device_environ
+from workers.launch import device_environ, stage_counts, with_worker_counts
 from workers.queue.messages import Stage
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,10 +29,11 @@ def devices(model: ModelSettings, gpus: int) -> list[tuple[Stage, dict[str, str]
 
 
 def test_workers_take_the_visible_gpus_in_turn() -> None:
+    # Denoise workers first, one per GPU; the others share them after.
     assert devices(ModelSettings(device="cuda"), 2) == [
         (Stage.ENCODE, {"DIFFCACHE_MODEL__DEVICE": "cuda:0"}),
-        (Stage.DENOISE, {"DIFFCACHE_MODEL__DEVICE": "cuda:1"}),
         (Stage.DENOISE, {"DIFFCACHE_MODEL__DEVICE": "cuda:0"}),
+        (Stage.DENOISE, {"DIFFCACHE_MODEL__DEVICE": "cuda:1"}),
         (Stage.DECODE, {"DIFFCACHE_MODEL__DEVICE": "cuda:1"})]
     # Encoders kept on the CPU take no GPU; the rest still share them out.
     split = devices(ModelSettings(device="cuda", encode_device="cpu"), 3)
@@ -43,6 +44,22 @@ def test_workers_take_the_visible_gpus_in_turn() -> None:
     for model, gpus in [(ModelSettings(device="cuda"), 1), (ModelSettings(device="cuda:1"), 4),
                         (ModelSettings(device="cpu"), 4)]:
         assert all(env == {} for _, env in devices(model, gpus))
+
+
+def test_the_default_starts_one_denoise_worker_per_gpu_or_per_cpu_core() -> None:
+    def denoise(gpus: int, cores: int = 2, **model: str) -> int:
+        settings = load_settings(model=model)
+        resolved = with_worker_counts(settings, gpus, cores)
+        assert resolved.workers.credit_limit == 2 * resolved.workers.max_batch * max(
+            1, stage_counts(resolved)[Stage.DENOISE])
+        return stage_counts(resolved)[Stage.DENOISE]
+
+    assert denoise(4) == 4 and denoise(4, device="cuda") == 4
+    assert denoise(4, device="cuda:2") == 1
+    assert denoise(0) == 2 and denoise(4, device="cpu") == 2 and denoise(0, cores=1) == 1
+    # A count the settings give stands, on any machine.
+    assert with_worker_counts(load_settings(workers={"denoise_workers": 3}),
+                              8).workers.denoise_workers == 3
 
 
 def test_a_device_this_machine_lacks_is_refused_naming_the_setting() -> None:

@@ -23,9 +23,10 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from cachesvc.connect import open_cache, open_redis
+from cachesvc.connect import open_cache
 from cachesvc.images import InputImage, normalise_mask
 from cachesvc.processes import ChildProcess
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
 from cli.main import app

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.workers_harness import make_spec
+from workers.engine.interrupt import BlockInterrupts, StepInterrupted
 from workers.families import family_named
-from workers.stages.interrupt import BlockInterrupts, StepInterrupted
 
 
 @pytest.mark.slow  # builds the test models: seconds

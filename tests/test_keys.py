@@ -43,7 +43,7 @@ from keys import (
 )
 from keys.spec import SPEC_FIELDS, ImageInput, Reuse, ReuseMode, start_step
 from workers.queue.messages import RefName, Role, Stage
-from workers.queue.scripts import events_channel
+from workers.queue.script_library import events_channel
 from workers.stages.trajectory import chain_head, chain_links
 
 ENCODER = model_fingerprint("text_encoder", {"d_model": 32}, {"model.safetensors": "ab"},

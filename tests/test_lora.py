@@ -67,11 +67,10 @@ def test_adapters_apply_bit_identically_and_key_every_entry(
     assert np.array_equal(run_request(worker_settings, client, base), reference(pipe, base))
 
     # /metrics shows what the worker that ran the second request did: it loaded the adapter
-    # (or found it loaded by the first), set it, and holds it still.
+    # (or found it loaded by the first) and holds it still.
     registry = registry_with(ClusterCollector(ClusterView(client)))
     labels = {"worker": record.fields["worker:denoise"]}
     assert (registry.get_sample_value("diffcache_lora_loads_total", labels) or 0) >= 1
-    assert (registry.get_sample_value("diffcache_lora_swaps_total", labels) or 0) >= 1
     # It holds this adapter (and any that other tests' requests left on a shared worker).
     held = {w.consumer: w.held for w in read_adapter_stats(client)}[labels["worker"]]
     assert content_hash in held

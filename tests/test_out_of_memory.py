@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from cachesvc.connect import open_redis
 from cachesvc.processes import ChildProcess
+from cachesvc.redis_client import open_redis
 from cachesvc.supervisor import EXIT_CANNOT_FIT, Backoff, Supervisor
 from cachesvc.waiting import wait_until
 from tests.workers_harness import (

@@ -11,14 +11,16 @@ import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 import redis
 
-from cachesvc.connect import open_cache, open_redis
+from cachesvc.connect import open_cache
 from cachesvc.processes import ChildProcess
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec, StepCache, StepCachePolicy, StoreKey
@@ -332,11 +334,62 @@ def test_an_adapter_applies_bit_identically_to_the_qwen_image_pipeline(
     from keys import LoraUse
     from tests.test_lora import upload
 
-    state = random_lora(qwen_model_dir, seed=9, targets=("attn.to_q", "attn.to_v"),
-                        model_class="QwenImageTransformer2DModel")
+    state = random_lora(qwen_model_dir, seed=9, targets=("attn.to_q", "attn.to_v"))
     spec = image_spec(loras=(LoraUse(upload(qwen_settings, state, "acme"), 0.6),))
     frames = run_request(qwen_settings, qwen_client, spec)
     lora_pipe = qwen_image.FAMILY.reference(qwen_model_dir, CPU)
     lora_pipe.pipe.load_lora_weights(state, adapter_name="a")  # type: ignore[attr-defined]
     lora_pipe.pipe.set_adapters(["a"], [0.6])  # type: ignore[attr-defined]
     assert np.array_equal(frames, reference(lora_pipe, spec))
+
+
+def test_rows_of_every_policy_and_adapter_set_share_forwards_each_its_pipelines(
+        qwen_settings: Settings, qwen_client: redis.Redis,
+        qwen_pool: dict[Stage, ChildProcess], qwen_model_dir: Path) -> None:
+    """Requests under each step cache and none, with no adapters, one, and two, and prompts
+    of different lengths (padded), offered together: they share forwards, each row deciding
+    its skips and applying its adapters alone, and each output is its pipeline's with the
+    same hook and adapters (CPU, float32, one thread per op)."""
+    from bench.lora import random_lora
+    from keys import LoraUse
+    from tests.test_engine import batched_forwards, offered_together
+    from tests.test_lora import upload
+
+    states = [random_lora(qwen_model_dir, seed=s, targets=("attn.to_q", "attn.to_v"))
+              for s in (11, 12)]
+    a, b = (LoraUse(upload(qwen_settings, state, "acme"), scale)
+            for state, scale in zip(states, (0.6, 0.9), strict=True))
+    combos = [(POLICIES[0], ()), (POLICIES[1], (a,)), (POLICIES[2], (a, b)), (StepCache(), (b,)),
+              (StepCache(), ()), (POLICIES[2], ())]
+    prompts = ["a fox", "a red fox in the snow at night", "a small boat", "a cat",
+               "an old stone bridge over a river", "a bowl of cherries"]
+    specs = [image_spec(seed=41 + i, prompt=prompts[i], num_inference_steps=8, step_cache=cache,
+                        loras=loras) for i, (cache, loras) in enumerate(combos)]
+    before = batched_forwards(qwen_client)
+    offered_together(qwen_client, qwen_pool[Stage.DENOISE], specs)
+    records = [wait_done(qwen_client, spec) for spec in specs]
+    assert batched_forwards(qwen_client) > before
+    names = {a: "a", b: "b"}
+    pipes: dict[tuple[LoraUse, ...], Any] = {}
+    for spec, record in zip(specs, records, strict=True):
+        assert record.state is State.DONE, record.error
+        if spec.loras not in pipes:
+            pipes[spec.loras] = adapted_pipe(qwen_model_dir, dict(zip("ab", states, strict=True)),
+                                             [(names[u], u.scale) for u in spec.loras])
+        frames = run_frames(qwen_settings, record)
+        assert np.array_equal(frames, reference(pipes[spec.loras], spec)), spec.step_cache
+        if spec.step_cache.on:
+            assert record.counter("hits:step") > 0
+
+
+def adapted_pipe(directory: Path, states: dict[str, dict[str, Any]],
+                 uses: list[tuple[str, float]]) -> Any:
+    """The pipeline with every adapter of ``states`` loaded and ``uses`` set (none: off)."""
+    pipe: Any = qwen_image.FAMILY.reference(directory, CPU)
+    for name, state in states.items():
+        pipe.pipe.load_lora_weights(state, adapter_name=name)
+    if uses:
+        pipe.pipe.set_adapters([n for n, _ in uses], [s for _, s in uses])
+    else:
+        pipe.pipe.disable_lora()
+    return pipe

@@ -16,8 +16,8 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from cachesvc.connect import open_redis, slot_server
 from cachesvc.processes import ChildProcess
+from cachesvc.redis_client import open_redis, slot_server
 from cachesvc.settings import ApiSettings, Settings, load_settings
 from cachesvc.stack import EmbeddedStack
 from cachesvc.valkey_cluster import LocalValkeyCluster

@@ -14,10 +14,13 @@ import redis
 from keys import GenerationSpec, OutputFormat
 from keys.names import request_record
 from workers.queue import script_args
+from workers.queue.record_write import RecordWrite
 from workers.queue.records import Records, initial_fields
 from workers.queue.schema import TERMINAL, TRANSITIONS, Field, State, timestamp
 from workers.queue.script_args import CancelArgs, ClaimArgs
-from workers.queue.scripts import RecordWrite, Result, ScriptArgs, Scripts, slot_comment
+from workers.queue.script_library import Result, slot_comment
+from workers.queue.script_slots import ScriptArgs
+from workers.queue.scripts import Scripts
 
 LUA = resources.files("workers.queue").joinpath("lua")
 ARG_TYPES = [cls for cls in vars(script_args).values()
@@ -44,6 +47,7 @@ def documented_slots(text: str) -> list[str]:
 def test_every_script_file_has_an_argument_object() -> None:
     files = {p.name.removesuffix(".lua") for p in LUA.iterdir() if p.name.endswith(".lua")}
     assert files - {"common", "batch"} == {cls.NAME for cls in ARG_TYPES}
+    assert set(script_args.SCRIPT_TYPES) == set(ARG_TYPES), "the library's list misses one"
 
 
 @pytest.mark.parametrize("cls", ARG_TYPES, ids=lambda c: c.NAME)

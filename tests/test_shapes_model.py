@@ -1,7 +1,9 @@
 """The trained shapes model shipped with the project: the default preset installs it, the
 workers publish its own request defaults, its three workers serve it bit-identically to
-``QwenImagePipeline`` (CPU, float32, one thread per op), and the shipped classifier reads
-the colours of the README's example prompt's output, and most shapes, as the prompt asked."""
+``QwenImagePipeline`` (CPU, float32, one thread per op), the shipped classifier reads
+the colours of the README's example prompt's output, and most shapes, as the prompt asked,
+and approximate reuse never lets another request's steps decide an attribute a prompt
+changed."""
 
 from __future__ import annotations
 
@@ -13,12 +15,22 @@ import pytest
 import redis
 import torch
 
-from cachesvc.connect import open_redis
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import ModelSettings, Settings, WorkerSettings, load_settings
 from cachesvc.stack import EmbeddedStack
-from tests.workers_harness import make_spec, reference, run_request, start_worker
+from keys import Reuse, ReuseMode
+from tests.workers_harness import make_spec, reference, run_request, start_worker, wait_done
 from training.classifier import load_classifier
-from training.scenes import ATTRIBUTES, Colour, Shape, scene_at
+from training.scenes import (
+    ATTRIBUTES,
+    Colour,
+    Position,
+    Scene,
+    Shape,
+    Size,
+    free_phrasings,
+    scene_at,
+)
 from workers.families import family_named, family_of, qwen_image
 from workers.main import ensure_model
 from workers.queue.messages import Stage
@@ -128,3 +140,55 @@ def test_the_shipped_classifier_reads_ground_truth(tmp_path: Path) -> None:
     read = load_classifier().read(frames)
     for name in ("color", "shape", "position", "background"):
         assert np.mean(read[name] == [s.labels()[name] for s in scenes]) >= 0.95, name
+
+
+
+def scene(colour: Colour, shape: Shape, position: Position, background: Colour,
+          size: Size = Size.LARGE) -> Scene:
+    return Scene(colour, shape, size, position, background)
+
+
+# (the source's scene, the scene asked), each written as its caption without the size: the
+# issue's cases of a changed attribute that reused steps decided (the request came out the
+# source's shape, where the same prompt and seed alone draw the one asked), one of each other
+# attribute, and a rewording, which may reuse most of the steps.
+CASES = {
+    "shape": (scene(Colour.BLUE, Shape.SQUARE, Position.TOP, Colour.GREEN),
+              scene(Colour.BLUE, Shape.CIRCLE, Position.TOP, Colour.GREEN)),
+    "shape-2": (scene(Colour.RED, Shape.CIRCLE, Position.RIGHT, Colour.GREEN),
+                scene(Colour.RED, Shape.TRIANGLE, Position.RIGHT, Colour.GREEN)),
+    "color": (scene(Colour.RED, Shape.CIRCLE, Position.LEFT, Colour.BLUE),
+              scene(Colour.YELLOW, Shape.CIRCLE, Position.LEFT, Colour.BLUE)),
+    "background": (scene(Colour.WHITE, Shape.TRIANGLE, Position.RIGHT, Colour.RED),
+                   scene(Colour.WHITE, Shape.TRIANGLE, Position.RIGHT, Colour.BLACK)),
+    "reworded": (scene(Colour.GREEN, Shape.CIRCLE, Position.TOP, Colour.ORANGE),
+                 scene(Colour.GREEN, Shape.CIRCLE, Position.TOP, Colour.ORANGE)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_reused_trajectory_never_decides_an_attribute_the_prompt_changes(
+        case: str, shapes_settings: Settings, shapes_client: redis.Redis,
+        shapes_pool: None) -> None:
+    """A request whose only candidate (the one other request of its tenant) differs from it in
+    one attribute is not reused, or comes out with what it asked for, read by the classifier;
+    a rewording of the candidate is reused for most of its steps."""
+    defaults = request_defaults(shapes_settings.model, shapes_settings.model_dir)
+    fields: dict[str, object] = dict(
+        tenant=f"reuse-{case}", negative_prompt="", width=defaults.width,
+        height=defaults.height, num_frames=1, num_inference_steps=defaults.num_inference_steps,
+        guidance_scale=defaults.guidance_scale)
+    theirs, mine = CASES[case]
+    source = theirs.short_caption(with_size=False, with_position=True)
+    asked = (free_phrasings(mine, with_size=False, with_position=True)[3] if case == "reworded"
+             else mine.short_caption(with_size=False, with_position=True))
+    run_request(shapes_settings, shapes_client, make_spec(prompt=source, seed=3, **fields))
+    spec = make_spec(prompt=asked, seed=4, reuse=Reuse(ReuseMode.APPROXIMATE), **fields)
+    frames = run_request(shapes_settings, shapes_client, spec)
+    hit = wait_done(shapes_client, spec).approximate
+    if case == "reworded":
+        assert hit is not None and hit.step >= defaults.num_inference_steps // 2, hit
+    elif hit is not None:
+        read = load_classifier().read(frames)
+        attribute = case.partition("-")[0]
+        assert int(read[attribute][0]) == mine.labels()[attribute], hit

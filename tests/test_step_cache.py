@@ -25,8 +25,8 @@ from tests.workers_harness import (
     version_0,
     wait_done,
 )
+from workers.engine.hook_state import HookStateError, decode, encode
 from workers.queue.spec_json import spec_from_json, spec_to_json
-from workers.stages.hook_state import HookStateError, decode, encode
 
 MODEL = Fingerprint("transformer", "0" * 32)
 

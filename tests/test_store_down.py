@@ -9,10 +9,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from cachesvc.connect import open_cache, open_redis, store_endpoints
+from cachesvc.connect import open_cache
 from cachesvc.errors import StoreUnavailableError
-from cachesvc.mooncake_store import MooncakeStore, mounted_bytes
+from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints, mounted_bytes
 from cachesvc.processes import port_open
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings, load_settings
 from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
@@ -42,7 +43,7 @@ def test_store_down_raises_typed_error_and_degrades(
     cache.put(key, torch.ones(4))
     master = next(c for c in stack.children if c.name == "mooncake_master")
     master.kill()
-    host, _, port = store_endpoints(settings).master_address.rpartition(":")
+    host, _, port = StoreEndpoints.configured(settings.store).master_address.rpartition(":")
     wait_until(lambda: not port_open(host, int(port), timeout_s=0.2), timeout_s=10,
                what="the killed master's port closed")
     with pytest.raises(StoreUnavailableError) as info:
@@ -59,7 +60,7 @@ def test_store_down_raises_typed_error_and_degrades(
 def test_connecting_to_no_store_fails_fast(doomed: tuple[EmbeddedStack, Settings]) -> None:
     _, settings = doomed
     dead = settings.store.model_copy(update={"connect_timeout_s": 0.5})
-    endpoints = store_endpoints(settings)
+    endpoints = StoreEndpoints.configured(settings.store)
     stack, _ = doomed
     stack.stop()
     start = time.monotonic()

@@ -14,10 +14,11 @@ from keys.names import consumer_group, dead_letter_stream, request_record, stage
 from tests.redis_databases import STREAMS, emptied, on_database
 from workers.queue.credits import Credits
 from workers.queue.messages import MESSAGE_VERSION, Job, Stage
+from workers.queue.record_write import RecordWrite
 from workers.queue.records import Records
 from workers.queue.runtime import Worker
 from workers.queue.schema import StageField, State
-from workers.queue.scripts import RecordWrite, Result
+from workers.queue.script_library import Result
 from workers.queue.streams import StageQueue
 from workers.queue.submit import submit
 

@@ -12,15 +12,14 @@ import torch
 
 from cachesvc import codec, entry_io, entry_reader
 from cachesvc.codec import TensorSpec
-from cachesvc.connect import store_endpoints
 from cachesvc.entry_reader import SESSION_MIN_BYTES
 from cachesvc.errors import StoreUnavailableError
-from cachesvc.mooncake_store import MooncakeStore, replicate_config
+from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints, replicate_config
 from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
 from keys import KeyKind, StoreKey
 from tests.counting import counted
-from workers.queue.scripts import tally_fields
+from workers.queue.record_write import tally_fields
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 SHAPES = [(), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 4), (1, 2, 3, 2, 5)]
@@ -220,8 +219,8 @@ def test_a_put_that_fails_midway_publishes_nothing(cache: TensorCache,
 def test_ttl_expiry_on_read_and_by_sweep(stack_settings: Settings, cache: TensorCache,
                                         redis_client: redis.Redis) -> None:
     short = stack_settings.cache.model_copy(update={"output_ttl_s": 0.3})
-    ttl_cache = TensorCache(MooncakeStore.connect(store_endpoints(stack_settings),
-                                                  stack_settings.store),
+    endpoints = StoreEndpoints.configured(stack_settings.store)
+    ttl_cache = TensorCache(MooncakeStore.connect(endpoints, stack_settings.store),
                             redis_client, short, stack_settings.store)
     try:
         read_me, never_read, pinned = key(KeyKind.OUTPUT), key(KeyKind.OUTPUT), key(

@@ -17,9 +17,10 @@ import numpy as np
 import redis
 import torch
 
-from cachesvc.connect import open_cache, open_redis
+from cachesvc.connect import open_cache
 from cachesvc.output_files import OutputFiles
 from cachesvc.processes import ChildProcess, free_port
+from cachesvc.redis_client import open_redis
 from cachesvc.settings import (
     ApiSettings,
     ModelSettings,

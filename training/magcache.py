@@ -27,7 +27,7 @@ def calibrate(directory: Path, prompts: list[str], defaults: RequestDefaults) ->
     model's default size, step count and guidance."""
     pipe = DiffusionPipeline.from_pretrained(directory, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    # Qwen-Image's pipeline calls real CFG true_cfg_scale; Wan's calls it guidance_scale.
+    # Pipelines name real CFG's scale either true_cfg_scale or guidance_scale.
     takes = inspect.signature(pipe.__call__).parameters
     scale = "true_cfg_scale" if "true_cfg_scale" in takes else "guidance_scale"
     frames = {"num_frames": defaults.num_frames} if "num_frames" in takes else {}

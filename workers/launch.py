@@ -2,18 +2,50 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator, Mapping
 
-from cachesvc.connect import RedisClient
 from cachesvc.processes import ChildProcess
-from cachesvc.settings import ModelSettings
+from cachesvc.redis_client import RedisClient
+from cachesvc.settings import ModelSettings, Settings
 from workers.queue.heartbeats import live_workers
 from workers.queue.messages import Stage
 from workers.queue.runtime import consumer_name
 
 STARTUP_TIMEOUT_S = 180.0  # imports and model loading, on a busy 2-core machine
 JOINED_WITHIN_S = 5.0
+
+
+def with_worker_counts(settings: Settings, gpus: int, cores: int | None = None) -> Settings:
+    """``settings`` with ``workers.denoise_workers`` resolved on a machine of ``gpus`` CUDA
+    devices and ``cores`` usable CPU cores (this process's, by default): as set, or one per
+    GPU where the model computes on CUDA (``cuda`` or ``auto``), one on a device named
+    outright (``cuda:N``), else one per core. A CPU
+    worker runs one thread per op (exactness), so a second worker is what uses a second core:
+    on 2 cores, two denoise workers served 1.24x the requests of one (docs: How many workers).
+    Resolved once, before the workers start, so each reads the same count (their decode
+    credits are counted from it)."""
+    workers = settings.workers
+    if workers.denoise_workers is not None:
+        return settings
+    device = settings.model.device
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    if device.startswith("cuda:"):
+        count = 1  # the one device named
+    elif gpus > 0 and device in ("auto", "cuda"):
+        count = gpus
+    else:
+        count = max(1, cores)
+    return settings.model_copy(update={
+        "workers": workers.model_copy(update={"denoise_workers": count})})
+
+
+def stage_counts(settings: Settings) -> dict[Stage, int]:
+    """The workers of each stage that ``settings`` (resolved: ``with_worker_counts``) start."""
+    workers = settings.workers
+    return {Stage.ENCODE: workers.encode_workers, Stage.DENOISE: workers.denoise_workers or 1,
+            Stage.DECODE: workers.decode_workers}
 
 
 def worker_argv(stage: Stage) -> list[str]:
@@ -34,17 +66,24 @@ def device_environ(model: ModelSettings, stages: Mapping[Stage, int], gpus: int
                    ) -> Iterator[tuple[Stage, int, dict[str, str]]]:
     """Each worker ``stages`` counts, with the variables that put it on a device of its own
     where the settings say ``cuda`` (or ``auto``) and this machine has ``gpus`` > 1: the
-    workers that compute on CUDA take ``cuda:0``, ``cuda:1``, ... in turn, so each process
-    opens one device instead of all opening device 0. A ``cuda:N`` setting is left as it is,
-    and so are CPU workers."""
-    turn = 0
+    workers that compute on CUDA take ``cuda:0``, ``cuda:1``, ... in turn, denoise workers
+    first (one per GPU, as ``with_worker_counts`` starts them), so each process opens one
+    device instead of all opening device 0. A ``cuda:N`` setting is left as it is, and so
+    are CPU workers."""
+    def placed(stage: Stage) -> tuple[str, str]:
+        encoders = stage is Stage.ENCODE and model.encode_device != "same"
+        field, value = (("ENCODE_DEVICE", model.encode_device) if encoders
+                        else ("DEVICE", model.device))
+        on_gpu = gpus > 1 and (value == "cuda" or (value == "auto" and not encoders))
+        return (field if on_gpu else ""), value
+
+    turns: dict[tuple[Stage, int], int] = {}
+    for stage in sorted(stages, key=lambda s: s is not Stage.DENOISE):
+        if placed(stage)[0]:
+            for i in range(stages[stage]):
+                turns[stage, i] = len(turns) % gpus
     for stage, count in stages.items():
+        field = placed(stage)[0]
         for i in range(count):
-            encoders = stage is Stage.ENCODE and model.encode_device != "same"
-            field, value = (("ENCODE_DEVICE", model.encode_device) if encoders
-                            else ("DEVICE", model.device))
-            if gpus > 1 and (value == "cuda" or (value == "auto" and not encoders)):
-                yield stage, i, {f"DIFFCACHE_MODEL__{field}": f"cuda:{turn % gpus}"}
-                turn += 1
-            else:
-                yield stage, i, {}
+            yield stage, i, ({f"DIFFCACHE_MODEL__{field}": f"cuda:{turns[stage, i]}"} if field
+                             else {})

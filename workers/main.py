@@ -6,16 +6,20 @@ import functools
 import logging
 import signal
 import sys
+from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import torch
 
-from cachesvc.connect import RedisClient, open_cache, open_redis
+from cachesvc.connect import open_cache
 from cachesvc.output_files import OutputFiles
+from cachesvc.redis_client import RedisClient, open_redis
 from cachesvc.settings import Settings
 from cachesvc.supervisor import EXIT_CANNOT_FIT
+from cachesvc.tensor_cache import TensorCache
 from workers.families import is_built, resolve
-from workers.families.base import Family, Placement, tokenizer_json
+from workers.families.base import Family, Placement, TextEncoder, Trajectory, tokenizer_json
 from workers.queue.adapter_stats import WorkerAdapters, publish_adapter_stats
 from workers.queue.affinity import AdapterRouter
 from workers.queue.credits import Credits
@@ -29,6 +33,9 @@ from workers.queue.served_model import (
     publish_served,
     request_defaults,
 )
+
+if TYPE_CHECKING:
+    from workers.stages.approximate import ApproximateReuse
 
 log = logging.getLogger(__name__)
 
@@ -77,23 +84,16 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
     files = (OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
              if settings.cache.durable_outputs else None)
     if stage is Stage.ENCODE:
-        from cachesvc.reuse_index import ReuseIndex
         from encoders.text import ImageTextModel
-        from workers.queue.records import Records
-        from workers.stages.approximate import ApproximateReuse, ReuseTable
         from workers.stages.encode import EncodeHandler
-        from workers.stages.prompt_view import prompt_view
 
         # Keys name the serving placement (denoise and decode), wherever this worker encodes.
         trajectory = family.trajectory(directory, placement)
-        card = model_card(directory)
         encoding = placement.encoding
         text = family.text_encoder(directory, encoding)
-        view = prompt_view(card.reuse_vector, lambda: family.denoiser(directory, encoding),
-                           None if isinstance(text, ImageTextModel)
-                           else lambda: text.encode(text.tokenize("")))
-        reuse = ApproximateReuse(ReuseIndex(client), Records(client), cache, trajectory,
-                                 ReuseTable(card.reuse_table), view)
+        reuse = (None if isinstance(text, ImageTextModel)
+                 else approximate_reuse(client, cache, family, directory, encoding, text,
+                                        trajectory))
         image_encoder = family.image_encoder
         # Loaded once, by the first request with an image: most requests have none.
         images = (None if image_encoder is None
@@ -105,9 +105,9 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
         return Worker(encode, client, settings.workers, router=router), encode
     credits = Credits(client, settings.workers.credit_limit)
     if stage is Stage.DENOISE:
-        from workers.engine.loop import EngineWorker
         from workers.stages.adapters import AdapterStats
         from workers.stages.denoise import DenoiseHandler
+        from workers.stages.denoise_worker import EngineWorker
 
         denoiser = family.denoiser(directory, placement)
         consumer = consumer_name()
@@ -134,6 +134,36 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
     decode = DecodeHandler(cache, family.decoder(directory, placement), settings.workers.fps,
                            credits, files)
     return Worker(decode, client, settings.workers, after_publish=decode.after_publish), decode
+
+
+def approximate_reuse(client: RedisClient, cache: TensorCache, family: Family,
+                      directory: Path, encoding: Placement, text: TextEncoder,
+                      trajectory: Trajectory) -> ApproximateReuse:
+    """The encode stage's approximate reuse, as the model card says: its vector, its table,
+    and the check that a reused step is not too late to switch prompts."""
+    from cachesvc.reuse_index import ReuseIndex
+    from encoders.text import encode_texts
+    from workers.queue.records import Records
+    from workers.stages.approximate import Agreement, ApproximateReuse, ReuseTable
+    from workers.stages.prompt_view import PromptEffect, prompt_view
+
+    card = model_card(directory)
+    denoiser = functools.cache(lambda: family.denoiser(directory, encoding))  # loaded once
+
+    def blank() -> torch.Tensor:
+        return text.encode(text.tokenize(""))
+
+    view = prompt_view(card.reuse_vector, denoiser, blank)
+    agreement = None
+    if card.reuse_agreement is not None:
+
+        def embed(tenant: str, prompt: str) -> torch.Tensor:
+            return encode_texts(cache, text, tenant, [prompt])[prompt].tensor
+
+        effect = view if isinstance(view, PromptEffect) else PromptEffect(denoiser(), blank)
+        agreement = Agreement(effect, card.reuse_agreement, embed)
+    return ApproximateReuse(ReuseIndex(client), Records(client), cache, trajectory,
+                            ReuseTable(card.reuse_table), view, agreement)
 
 
 def run(stage: Stage, settings: Settings) -> None:

@@ -69,6 +69,7 @@ class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, 
         self._lengths: tuple[int, ...] = ()
         self._kept: torch.Tensor | None = None
         self._hold(text_mask)
+        self._lengths_all = self._lengths  # every sample's, whatever a call holds
         # Each layer builds its own attention mask, of the same contents: its groups are
         # worked out once, keyed by those contents.
         self._mask_groups: dict[tuple[torch.device, tuple[int, ...], bytes], list[_Group]] = {}
@@ -83,6 +84,15 @@ class rows_apart(TorchFunctionMode):  # noqa: N801 - used as a context manager, 
             self._lengths = tuple(lengths)
             self._texts = [_Group(samples, length, text_mask.device)
                            for length, samples in _same(lengths).items()]
+
+    @property
+    def padded(self) -> int | None:
+        """The length texts are padded to in this forward (None: they are not)."""
+        return None if self._mask is None else self._padded
+
+    def text_length(self, row: int) -> int | None:
+        """The forward's sample ``row``'s own text length (None: texts are not padded)."""
+        return None if self._mask is None else self._lengths_all[row]
 
     @contextmanager
     def narrowed(self, rows: list[int]) -> Iterator[None]:

@@ -11,17 +11,17 @@ import torch
 
 from cachesvc.ledger import Ledger
 from keys import ChainLink, GenerationSpec, LoraUse, StoreKey
-from workers.engine.step_cache import RunStepCache
+from workers.engine.checkpoint import Checkpoint
+from workers.engine.guidance import Guidance, StepPlan
+from workers.engine.row_caches import RunStepCache
 from workers.engine.timing import seconds_since
 from workers.families.base import Inpainting
 from workers.families.scheduler_state import SchedulerFields
 from workers.queue.messages import RefName, Role
+from workers.queue.record_write import RecordWrite
 from workers.queue.runtime import JobContext
 from workers.queue.schema import Field
-from workers.queue.scripts import RecordWrite
 from workers.queue.streams import Delivery
-from workers.stages.checkpoint import Checkpoint
-from workers.stages.guidance import Guidance, StepPlan
 
 # Each condition the job names: its store key (which keys the chain) and its tensor.
 Embeddings = dict[RefName, tuple[StoreKey, torch.Tensor]]
@@ -63,7 +63,7 @@ class DenoiseRun:
         return int(self.delivery.entry_id.partition("-")[0]) / 1000
 
     @property
-    def ledger(self) -> Ledger:
+    def ledger(self) -> Ledger | None:
         """The attempt's ledger of lookups, which its guidance counts the CFG tier's in."""
         return self.guidance.ledger
 

@@ -8,7 +8,7 @@ import logging
 import redis
 from pydantic.dataclasses import dataclass
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from cachesvc.wire import Wire, WireError
 from keys.names import adapter_stats
 

@@ -13,13 +13,13 @@ import logging
 import math
 from dataclasses import dataclass
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from cachesvc.settings import ApiSettings
 from cachesvc.wire import Wire, WireError
 from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import admission_limits
+from workers.queue.record_write import RecordWrite
 from workers.queue.schema import WARNINGS, Field
-from workers.queue.scripts import RecordWrite
 from workers.queue.served_model import ServedModel, served
 from workers.queue.submit import AdmissionError, Bounds, readmit, submit
 from workers.queue.token_count import TokenCounter, TokenCounters

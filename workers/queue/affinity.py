@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from keys.names import worker_inbox
 from workers.queue.adapter_stats import read_adapter_stats
 from workers.queue.heartbeats import live_workers

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from keys import GenerationSpec
 from keys.spec import valid_request_id
 from workers.queue.admission import Admission, Limits

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from keys import Priority
 from keys.names import request_index
 from workers.queue import engine_metrics, stage_metrics

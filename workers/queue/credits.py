@@ -9,10 +9,11 @@ abandoned job cannot leak a credit; a re-queued or recomputed job gives it back 
 
 from __future__ import annotations
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from keys.names import decode_credits, request_record
 from workers.queue.script_args import AcquireCreditArgs, ReleaseCreditArgs
-from workers.queue.scripts import Result, Scripts
+from workers.queue.script_library import Result
+from workers.queue.scripts import Scripts
 
 
 class Credits:

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from cachesvc.wire import Wire, WireError
 from keys.names import engine_join_wait, engine_occupancy, engine_rows
 from workers.queue import stage_metrics

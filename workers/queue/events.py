@@ -19,12 +19,12 @@ from contextlib import contextmanager
 import redis
 from redis.cluster import ClusterPubSub
 
-from cachesvc.connect import REDIS_ERRORS, RedisClient
+from cachesvc.redis_client import REDIS_ERRORS, RedisClient
 from keys.names import request_record
 from workers.queue.records import Records
 from workers.queue.schema import RequestRecord
 from workers.queue.script_args import WatchArgs
-from workers.queue.scripts import events_channel
+from workers.queue.script_library import events_channel
 
 log = logging.getLogger(__name__)
 

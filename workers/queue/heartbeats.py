@@ -10,7 +10,7 @@ import time
 
 import redis
 
-from cachesvc.connect import REDIS_ERRORS, RedisClient
+from cachesvc.redis_client import REDIS_ERRORS, RedisClient
 from keys.names import worker_heartbeats
 from workers.queue.messages import Stage
 

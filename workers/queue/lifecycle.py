@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from keys import KeyKind
 from keys.names import consumer_group, decode_credits, request_record, stage_stream
 from workers.queue.messages import Job, Stage
+from workers.queue.record_write import NOTHING, RecordWrite
 from workers.queue.schema import (
     RESUMABLE,
     Field,
@@ -24,7 +25,8 @@ from workers.queue.schema import (
     timestamp,
 )
 from workers.queue.script_args import AskPreemptArgs, BackToEncodeArgs, RecomputeArgs, RequeueArgs
-from workers.queue.scripts import NOTHING, RecordWrite, Result, Scripts
+from workers.queue.script_library import Result
+from workers.queue.scripts import Scripts
 from workers.queue.streams import Delivery
 from workers.queue.submit import run_durably
 

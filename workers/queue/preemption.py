@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from cachesvc.settings import WorkerSettings
 from keys import Priority
 from workers.queue.messages import Job, Stage

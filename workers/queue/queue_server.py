@@ -14,7 +14,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import MovedError, RedisClusterException
 
-from cachesvc.connect import RedisClient, slot_server
+from cachesvc.redis_client import RedisClient, slot_server
 from keys.names import QUEUE_TAG
 
 log = logging.getLogger(__name__)

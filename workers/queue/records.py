@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from keys import GenerationSpec, Priority
 from keys.names import (
     consumer_group,
@@ -24,6 +24,7 @@ from keys.names import (
 )
 from workers.queue import stage_metrics
 from workers.queue.messages import Job, Stage
+from workers.queue.record_write import RecordWrite
 from workers.queue.schema import Field, PreemptMode, RequestRecord, State, timestamp
 from workers.queue.script_args import (
     CancelArgs,
@@ -32,7 +33,9 @@ from workers.queue.script_args import (
     PublishArgs,
     UpdateArgs,
 )
-from workers.queue.scripts import RecordWrite, Result, ScriptArgs, Scripts
+from workers.queue.script_library import Result
+from workers.queue.script_slots import ScriptArgs
+from workers.queue.scripts import Scripts
 from workers.queue.spec_json import spec_to_json
 from workers.queue.streams import Delivery
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import redis
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from cachesvc.settings import RetentionSettings
 from keys.names import (
     InvalidTenantError,

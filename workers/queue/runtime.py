@@ -19,17 +19,18 @@ from typing import Protocol, TypeVar
 
 import redis
 
-from cachesvc.connect import REDIS_ERRORS, RedisClient
 from cachesvc.errors import StoreFullError, StoreUnavailableError
+from cachesvc.redis_client import REDIS_ERRORS, RedisClient
 from cachesvc.settings import WorkerSettings
 from keys import GenerationSpec, KeyKind
 from workers.queue.affinity import AdapterRouter
 from workers.queue.heartbeats import Heartbeat
 from workers.queue.lifecycle import Lifecycle
 from workers.queue.messages import Job, Stage
+from workers.queue.record_write import NOTHING, RecordWrite
 from workers.queue.records import Progress, Records, StageResult
 from workers.queue.schema import Field, PreemptMode, StageField, State
-from workers.queue.scripts import NOTHING, RecordWrite, Result
+from workers.queue.script_library import Result
 from workers.queue.streams import Delivery, LeaseKeeper, StageQueue
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """The request record's schema: its states and the transitions between them, and the name of
 every field it holds. Records are Redis hashes; the Lua scripts that change them get their state
-names, state sets and field names generated from here (``scripts.py``), never typed by hand."""
+names, state sets and field names generated from here (``script_library.py``), never typed by
+hand."""
 
 from __future__ import annotations
 

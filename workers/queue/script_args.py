@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workers.queue.record_write import RecordWrite
 from workers.queue.schema import State
-from workers.queue.scripts import RecordWrite, ScriptArgs, arg, key
+from workers.queue.script_slots import ScriptArgs, arg, key
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,3 +230,11 @@ class WatchArgs(ScriptArgs):
     NAME = "watch"
     record: str = key()
     delta: int = arg()
+
+
+# Every script, in the library's order (its name carries a digest of them all).
+SCRIPT_TYPES: tuple[type[ScriptArgs], ...] = tuple(sorted((
+    ClaimArgs, TakeArgs, UpdateArgs, PublishArgs, DeadLetterArgs, CancelArgs, AskPreemptArgs,
+    RequeueArgs, RecomputeArgs, BackToEncodeArgs, AcquireCreditArgs, ReleaseCreditArgs,
+    SubmitArgs, ReadmitArgs, TrimStreamArgs, ExpireRecordsArgs, RescueArgs, WatchArgs,
+), key=lambda cls: cls.NAME))

@@ -21,7 +21,7 @@ import xxhash
 from pydantic import TypeAdapter
 from redis.client import Pipeline
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from cachesvc.settings import ModelSettings
 from cachesvc.wire import UNVERSIONED, Wire, WireError
 from keys import GenerationSpec, StepCachePolicy
@@ -148,8 +148,13 @@ class ModelCard:
     # with the quality yardstick (``bench.reuse_calibrate``); none: the model reuses nothing.
     reuse_table: tuple[tuple[float, float], ...] = ()
     # The vector the table's similarities are measured in (``workers/stages/prompt_view.py``):
-    # the text encoder's mean, or the denoiser's first prediction.
+    # the text encoder's mean, or the denoiser's first prediction (or the prompt's effect on
+    # it).
     reuse_vector: str = "text-mean"
+    # The least agreement, on the source's own latents at the step reused, between what the
+    # two prompts do to the prediction (``PromptEffect.agreement``): below it that step is
+    # too late to switch prompts; None, no such check (``bench.reuse_calibrate``).
+    reuse_agreement: float | None = None
     # Instruction editing: the pixels the condition image is brought to; None, the pipeline's
     # megapixel (only tiny test models take less, their reference patched to match).
     condition_area: int | None = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from keys import Priority
 from keys.names import stage_latency
 from workers.queue.messages import Stage

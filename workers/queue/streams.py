@@ -20,16 +20,17 @@ from typing import Any
 
 import redis
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from keys import Priority
 from keys.names import consumer_group, stage_stream, worker_inbox, worker_inboxes
 from workers.queue.messages import Job, Stage
 from workers.queue.queue_server import on_queue_server
+from workers.queue.record_write import RecordWrite
 from workers.queue.schema import State, timestamp
 from workers.queue.script_args import TakeArgs
-from workers.queue.scripts import RecordWrite, Result, Scripts
+from workers.queue.script_library import Result
+from workers.queue.scripts import Scripts
 
-# The order workers take work in.
 PRIORITY_ORDER = (Priority.INTERACTIVE, Priority.BATCH)
 
 log = logging.getLogger(__name__)

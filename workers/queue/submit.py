@@ -20,7 +20,7 @@ from redis import ConnectionPool
 from redis.client import Pipeline
 from redis.cluster import RedisCluster
 
-from cachesvc.connect import RedisClient, slot_server
+from cachesvc.redis_client import RedisClient, slot_server
 from keys import GenerationSpec
 from keys.names import (
     QUEUE_TAG,
@@ -32,10 +32,12 @@ from keys.names import (
 )
 from workers.queue.messages import Job, Stage
 from workers.queue.queue_server import queue_server
+from workers.queue.record_write import NOTHING, RecordWrite
 from workers.queue.records import initial_fields
 from workers.queue.schema import timestamp
 from workers.queue.script_args import ReadmitArgs, SubmitArgs
-from workers.queue.scripts import NOTHING, RecordWrite, Result, Scripts, execute
+from workers.queue.script_library import Result
+from workers.queue.scripts import Scripts, execute
 
 
 @dataclass(frozen=True)

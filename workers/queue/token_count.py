@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from tokenizers import Tokenizer
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from workers.queue.served_model import ServedModel, read_tokenizer
 
 TokenCounter = Callable[[str], int]

@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from cachesvc.connect import RedisClient
+from cachesvc.redis_client import RedisClient
 from keys.names import (
     active_requests,
     consumer_group,
@@ -33,7 +33,8 @@ from workers.queue.lifecycle import redone_fields
 from workers.queue.messages import Job, Stage
 from workers.queue.schema import IDLE, Field, RequestRecord, StageField, State, timestamp
 from workers.queue.script_args import RescueArgs
-from workers.queue.scripts import Result, Scripts
+from workers.queue.script_library import Result
+from workers.queue.scripts import Scripts
 from workers.queue.streams import stage_streams
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,9 @@
 """LoRA adapters on a loaded denoiser, as each job asks for them.
 
 Adapters come from the store by content hash (never from disk), are loaded once with diffusers'
-PEFT integration and kept in a bounded LRU, and are set with the job's scales at the job's start,
-never mid-step. The base weights are never reloaded: a job without adapters runs with them all
-disabled, which is the base model exactly.
+PEFT integration and kept in a bounded LRU. peft applies none of them itself: each row of a
+forward applies its own run's (``workers/engine/row_adapters.py``), so runs of different
+adapter sets share the engine, and the base weights are never touched.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from safetensors.torch import load as load_safetensors
 
 from cachesvc.tensor_cache import TensorCache
 from keys import LoraUse, adapter_key
+from workers.engine.forward_rows import RowAdapters
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +33,18 @@ class AdapterStats:
     """Loads and swaps of one worker, for its record fields and logs."""
 
     loads: int = 0
-    swaps: int = 0
+    swaps: int = 0  # adapters unloaded to make room for another
     load_seconds: float = 0.0
     active: tuple[LoraUse, ...] = field(default_factory=tuple)
 
 
 def adapter_name(content_hash: str) -> str:
     return f"lora_{content_hash}"
+
+
+def row_adapters(loras: Sequence[LoraUse]) -> RowAdapters:
+    """The adapters a run's rows apply, in its order: peft's name and the scale of each."""
+    return tuple((adapter_name(lora.hash), float(lora.scale)) for lora in loras)
 
 
 class LoadedAdapters:
@@ -53,28 +59,16 @@ class LoadedAdapters:
         self.stats = AdapterStats()
         self._loaded: OrderedDict[str, None] = OrderedDict()
 
-    def apply(self, tenant: str, loras: Sequence[LoraUse]) -> None:
-        """Make the denoiser run with exactly ``loras`` at their scales."""
-        wanted = tuple(loras)
-        if wanted == self.stats.active:
-            return
-        model: object = self.transformer
-        if not loras:
-            if self._loaded:
-                model.disable_lora()  # type: ignore[attr-defined]
-            self.stats.active = ()
-            return
+    def ensure(self, tenant: str, loras: Sequence[LoraUse], in_use: set[str]) -> None:
+        """Load those of ``loras`` not loaded yet, evicting only adapters outside ``in_use``
+        (the hashes the engine's runs apply), least recently used first."""
         for lora in loras:
-            self._ensure_loaded(tenant, lora.hash)
-        model.enable_lora()  # type: ignore[attr-defined]
-        model.set_adapters([adapter_name(lora.hash) for lora in loras],  # type: ignore[attr-defined]
-                           [float(lora.scale) for lora in loras])
-        self.stats.swaps += 1
-        self.stats.active = wanted
+            self._ensure_loaded(tenant, lora.hash, in_use | {u.hash for u in loras})
+        self.stats.active = tuple(loras)
         if self._report is not None:
             self._report(self.stats, tuple(self._loaded))
 
-    def _ensure_loaded(self, tenant: str, content_hash: str) -> None:
+    def _ensure_loaded(self, tenant: str, content_hash: str, keep: set[str]) -> None:
         if content_hash in self._loaded:
             self._loaded.move_to_end(content_hash)
             return
@@ -85,8 +79,12 @@ class LoadedAdapters:
                                       "the store; upload it again (POST /v1/adapters)")
         state = load_safetensors(data.numpy().tobytes())  # safetensors: never unpickled
         while len(self._loaded) >= self.capacity:
-            evicted, _ = self._loaded.popitem(last=False)
+            evicted = next((h for h in self._loaded if h not in keep), None)
+            if evicted is None:  # the scheduler keeps a forward's adapters within capacity
+                raise RuntimeError(f"no LoRA slot free: {self.capacity} held, all in use")
+            del self._loaded[evicted]
             self.transformer.delete_adapters([adapter_name(evicted)])  # type: ignore[attr-defined]
+            self.stats.swaps += 1
         self.transformer.load_lora_adapter(  # type: ignore[attr-defined]
             state, adapter_name=adapter_name(content_hash), prefix="transformer")
         self._loaded[content_hash] = None

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from cachesvc.reuse_index import ReuseIndex
 from cachesvc.tensor_cache import TensorCache
@@ -23,9 +25,11 @@ from keys import (
     chain_root,
     reuse_bucket,
 )
+from workers.engine.checkpoint import Checkpoint
 from workers.families.base import Trajectory
 from workers.queue.records import Records
 from workers.queue.schema import ApproximateHit
+from workers.stages.prompt_view import PromptEffect
 
 CANDIDATES = 8  # nearest requests looked at, most similar first
 
@@ -66,18 +70,38 @@ def eligible(spec: GenerationSpec) -> bool:
     return len(spec.schedule) == 1 and spec.image is None
 
 
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    """The check that a reused step is not too late to switch prompts: on the source's own
+    latents at that step, the two prompts must pull the prediction alike (their effects'
+    cosine at least ``least``, the model card's ``reuse_agreement``). The first prediction
+    from shared noise ranks prompts; this reads the trajectory itself, where a changed shape
+    or colour the reused steps already drew shows."""
+
+    view: PromptEffect
+    least: float
+    embed: Callable[[str, str], torch.Tensor]  # (tenant, text): its embedding, cached
+
+    def holds(self, latents: torch.Tensor, step: int, mine: torch.Tensor,
+              source: GenerationSpec, spec: GenerationSpec) -> bool:
+        theirs = self.embed(source.tenant, source.schedule[0].prompt)
+        return self.view.agreement(latents, step, mine, theirs, spec) >= self.least
+
+
 class ApproximateReuse:
     """The encode stage's side of approximate reuse: a request's bucket, its registration and
     the search for a checkpoint to start from."""
 
     def __init__(self, index: ReuseIndex, records: Records, cache: TensorCache,
-                 trajectory: Trajectory, table: ReuseTable, view: PromptView) -> None:
+                 trajectory: Trajectory, table: ReuseTable, view: PromptView,
+                 agreement: Agreement | None = None) -> None:
         self.index = index
         self.records = records
         self.cache = cache
         self.trajectory = trajectory
         self.table = table
         self.view = view  # the table's similarities are measured in this view
+        self.agreement = agreement  # None: a step in reach is taken unchecked
 
     def vector(self, spec: GenerationSpec, prompt: EncodedText) -> np.ndarray:
         return self.view.vector(prompt.tensor, prompt.positions, spec)
@@ -94,11 +118,14 @@ class ApproximateReuse:
         """Offer this request's checkpoints to later similar ones, whatever its own mode."""
         self.index.register(spec.tenant, bucket, spec.request_id, vector)
 
-    def find(self, spec: GenerationSpec, bucket: str, vector: np.ndarray) -> Rewrite | None:
-        """The rewrite onto the most similar request that still has a checkpoint in reach, or
-        None. A neighbour's checkpoints are a cache: one that is gone sends the search to an
-        earlier checkpoint, then to the next neighbour. A neighbour with this very prompt is
-        passed over: its rewrite would be its own output, another seed's image."""
+    def find(self, spec: GenerationSpec, bucket: str, vector: np.ndarray,
+             mine: torch.Tensor) -> Rewrite | None:
+        """The rewrite onto the most similar request that still has a checkpoint in reach
+        where the prompts still agree (``Agreement``; ``mine``: this request's embedding), or
+        None. A neighbour's checkpoints are a cache: one that is gone, or too late to switch
+        prompts at, sends the search to an earlier checkpoint, then to the next neighbour. A
+        neighbour with this very prompt is passed over: its rewrite would be its own output,
+        another seed's image."""
         steps = spec.num_inference_steps
         cap = _steps(spec.reuse.max_skip, steps)
         for near in self.index.nearest(spec.tenant, bucket, vector, CANDIDATES + 1):
@@ -114,17 +141,32 @@ class ApproximateReuse:
                     source.spec.num_inference_steps != steps or \
                     source.spec.schedule[0].prompt == spec.schedule[0].prompt:
                 continue
-            step = self._furthest_stored(source.checkpoints(), reach)
+            step = self._furthest_agreed(source.spec, source.checkpoints(), reach, mine, spec)
             if step is not None:
                 return Rewrite(rewritten(spec, source.spec, step),
                                ApproximateHit(near.request_id, step, near.similarity))
         return None
 
-    def _furthest_stored(self, checkpoints: dict[int, str], reach: int) -> int | None:
-        """Not counted as checkpoint lookups: denoise counts the one it starts from."""
+    def _furthest_agreed(self, source: GenerationSpec, checkpoints: dict[int, str],
+                         reach: int, mine: torch.Tensor, spec: GenerationSpec) -> int | None:
+        """The furthest of ``source``'s checkpoints within ``reach`` that is stored and, where
+        the model checks, where the prompts still agree. Not counted as checkpoint lookups:
+        denoise counts the one it starts from."""
         steps = sorted((s for s in checkpoints if 0 < s <= reach), reverse=True)
-        present = self.cache.batch_exists([StoreKey.parse(checkpoints[s]) for s in steps])
-        return next((s for s, found in zip(steps, present, strict=True) if found), None)
+        keys = [StoreKey.parse(checkpoints[s]) for s in steps]
+        present = self.cache.batch_exists(keys)
+        for step, key, found in zip(steps, keys, present, strict=True):
+            if not found:
+                continue
+            if self.agreement is None:
+                return step
+            data = self.cache.get(key, lookup=False)
+            if data is None:
+                continue  # gone since it was looked for
+            latents = Checkpoint.from_bytes(data.numpy().tobytes()).latents
+            if self.agreement.holds(latents, step, mine, source, spec):
+                return step
+        return None
 
 
 def _steps(fraction: float, steps: int) -> int:

@@ -19,9 +19,9 @@ from keys import ChainLink, KeyKind, StoreKey, output_key
 from workers.families.base import Decoder
 from workers.queue.credits import Credits
 from workers.queue.messages import LATENTS, Job, Stage
+from workers.queue.record_write import RecordWrite, tally_fields
 from workers.queue.runtime import InputLostError, JobContext, Outcome
 from workers.queue.schema import Field
-from workers.queue.scripts import RecordWrite, tally_fields
 from workers.stages.media import encode_frames
 
 

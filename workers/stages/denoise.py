@@ -9,8 +9,9 @@ preemption, or another request with the same trajectory prefix put it there).
 Writes: checkpoints behind the loop; unconditional predictions (the exact CFG tier); the final
 latents (``latents`` entry of this delivery, read once by decode).
 Feeds: the decode stream, with the latents reference and the trajectory's chain head.
-The engine (``workers/engine``) advances the runs a step at a time; cancel and preempt
-requests are seen at every step boundary (through each run's progress thread).
+The engine (``workers/engine``) advances the runs a step at a time and the worker's loop
+(``denoise_worker``) does their I/O; cancel and preempt requests are seen at every step
+boundary (through each run's progress thread).
 """
 
 from __future__ import annotations
@@ -36,23 +37,24 @@ from keys import (
     adapted,
     latents_key,
 )
+from workers.engine.checkpoint import Checkpoint, CheckpointError
 from workers.engine.core import DenoiseEngine
+from workers.engine.guidance import Guidance
+from workers.engine.hook_state import HookStateError, RunHookState, on_device
+from workers.engine.row_caches import RunStepCache, check
 from workers.engine.run import AdapterSet, DenoiseRun, Embeddings
-from workers.engine.step_cache import RunStepCache
 from workers.engine.timing import release_memory
 from workers.families.base import Denoiser, Inpainting
 from workers.queue.credits import Credits
 from workers.queue.messages import IMAGE, LATENTS, MASK, Job, Stage, TensorRef
+from workers.queue.record_write import RecordWrite, tally_fields
 from workers.queue.runtime import InputLostError, JobContext, Outcome
 from workers.queue.schema import Field, State, checkpoint_field
-from workers.queue.scripts import RecordWrite, tally_fields
 from workers.queue.served_model import FamilyLimits, RequestDefaults
 from workers.queue.step_cache_metrics import step_cache_fields
 from workers.queue.streams import Delivery
-from workers.stages.adapters import AdapterStats, LoadedAdapters
-from workers.stages.checkpoint import Checkpoint, CheckpointError
-from workers.stages.guidance import ExactTier, Guidance
-from workers.stages.hook_state import RunHookState, on_device
+from workers.stages.adapters import AdapterStats, LoadedAdapters, row_adapters
+from workers.stages.exact_tier import ExactTier
 from workers.stages.trajectory import chain_links, checkpoint_steps
 from workers.stages.write_behind import WriteBehind
 
@@ -76,7 +78,9 @@ class DenoiseHandler:
         self.credits = credits
         self._writes = WriteBehind()
         self.engine = DenoiseEngine(model, settings.max_batch, settings.max_batch_tokens,
-                                    settings.cfg_parallel, ExactTier(cache, self._writes))
+                                    settings.lora_slots, settings.cfg_parallel)
+        # Asked by the worker loop for every run's unconditional row of a step at once.
+        self.exact_tier = ExactTier(cache, self._writes)
         self.adapters = LoadedAdapters(cache, model.transformer, settings.lora_slots,
                                        report_adapters)
 
@@ -112,7 +116,7 @@ class DenoiseHandler:
     def start(self, ctx: JobContext, delivery: Delivery) -> DenoiseRun:
         """The job as a run: its embeddings read, at its latest cached checkpoint or its first
         step (0, or where an input image is noised to).
-        Its adapters are set when the engine takes it in."""
+        Its adapters are loaded when the engine takes it in (``load_adapters``)."""
         spec = ctx.spec()
         embeds = self._embeddings(ctx)
         scheduler = self.model.scheduler(spec)
@@ -160,10 +164,11 @@ class DenoiseHandler:
         ctx.progress(RecordWrite({Field.STEP: run.step, Field.RESUMED_FROM: run.step}))
         return run
 
-    def use_adapters(self, run: DenoiseRun) -> None:
-        """Set the denoiser to ``run``'s adapters: only between steps, with no run of another
-        adapter set in the engine."""
-        self.adapters.apply(run.spec.tenant, run.spec.loras)
+    def load_adapters(self, run: DenoiseRun, in_use: set[str]) -> None:
+        """Load ``run``'s adapters (from the store, once) beside ``in_use``, those of the
+        engine's runs, which stay loaded; its rows apply them alone (``row_adapters``)."""
+        self.adapters.ensure(run.spec.tenant, run.spec.loras, in_use)
+        self.engine.executor.adapters.hook_new_layers()
 
     def take_credit(self, run: DenoiseRun) -> None:
         """A decode credit for ``run``, without waiting: the engine asks again next turn."""
@@ -231,25 +236,30 @@ class DenoiseHandler:
 
     def _guidance(self, spec: GenerationSpec, ledger: Ledger,
                   residual: torch.Tensor | None) -> Guidance:
-        # Under a step cache an unconditional output depends on the hooks' state, not only
+        # Under a step cache an unconditional output depends on the run's cache state, not only
         # on the inputs the exact tier's key names: the tier is neither asked nor fed.
-        return Guidance(self.cache, self.model.guide,
+        return Guidance(self.model.guide,
                         adapted(self.model.fingerprint, spec.loras), spec, ledger,
                         lookup=self.settings.cfg_cache and not spec.step_cache.on,
-                        residual=residual)
+                        residual=residual, adapters=row_adapters(spec.loras))
 
     def _stats(self, run: DenoiseRun) -> RecordWrite:
         """What the attempt computed, and the lookups its ledger counted since the start, for
         the record; the step cache's forwards are lookups of their own kind."""
         shown = [KeyKind.CFG]  # on every attempt's record, 0 when the tier was not asked
+        ledger = run.ledger
+        assert ledger is not None  # a served run's guidance counts in its ledger
         if (cached := run.step_cache) is not None:
-            run.ledger.count(KeyKind.STEP, {
+            ledger.count(KeyKind.STEP, {
                 Event.LOOKUPS: cached.forwards, Event.HITS: cached.skipped,
                 Event.MISSES: cached.forwards - cached.skipped})
             self.cache.counters.add_fields(run.spec.tenant, step_cache_fields(
                 cached.cache.policy, cached.forwards - cached.skipped, cached.skipped))
             shown.append(KeyKind.STEP)
-        return run.guidance.stats.as_fields() | tally_fields(run.ledger.take(), shown)
+        stats = run.guidance.stats  # a request's attempts add up to its total
+        computed = RecordWrite(add={Field.FORWARDS: stats.forwards,
+                                    Field.CFG_REUSED: stats.reused})
+        return computed | tally_fields(ledger.take(), shown)
 
     def _latest_checkpoint(self, ctx: JobContext, links: list[ChainLink],
                            ledger: Ledger) -> Checkpoint | None:
@@ -285,6 +295,10 @@ class DenoiseHandler:
         if extra:
             raise CheckpointError(f"scheduler state {sorted(extra)} is not what this model's "
                                   "scheduler keeps")
+        try:
+            check(found.hooks)
+        except HookStateError as exc:
+            raise CheckpointError(f"step-cache state: {exc}") from exc
         return found
 
     def _kept_checkpoint(self, ctx: JobContext, keys: list[StoreKey]) -> Checkpoint | None:

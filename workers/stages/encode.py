@@ -39,10 +39,10 @@ from encoders.text import (
 from keys import GenerationSpec, KeyKind, StoreKey, adapted, output_key
 from workers.families.base import Trajectory
 from workers.queue.messages import IMAGE, MASK, RefName, Role, Stage, TensorRef
+from workers.queue.record_write import RecordWrite, tally_fields
 from workers.queue.reuse_metrics import steps_reused
 from workers.queue.runtime import JobContext, Outcome
 from workers.queue.schema import Field, State
-from workers.queue.scripts import RecordWrite, tally_fields
 from workers.queue.spec_json import spec_to_json
 from workers.stages.approximate import ApproximateReuse, Rewrite, eligible
 from workers.stages.trajectory import chain_head
@@ -161,7 +161,9 @@ class EncodeHandler:
         try:
             bucket = reuse.bucket(spec, encoded)
             vector = reuse.vector(spec, encoded[spec.schedule[0].prompt])
-            rewrite = reuse.find(spec, bucket, vector) if spec.reuse.approximate else None
+            prompt = encoded[spec.schedule[0].prompt].tensor
+            rewrite = (reuse.find(spec, bucket, vector, prompt) if spec.reuse.approximate
+                       else None)
             if rewrite is None and first:
                 reuse.register(spec, bucket, vector)
         except (redis.RedisError, ReuseIndexError) as exc:

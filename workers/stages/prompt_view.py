@@ -88,6 +88,22 @@ class PromptEffect(FirstStep):
             effect = torch.zeros(MAX_FLOATS).index_add_(0, slots, effect.cpu() * signs)
         return unit(effect)
 
+    @torch.no_grad()
+    def agreement(self, latents: torch.Tensor, step: int, mine: torch.Tensor,
+                  theirs: torch.Tensor, spec: GenerationSpec) -> float:
+        """How alike two prompts (their embeddings) pull a trajectory at ``step``, where it
+        stands at ``latents``: the cosine of their effects on the prediction (each less the
+        empty prompt's). A reused trajectory switches prompts there; where the new prompt
+        pulls elsewhere (another shape, colour or place), what the reused steps drew already
+        decides against it."""
+        d = self.denoiser
+        t = d.scheduler(spec).timesteps[step].reshape(1)
+        latents = latents.to(d.device)
+        blank = d.predict(latents, t, self.blank().to(d.device), spec)
+        a = (d.predict(latents, t, mine.to(d.device), spec) - blank).flatten().double()
+        b = (d.predict(latents, t, theirs.to(d.device), spec) - blank).flatten().double()
+        return float(a @ b / (a.norm() * b.norm()).clamp_min(1e-30))
+
     def _blank_prediction(self, spec: GenerationSpec) -> torch.Tensor:
         # One per geometry a worker meets (the bucket's shape, steps and first step).
         geometry = (spec.width, spec.height, spec.num_frames, spec.num_inference_steps,

@@ -2,7 +2,7 @@
 -- these scripts; each change is announced on the record's events channel, which /events
 -- waits on instead of rereading the record.
 
--- A script's table argument (``arg(table=True)`` in scripts.py): JSON, or '' for an empty
+-- A script's table argument (``arg(table=True)`` in script_slots.py): JSON, or '' for an empty
 -- RecordWrite, which most writes are.
 local function table_arg(raw)
   if raw == '' then return {set = {}, add = {}} end

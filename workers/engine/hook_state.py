@@ -1,6 +1,7 @@
-"""The state of diffusers' step-cache hooks as checkpoint content: tensors for safetensors
-and a JSON tree for the rest, never pickle. A hook state is a plain object of tensors,
-numbers, dtypes, devices and containers of them; anything else is refused by name.
+"""A run's step-cache state (``row_caches``: per guidance branch, its policy's fields) as
+checkpoint content: tensors for safetensors and a JSON tree for the rest, never pickle. A
+state is a plain object of tensors, numbers, dtypes, devices and containers of them; anything
+else is refused by name.
 """
 
 from __future__ import annotations

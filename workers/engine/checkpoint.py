@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from workers.stages import hook_state
-from workers.stages.hook_state import HookStateError, RunHookState
+from workers.engine import hook_state
+from workers.engine.hook_state import HookStateError, RunHookState
 
 # 2: the scheduler's tensors are named in the metadata, which fields they are being the
 # family's to say (``SchedulerFields``).

@@ -1,9 +1,12 @@
-"""The denoise worker's loop around its engine: between two steps, runs that finished or must
-stop leave (the finished ones published in one round trip), new jobs join while there is room,
-and waiting runs take their decode credits; then the engine takes one step for all.
+"""The denoise worker's loop around its engine (the loop does the I/O; the engine's scheduler
+decides and its executor computes): between two steps, runs that finished or must stop leave
+(the finished ones published in one round trip), new jobs join while there is room and their
+adapters fit beside the engine's, and waiting runs take their decode credits; then the engine
+takes one step for all, the exact CFG tier asked for every run's rows in one round trip first.
 
-A job of another adapter set waits, claimed and leased, until the engine has emptied of the
-current set (which then takes no newcomers), so a forward only ever holds rows of one set.
+Runs of every adapter set share the engine: each row applies its own run's adapters. A job
+whose adapters would take the engine past ``workers.lora_slots`` waits, claimed and leased,
+until runs leave.
 """
 
 from __future__ import annotations
@@ -17,14 +20,16 @@ from collections.abc import Callable
 import redis
 import torch
 
-from cachesvc.connect import REDIS_ERRORS, RedisClient
 from cachesvc.errors import StoreFullError, StoreUnavailableError
+from cachesvc.redis_client import REDIS_ERRORS, RedisClient
 from cachesvc.settings import WorkerSettings
 from workers.engine.core import StepResult
-from workers.engine.run import AdapterSet, DenoiseRun
+from workers.engine.run import DenoiseRun
+from workers.engine.scheduler import RunView
 from workers.engine.timing import release_memory
 from workers.queue.engine_metrics import EngineMetrics
 from workers.queue.messages import Job
+from workers.queue.record_write import RecordWrite
 from workers.queue.runtime import (
     OUTAGE_FIRST_RETRY_S,
     OUTAGE_MAX_RETRY_S,
@@ -35,7 +40,6 @@ from workers.queue.runtime import (
     TooLargeError,
 )
 from workers.queue.schema import Field
-from workers.queue.scripts import RecordWrite
 from workers.queue.streams import Delivery
 from workers.stages.denoise import DenoiseHandler
 
@@ -56,8 +60,7 @@ class EngineWorker(StageWorker):
         super().__init__(handler, client, settings, preemption=preemption, inbox=inbox)
         self.engine = handler.engine
         self.metrics = EngineMetrics(client, self.queue.consumer, self.engine.max_batch)
-        self.waiting: list[DenoiseRun] = []  # claimed, of another adapter set than the engine's
-        self._adapters: AdapterSet | None = None  # the set the engine's runs use
+        self.waiting: list[DenoiseRun] = []  # claimed, not yet in the engine
         self._outage_since: float | None = None  # when the store went away mid-step
         self._outage_delay = OUTAGE_FIRST_RETRY_S
 
@@ -120,17 +123,19 @@ class EngineWorker(StageWorker):
 
     def _make_way(self) -> None:
         """A full engine takes waiting interactive work at this step boundary: the batch run
-        that joined last leaves now (re-queued from the checkpoint it writes as it stops) and
-        the interactive run joins, so its first step is the engine's next one. A worker
+        the scheduler picks leaves now (re-queued from the checkpoint it writes as it stops)
+        and the interactive run joins, so its first step is the engine's next one. A worker
         blocked on an empty queue would have read the entry as it arrived, so one still
         waiting here has no idle worker to go to (``workers.preempt_grace_ms`` leaves it
         longer to one that will have room). Runs that may not be preempted (past
         ``max_preemptions``, or preemption off) leave nothing to make way with; nor does an
-        engine draining for another adapter set."""
-        candidates = [r for r in self.engine.runs if r.ctx.preemptible]
-        if not candidates or self.waiting:
+        engine with runs of its own still waiting to join."""
+        if self.waiting:
             return
-        victim = candidates[-1]  # the one that joined last has the least to lose
+        chosen = self.engine.scheduler.make_way([_view(r) for r in self.engine.runs])
+        if chosen is None:
+            return
+        victim = self.engine.runs[chosen]
         if not victim.ctx.may_make_way():
             return
         owned = self.claim(self.queue.take_interactive(1, self._first_claim))
@@ -179,26 +184,21 @@ class EngineWorker(StageWorker):
                 run.ctx.learn(progress)
 
     def _take_in(self) -> None:
-        """Waiting runs of the engine's adapter set join it, unless a run of another set
-        waits: then the engine drains, and once it is empty the oldest waiting run's set
-        becomes the engine's, so no set waits for ever behind a steady stream of another."""
+        """Waiting runs join as the scheduler admits them (room, and adapters that fit beside
+        the engine's), their adapters loaded first."""
         if not self.waiting:
             return
-        if self.engine.runs and any(r.adapters != self._adapters for r in self.waiting):
-            return
-        if not self.engine.runs:
-            self._adapters = self.waiting[0].adapters
-        joining = [r for r in self.waiting if r.adapters == self._adapters]
-        first = joining[0]
-        try:
-            self.through_outages(first.ctx, lambda: self.handler.use_adapters(first))
-        except Exception as exc:
-            for run in joining:  # the set cannot be loaded: none of its runs can move
-                self.waiting.remove(run)
-                self._drop(run, exc)
-            return
-        for run in joining:
+        admitted = self.engine.scheduler.admit([_view(r) for r in self.engine.runs],
+                                               [_view(r) for r in self.waiting])
+        for run in [self.waiting[n] for n in admitted]:
             self.waiting.remove(run)
+            in_use = {lora.hash for held in self.engine.runs for lora in held.spec.loras}
+            try:
+                self.through_outages(run.ctx, functools.partial(self.handler.load_adapters,
+                                                                run, in_use))
+            except Exception as exc:  # its adapters cannot be loaded: it cannot move
+                self._drop(run, exc)
+                continue
             self.engine.add(run)
 
     def _take_credits(self) -> None:
@@ -214,7 +214,10 @@ class EngineWorker(StageWorker):
         fresh = [r for r in self.engine.runs if r.first_step_at is None]
         failure: Exception | None = None
         try:
-            result = self.engine.step()
+            planned = self.engine.plan()
+            self.handler.exact_tier.look_up([(run.guidance, plan) for run, plan in planned])
+            result = self.engine.run(planned)
+            self.handler.exact_tier.store(result.done)
         except (StoreUnavailableError, StoreFullError) as away:
             self._outage(away)  # nothing of the step was applied: it is taken again
             return
@@ -247,7 +250,10 @@ class EngineWorker(StageWorker):
         merged = StepResult()
         for run in list(self.engine.runs):
             try:
-                alone = self.engine.step([run])
+                planned = self.engine.plan([run])
+                self.handler.exact_tier.look_up([(run.guidance, plan) for _, plan in planned])
+                alone = self.engine.run(planned)
+                self.handler.exact_tier.store(alone.done)
             except torch.OutOfMemoryError:
                 merged.failed.append((run, TooLargeError(run.ctx.job, self.engine.describe(run))))
                 release_memory(self.engine.model.device)
@@ -259,6 +265,7 @@ class EngineWorker(StageWorker):
                 continue
             merged.forwards.extend(alone.forwards)
             merged.advanced.extend(alone.advanced)
+            merged.done.extend(alone.done)
             merged.failed.extend(alone.failed)
         return merged
 
@@ -308,3 +315,8 @@ class EngineWorker(StageWorker):
         self.leases.release(run.delivery)
         self.failed(run.ctx, run.delivery, exc)
 
+
+
+def _view(run: DenoiseRun) -> RunView:
+    """What the scheduler reads of ``run``."""
+    return RunView(frozenset(lora.hash for lora in run.spec.loras), run.ctx.preemptible)

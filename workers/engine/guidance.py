@@ -4,9 +4,10 @@ A step is planned first (which transformer rows it needs, after the cache is ask
 finished with those rows' outputs, so the engine can run the rows of many requests together.
 
 Exact tier: the unconditional prediction is stored under H(model, negative-prompt key, timestep,
-latent digest) and reused whenever those exact inputs recur, so outputs never change.
-Interval tier (opt-in, approximate): the branch runs every k steps and the (cond - uncond)
-residual of the last run stands in between, as FasterCache's CFG-Cache does.
+latent digest) and reused whenever those exact inputs recur, so outputs never change (the
+worker asks and feeds it: ``workers/stages/exact_tier.py``). Interval tier (opt-in,
+approximate): the branch runs every k steps and the (cond - uncond) residual of the last run
+stands in between, as FasterCache's CFG-Cache does.
 """
 
 from __future__ import annotations
@@ -19,12 +20,9 @@ import torch
 from cachesvc.codec import TensorSpec
 from cachesvc.counters import Event
 from cachesvc.ledger import Ledger
-from cachesvc.tensor_cache import TensorCache
 from keys import CfgMode, Fingerprint, GenerationSpec, KeyKind, StoreKey, cfg_key, tensor_digest
-from workers.queue.schema import Field
-from workers.queue.scripts import RecordWrite
-from workers.stages.hook_state import CachedForward
-from workers.stages.write_behind import WriteBehind
+from workers.engine.forward_rows import RowAdapters
+from workers.engine.hook_state import CachedForward
 
 # (cond, uncond, scale) -> guided prediction, in the family's operation order.
 Combine = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -37,10 +35,6 @@ class GuidanceStats:
     forwards: int = 0
     reused: int = 0  # unconditional forwards replaced by the interval residual
 
-    def as_fields(self) -> RecordWrite:
-        """Counters, added to the record: a request's attempts sum to its total. (Its exact
-        tier's lookups are in the run's ledger.)"""
-        return RecordWrite(add={Field.FORWARDS: self.forwards, Field.CFG_REUSED: self.reused})
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +45,12 @@ class Row:
     timestep: torch.Tensor  # 0-d
     embeds: torch.Tensor
     spec: GenerationSpec  # its geometry: rows of one geometry may share a forward
-    # Its run's step-cache state for this forward; such a row always runs alone.
+    # Its run's step-cache state for this forward: its decisions are its own, whoever shares
+    # the forward (``row_caches``).
     cached: CachedForward | None = None
     # The image condition its forward takes beside the latents (image-to-video), if any.
     condition: torch.Tensor | None = None
+    adapters: RowAdapters = ()  # its run's LoRA adapters, applied to it alone (``row_adapters``)
 
 
 @dataclass
@@ -79,11 +75,11 @@ class Guidance:
     """The guided prediction of each step of one request, skipping the unconditional forward
     where the request's CFG mode allows."""
 
-    def __init__(self, cache: TensorCache, combine: Combine, model: Fingerprint,
-                 spec: GenerationSpec, ledger: Ledger, *, lookup: bool,
-                 residual: torch.Tensor | None = None) -> None:
-        self.cache = cache
+    def __init__(self, combine: Combine, model: Fingerprint, spec: GenerationSpec,
+                 ledger: Ledger | None, *, lookup: bool,
+                 residual: torch.Tensor | None = None, adapters: RowAdapters = ()) -> None:
         self.ledger = ledger  # the run's: the exact tier's lookups are counted there
+        self.adapters = adapters  # every row's: the run's LoRA adapters
         self.combine = combine
         self.model = model
         self.spec = spec
@@ -99,13 +95,14 @@ class Guidance:
         """The rows step ``step`` must compute; ``negative`` is None for steps without CFG;
         ``condition``: the image condition both rows take, where the family takes one."""
         image = None if condition is None else condition[1]
-        rows = [Row(latents, t, cond, self.spec, condition=image)]
+        rows = [Row(latents, t, cond, self.spec, condition=image, adapters=self.adapters)]
         if negative is None:
             return StepPlan(scale, rows, guided=False)
         if self.residual is not None and not self.spec.cfg_cache.fresh_at(step):
             return StepPlan(scale, rows, guided=True, uncond_skipped=True)
         plan = StepPlan(scale, rows, guided=True)
-        uncond = Row(latents, t, negative[1], self.spec, condition=image)
+        uncond = Row(latents, t, negative[1], self.spec, condition=image,
+                     adapters=self.adapters)
         if not self.lookup:
             rows.append(uncond)
             return plan
@@ -138,7 +135,8 @@ class Guidance:
         if plan.uncond_skipped:
             assert self.residual is not None
             self.stats.reused += 1
-            self.ledger.count(KeyKind.CFG, {Event.COMPUTE_SECONDS_SAVED: self._uncond_s})
+            if self.ledger is not None:
+                self.ledger.count(KeyKind.CFG, {Event.COMPUTE_SECONDS_SAVED: self._uncond_s})
             return self.combine(prediction, prediction - self.residual, plan.scale)
         uncond = plan.uncond
         if uncond is None:
@@ -149,34 +147,3 @@ class Guidance:
         if self.spec.cfg_cache.approximate:
             self.residual = prediction - uncond
         return self.combine(prediction, uncond, plan.scale)
-
-
-class ExactTier:
-    """The exact tier for every run of an engine: a step's lookups in one round trip, and the
-    unconditional outputs the step computed stored in one write behind the loop."""
-
-    def __init__(self, cache: TensorCache, write_behind: WriteBehind) -> None:
-        self.cache = cache
-        self.write_behind = write_behind
-
-    def look_up(self, plans: Sequence[tuple[Guidance, StepPlan]]) -> None:
-        """Answer every plan that asks the tier (``StepPlan.asking``)."""
-        asking = [(guidance, plan) for guidance, plan in plans if plan.asking is not None]
-        if not asking:
-            return
-        keys = [plan.cfg_key for _, plan in asking]
-        assert all(key is not None for key in keys)
-        found = self.cache.lookup_many(keys,  # type: ignore[arg-type]
-                                       [guidance.ledger for guidance, _ in asking])
-        for (guidance, plan), tensor in zip(asking, found, strict=True):
-            guidance.answer(plan, tensor)
-
-    def store(self, plans: Sequence[StepPlan]) -> None:
-        """Keep the unconditional outputs the plans computed (``StepPlan.computed``)."""
-        entries = [plan.computed for plan in plans if plan.computed is not None]
-        if not entries:
-            return
-        items = [(key, output) for key, output, _ in entries]
-        costs = [cost for _, _, cost in entries]
-        self.write_behind.submit(f"{len(items)} CFG entries, {items[0][0]} first",
-                                 lambda: self.cache.batch_put(items, cost_s=costs))

@@ -1,0 +1,78 @@
+"""The engine's scheduler from states alone, with no Redis, store or model: who joins, who makes
+way, and which rows share which forward (rows of every adapter set and step sharing one)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from workers.engine.layout import Layout
+from workers.engine.scheduler import Limits, RowNeed, RunView, Scheduler
+
+NONE: frozenset[str] = frozenset()
+
+
+def need(run: int, row: int = 0, group: Hashable = "g", text: int = 8, image: int = 16,
+         adapters: frozenset[str] = NONE) -> RowNeed:
+    return RowNeed((run, row), group, "geometry", image, text, adapters)
+
+
+def any_size(_: Hashable, most: int) -> int:
+    return most
+
+
+def test_runs_join_while_there_is_room_and_their_adapters_fit() -> None:
+    scheduler = Scheduler(Limits(max_batch=4, max_tokens=1 << 16, adapters=2))
+    held = [RunView(frozenset({"a"})), RunView(NONE)]
+    waiting = [RunView(frozenset({"b", "c"})),  # three adapters with the engine's: waits
+               RunView(frozenset({"b"})), RunView(NONE), RunView(NONE)]
+    assert scheduler.admit(held, waiting) == [1, 2]  # the room is two
+    assert scheduler.admit([], [RunView(frozenset({"x", "y", "z"}))]) == []  # never fits
+    assert scheduler.admit(held, []) == []
+
+
+def test_the_last_preemptible_run_makes_way() -> None:
+    held = [RunView(NONE, preemptible=True), RunView(NONE, preemptible=True),
+            RunView(NONE, preemptible=False)]
+    assert Scheduler.make_way(held) == 1
+    assert Scheduler.make_way([RunView(NONE)]) is None
+
+
+def test_rows_of_any_adapter_set_and_step_share_a_forward() -> None:
+    scheduler = Scheduler(Limits(max_batch=8, max_tokens=1 << 16, adapters=4))
+    rows = [need(0, 0, adapters=frozenset({"a"})), need(0, 1, adapters=frozenset({"a"})),
+            need(1, 0), need(2, 0, adapters=frozenset({"b", "c"}), text=3),
+            need(3, 0, group="other")]
+    planned = scheduler.forwards(rows, lambda _: Layout.SPLIT, any_size)
+    # One forward of the group, the shortest text first; the other group apart.
+    assert [f.slots for f in planned] == [((2, 0), (0, 0), (0, 1), (1, 0)), ((3, 0),)]
+
+
+def test_forwards_are_cut_by_tokens_refused_sizes_and_adapters() -> None:
+    scheduler = Scheduler(Limits(max_batch=4, max_tokens=100, adapters=2))
+    rows = [need(n, text=9, image=16) for n in range(8)]  # 25 token-rows each: 4 fit
+    assert [len(f.slots) for f in scheduler.forwards(rows, lambda _: Layout.SPLIT,
+                                                     any_size)] == [4, 4]
+    # The proof refused batches of 4: forwards of 3.
+    cut = scheduler.forwards(rows, lambda _: Layout.SPLIT,
+                             lambda _, most: 3 if most >= 4 else most)
+    assert [len(f.slots) for f in cut] == [3, 3, 2]
+    # A forward carries at most two adapters: a third starts another.
+    adapted = [need(n, adapters=frozenset({name}), image=1, text=1)
+               for n, name in enumerate("aabc")]
+    assert [f.slots for f in scheduler.forwards(adapted, lambda _: Layout.SPLIT,
+                                                any_size)] == [((0, 0), (1, 0), (2, 0)),
+                                                               ((3, 0),)]
+
+
+def test_the_layout_decides_only_where_it_cuts_otherwise() -> None:
+    scheduler = Scheduler(Limits(max_batch=2, max_tokens=1 << 16, adapters=4))
+    asked: list[Hashable] = []
+
+    def layout(geometry: Hashable) -> Layout:
+        asked.append(geometry)
+        return Layout.WHOLE
+
+    two = scheduler.forwards([need(0), need(1)], layout, any_size)
+    assert asked == [] and two[0].layout is None  # two rows: one forward either way
+    four = scheduler.forwards([need(n) for n in range(4)], layout, any_size)
+    assert asked == ["geometry"] and [len(f.slots) for f in four] == [4]

@@ -1,0 +1,129 @@
+"""The engine's scheduler: pure policy, in the shape of vLLM v1's ``Scheduler``. From the runs'
+and rows' states alone it decides which waiting runs join, which run makes way for waiting
+interactive work, and which rows share which forward; it touches no Redis, store or model,
+so it is tested with none (``tests/test_scheduler.py``).
+
+A row's step cache and adapters are its own (``forward_rows``): rows of every policy, step
+and adapter set share a forward. What keeps rows apart is only what the arithmetic needs:
+their geometry, their text's length where the family cannot pad texts, the token budget of a
+forward, the batch sizes the row proof refused, and how many adapters one forward may carry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+from workers.engine.layout import Layout
+
+# The rows of one forward: which run (its index in the step), which of its rows.
+Slot = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_batch: int  # runs an engine holds; a forward takes this many rows (twice, WHOLE)
+    max_tokens: int  # token-rows one forward takes (image and text tokens, over its rows)
+    adapters: int  # distinct adapters one forward, and one engine, may carry
+
+
+@dataclass(frozen=True, slots=True)
+class RowNeed:
+    """What one row of a step asks of a forward."""
+
+    slot: Slot
+    group: Hashable  # rows may share a forward only where this is equal
+    geometry: Hashable  # what the row proof and the layouts are kept by
+    image_tokens: int
+    text_tokens: int
+    adapters: frozenset[str]  # the adapters its forward must carry
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedForward:
+    geometry: Hashable
+    layout: Layout | None  # None: either layout cuts these rows alike
+    slots: tuple[Slot, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RunView:
+    """What the scheduler reads of a run held or waiting."""
+
+    adapters: frozenset[str]
+    preemptible: bool = False
+
+
+class Scheduler:
+    """Decides; the executor runs what it decides and the worker loop does the I/O."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+
+    def admit(self, held: Sequence[RunView], waiting: Sequence[RunView]) -> list[int]:
+        """The waiting runs (their positions, oldest first) that join now: while there is
+        room, and the engine's adapters with theirs stay within ``limits.adapters`` (a run
+        that would overflow them waits; later ones may still join)."""
+        adapters = set().union(*(run.adapters for run in held))
+        room = self.limits.max_batch - len(held)
+        joining = []
+        for n, run in enumerate(waiting):
+            if room <= 0:
+                break
+            if len(adapters | run.adapters) > self.limits.adapters:
+                continue
+            adapters |= run.adapters
+            joining.append(n)
+            room -= 1
+        return joining
+
+    @staticmethod
+    def make_way(held: Sequence[RunView]) -> int | None:
+        """The run (its position) that leaves a full engine for waiting interactive work:
+        the preemptible one that joined last, which has the least to lose."""
+        candidates = [n for n, run in enumerate(held) if run.preemptible]
+        return candidates[-1] if candidates else None
+
+    def forwards(self, rows: Sequence[RowNeed], layout: Callable[[Hashable], Layout],
+                 usable: Callable[[Hashable, int], int]) -> list[PlannedForward]:
+        """The forwards of a step's rows: those that may share one, shortest texts first,
+        cut by the bounds (``layout`` of a geometry whose rows two layouts would cut apart;
+        ``usable``: the largest batch size up to a bound the proof has not refused)."""
+        groups: dict[Hashable, list[RowNeed]] = {}
+        for row in rows:
+            groups.setdefault(row.group, []).append(row)
+        planned = []
+        for members in groups.values():
+            # Texts of one length side by side: the layers that keep each text to its own
+            # positions then take a length's rows as a view, not a gather, and the cut
+            # forwards hold fewer lengths each.
+            members.sort(key=lambda r: r.text_tokens)
+            first = members[0]
+            longest = max(r.text_tokens for r in members)
+            split, whole = self.per_forward(first.image_tokens, longest)
+            chosen = (layout(first.geometry)
+                      if self.limits.max_batch > 1 and len(members) > split and whole > split
+                      else None)
+            size = usable(first.geometry, whole if chosen is Layout.WHOLE else split)
+            planned += [PlannedForward(first.geometry, chosen, tuple(r.slot for r in cut))
+                        for cut in self._cut(members, size)]
+        return planned
+
+    def per_forward(self, image_tokens: int, text_tokens: int) -> tuple[int, int]:
+        """The most rows one forward of rows this long takes, within ``max_tokens``: as one of
+        several forwards of ``max_batch`` rows, and as the one forward of a whole step."""
+        by_tokens = max(1, self.limits.max_tokens // max(image_tokens + text_tokens, 1))
+        return min(self.limits.max_batch, by_tokens), min(2 * self.limits.max_batch, by_tokens)
+
+    def _cut(self, rows: list[RowNeed], size: int) -> list[list[RowNeed]]:
+        """``rows`` in order, in forwards of at most ``size`` rows and ``limits.adapters``
+        distinct adapters."""
+        cuts: list[list[RowNeed]] = [[]]
+        adapters: set[str] = set()
+        for row in rows:
+            if len(cuts[-1]) >= size or len(adapters | row.adapters) > self.limits.adapters:
+                cuts.append([])
+                adapters = set()
+            cuts[-1].append(row)
+            adapters |= row.adapters
+        return [cut for cut in cuts if cut]
