@@ -1,7 +1,8 @@
 """The denoise engine's batching: 48 requests of the shipped shapes model (different prompts,
-seeds and text lengths) offered at once to one denoise worker with ``max_batch`` 1, 4 and 8,
-each on a fresh stack so that no cache serves one round from another; then the same 48 through
-the monolithic ``QwenImagePipeline``, one call per request.
+seeds and text lengths) offered at once to the default denoise workers (one per GPU, or per
+core on a CPU) with ``max_batch`` 1, 4 and 8, each on a fresh stack so that no cache serves
+one round from another; then the same 48 through the monolithic ``QwenImagePipeline``, one
+call per request.
 
 Every output of the batched rounds is compared with the same request's output at max_batch 1
 (run alone by the service) and a sample with the pipeline's (one thread per op, as the workers
@@ -35,6 +36,7 @@ from training.scenes import free_caption, scene_at
 from workers.engine.exact_rows import rows_apart
 from workers.families import family_named
 from workers.families.base import CPU, Denoiser
+from workers.launch import with_worker_counts
 from workers.queue.engine_metrics import read_join_wait
 from workers.queue.messages import Stage
 from workers.queue.records import Records
@@ -80,8 +82,8 @@ def output(settings: Settings, record: RequestRecord) -> np.ndarray:
 
 def one_round(max_batch: int, work: list[tuple[str, int]], interactive: bool
               ) -> tuple[float, list[np.ndarray], dict[str, float]]:
-    """Seconds for one denoise worker of ``max_batch`` to serve ``work``, its outputs, and the
-    round's engine figures."""
+    """Seconds for the default denoise workers of ``max_batch`` to serve ``work``, its outputs,
+    and the round's engine figures."""
     with model_stack(family=FAMILY.name, model={"preset": "shapes"}) as base:
         settings = base.model_copy(update={"workers": WorkerSettings(max_batch=max_batch)})
         client = open_redis(settings)
@@ -224,7 +226,8 @@ def main() -> None:
                                  round_figures["step_ms"]]
                                 for b, (s, _, round_figures) in rounds.items()]
     rows.append(["QwenImagePipeline, one call each", mono_s, mono_rps, ""])
-    report(f"{len(work)} shapes requests offered at once, one denoise worker",
+    denoisers = with_worker_counts(settings, torch.cuda.device_count()).workers.denoise_workers
+    report(f"{len(work)} shapes requests offered at once, {denoisers} denoise worker(s)",
            ["run", "seconds", "requests/s", "step ms (median)"], rows, result)
 
 

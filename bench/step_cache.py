@@ -3,10 +3,11 @@ exact run, on the same held-out captions and seeds.
 
 Per policy: the share of forwards a hook stood in for (part of), the change in attribute
 accuracy read by the shipped classifier, the denoise speedup (the denoise stage's seconds of
-all requests, exact over policy, with one denoise worker running one request at a time by
-default: ``--max-batch``), the size of a checkpoint against the exact run's at the same step,
-whether a sample of outputs equals ``QwenImagePipeline`` with the same hook enabled, and
-whether each of them, resumed from a checkpoint half-way, gives the same output again.
+all requests, exact over policy, with the default denoise workers each running one request
+at a time unless ``--max-batch`` says more), the size of a checkpoint against the exact run's
+at the same step, whether a sample of outputs equals ``QwenImagePipeline`` with the same hook
+enabled, and whether each of them, resumed from a checkpoint half-way, gives the same output
+again.
 """
 
 from __future__ import annotations

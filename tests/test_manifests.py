@@ -28,7 +28,7 @@ OVERLAYS = ("cpu", "gpu")
 # Native sidecars (an init container with restartPolicy: Always) are on by default from 1.29.
 OLDEST_KUBERNETES = "1.29"
 IMAGE = "diffcache"
-# The Secret the README's `kubectl create secret` line makes; no manifest holds it.
+# The Secret the Kubernetes guide's `kubectl create secret` line makes; no manifest holds it.
 REDIS_SECRET = "diffcache-redis"
 REDIS_SECRET_KEYS = {"address", "password"}
 SEGMENT_HEADROOM_MIB = 256
@@ -316,8 +316,8 @@ def test_api_probes_and_the_network_policy(overlay: tuple[str, list[Doc]]) -> No
                for r in keda["ingress"])
 
 
-def test_the_readme_creates_the_secret_the_manifests_read() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_kubernetes_guide_creates_the_secret_the_manifests_read() -> None:
+    guide = (ROOT / "docs" / "deployment" / "kubernetes.md").read_text()
     for key in REDIS_SECRET_KEYS:
-        assert f"--from-literal={key}=" in readme
-    assert f"create secret generic {REDIS_SECRET}" in readme
+        assert f"--from-literal={key}=" in guide
+    assert f"create secret generic {REDIS_SECRET}" in guide
