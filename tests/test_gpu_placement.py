@@ -57,6 +57,13 @@ def test_the_default_starts_one_denoise_worker_per_gpu_or_per_cpu_core() -> None
     assert denoise(4) == 4 and denoise(4, device="cuda") == 4
     assert denoise(4, device="cuda:2") == 1
     assert denoise(0) == 2 and denoise(4, device="cpu") == 2 and denoise(0, cores=1) == 1
+    # A CPU worker of several threads per op takes that many cores; 0 threads takes them all.
+    assert with_worker_counts(load_settings(workers={"denoise_threads": 2}), 0,
+                              8).workers.denoise_workers == 4
+    assert with_worker_counts(load_settings(workers={"denoise_threads": 0}), 0,
+                              8).workers.denoise_workers == 1
+    # A count the settings give stands, none included (a node of encode and decode only).
+    assert stage_counts(load_settings(workers={"denoise_workers": 0}))[Stage.DENOISE] == 0
     # A count the settings give stands, on any machine.
     assert with_worker_counts(load_settings(workers={"denoise_workers": 3}),
                               8).workers.denoise_workers == 3

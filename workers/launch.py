@@ -20,10 +20,11 @@ JOINED_WITHIN_S = 5.0
 def with_worker_counts(settings: Settings, gpus: int, cores: int | None = None) -> Settings:
     """``settings`` with ``workers.denoise_workers`` resolved on a machine of ``gpus`` CUDA
     devices and ``cores`` usable CPU cores (this process's, by default): as set, or one per
-    GPU where the model computes on CUDA (``cuda`` or ``auto``), one on a device named
-    outright (``cuda:N``), else one per core. A CPU
-    worker runs one thread per op (exactness), so a second worker is what uses a second core:
-    on 2 cores, two denoise workers served 1.24x the requests of one (docs: How many workers).
+    GPU where the model computes on a visible GPU (``cuda`` or ``auto``), one on a device
+    named outright (``cuda:N``), else one per ``workers.denoise_threads`` cores. A CPU worker
+    runs one thread per op by default (exactness), so a second worker is what uses a second
+    core: on 2 cores, two denoise workers served 1.24x the requests of one (docs: How many
+    workers).
     Resolved once, before the workers start, so each reads the same count (their decode
     credits are counted from it)."""
     workers = settings.workers
@@ -35,8 +36,8 @@ def with_worker_counts(settings: Settings, gpus: int, cores: int | None = None) 
         count = 1  # the one device named
     elif gpus > 0 and device in ("auto", "cuda"):
         count = gpus
-    else:
-        count = max(1, cores)
+    else:  # as many workers as their threads per op fill the cores (0: every core)
+        count = max(1, cores // (workers.denoise_threads or cores))
     return settings.model_copy(update={
         "workers": workers.model_copy(update={"denoise_workers": count})})
 
@@ -44,7 +45,8 @@ def with_worker_counts(settings: Settings, gpus: int, cores: int | None = None) 
 def stage_counts(settings: Settings) -> dict[Stage, int]:
     """The workers of each stage that ``settings`` (resolved: ``with_worker_counts``) start."""
     workers = settings.workers
-    return {Stage.ENCODE: workers.encode_workers, Stage.DENOISE: workers.denoise_workers or 1,
+    denoise = 1 if workers.denoise_workers is None else workers.denoise_workers
+    return {Stage.ENCODE: workers.encode_workers, Stage.DENOISE: denoise,
             Stage.DECODE: workers.decode_workers}
 
 
@@ -70,20 +72,21 @@ def device_environ(model: ModelSettings, stages: Mapping[Stage, int], gpus: int
     first (one per GPU, as ``with_worker_counts`` starts them), so each process opens one
     device instead of all opening device 0. A ``cuda:N`` setting is left as it is, and so
     are CPU workers."""
-    def placed(stage: Stage) -> tuple[str, str]:
+    def placed(stage: Stage) -> str:
+        """The setting that puts ``stage`` on a device of its own; "" where none does."""
         encoders = stage is Stage.ENCODE and model.encode_device != "same"
         field, value = (("ENCODE_DEVICE", model.encode_device) if encoders
                         else ("DEVICE", model.device))
         on_gpu = gpus > 1 and (value == "cuda" or (value == "auto" and not encoders))
-        return (field if on_gpu else ""), value
+        return field if on_gpu else ""
 
     turns: dict[tuple[Stage, int], int] = {}
     for stage in sorted(stages, key=lambda s: s is not Stage.DENOISE):
-        if placed(stage)[0]:
+        if placed(stage):
             for i in range(stages[stage]):
                 turns[stage, i] = len(turns) % gpus
     for stage, count in stages.items():
-        field = placed(stage)[0]
+        field = placed(stage)
         for i in range(count):
             yield stage, i, ({f"DIFFCACHE_MODEL__{field}": f"cuda:{turns[stage, i]}"} if field
                              else {})

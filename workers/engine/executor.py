@@ -75,7 +75,7 @@ class Executor:
         self.interrupts = BlockInterrupts(model.transformer)
         self.caches = RowCaches(model.transformer, model.step_cache_config)
         self.adapters = AdapterRows(model.transformer)
-        self.largest_forward = 0  # token-rows of the largest forward since ``reset``
+        self.largest_forward = 0  # token-rows of the largest forward of the last ``run``
 
     def run(self, planned: Sequence[PlannedForward], rows: dict[Slot, Row]) -> Computed:
         """Every planned forward's rows, each row's output and its share of the seconds."""
@@ -105,11 +105,11 @@ class Executor:
             futures = [self._pool.submit(call) for call in calls]
             wait_for_all(futures)  # none outlives the step, even when one raises
             results = [f.result() for f in futures]
-        layouts = {f.geometry for f in planned}
+        geometries = {f.geometry for f in planned}
         chosen = planned[0].layout if planned else None
         # A step times its layout if it was one geometry's alone and checked nothing (a check
         # computes the rows one at a time as well).
-        if (len(layouts) == 1 and chosen is not None
+        if (len(geometries) == 1 and chosen is not None
                 and self.proof.verdicts + checks_made() == checks):
             self.layouts.observe(planned[0].geometry, chosen, len(rows),
                                  seconds_since(start, self.model.device))

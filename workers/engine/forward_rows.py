@@ -11,8 +11,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-import torch
-
 from workers.engine.exact_rows import rows_apart
 
 Cache = TypeVar("Cache")  # a row's step cache in a forward (``row_caches.RowCache``)
@@ -36,17 +34,6 @@ class Forward(Generic[Cache]):
         self.current = list(range(len(self.caches)))
         # Rows a step cache passes through the blocks that remain (they skip them).
         self.passing: set[int] = set()
-
-    def own_text(self, row: int, stream: torch.Tensor) -> int | None:
-        """Where ``stream`` (a call's output, batch first) is the forward's padded text, the
-        length of row ``row``'s own text in it: a step cache keeps a row's state of it at
-        that length, as the row alone computes it, whatever it is padded to in a forward.
-        None for any other stream."""
-        padded = None if self.text is None else self.text.padded
-        if padded is None or stream.dim() < 2 or stream.shape[1] != padded:
-            return None
-        assert self.text is not None
-        return self.text.text_length(row)
 
     @contextmanager
     def holding(self, rows: list[int]) -> Iterator[None]:

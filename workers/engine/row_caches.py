@@ -275,8 +275,7 @@ class RowCaches:
         for j, r in enumerate(forward.current):
             row = forward.caches[r]
             if r in mine and row is not None and row.policy is StepCachePolicy.FIRST_BLOCK:
-                own = None if forward.text is None else forward.text.text_length(r)
-                skip = _first_block_head(row, hidden[j:j + 1], mine[r], own)
+                skip = _first_block_head(row, hidden[j:j + 1], mine[r])
                 if skip is not None:
                     given[r] = skip
                     forward.passing.add(r)
@@ -356,12 +355,11 @@ def _row_of(tensor: torch.Tensor | None, j: int) -> torch.Tensor | None:
 
 
 def _first_block_head(row: RowCache, hidden_in: torch.Tensor,
-                      out: tuple[torch.Tensor, torch.Tensor | None], own: int | None = None
+                      out: tuple[torch.Tensor, torch.Tensor | None]
                       ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``FBCHeadBlockHook.new_forward`` for one row: its outputs if it skips the remaining
     blocks (the stored tail residuals added to the head's), else None, having kept the head's
-    output and residual. ``own``: the row's text length where its text is padded (its text
-    residual is kept at that length: its padding is never read)."""
+    output and residual."""
     state = row.state
     assert isinstance(state, FirstBlock)
     residual = out[0] - hidden_in
