@@ -77,7 +77,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
     with network(["head", *NODES]) as hosts:
         driver = start_cluster(hosts, {n: NodeSpec(stages) for n, stages in NODES.items()},
                                model_dir, tmp, API_PORT, DIFFCACHE_WORKERS__IDLE_TIMEOUT_S="3",
-                               DIFFCACHE_WORKERS__PREEMPT="false")
+                               DIFFCACHE_WORKERS__PREEMPT="false",
+                               # One a node: pausing worker-denoise-0 stands a node's aside.
+                               DIFFCACHE_WORKERS__DENOISE_WORKERS="1")
         try:
             yield Cluster(hosts, driver, tmp)
         finally:
