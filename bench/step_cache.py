@@ -4,7 +4,9 @@ exact run, on the same held-out captions and seeds.
 Per policy: the share of forwards a hook stood in for (part of), the change in attribute
 accuracy read by the shipped classifier, the denoise speedup (the denoise stage's seconds of
 all requests, exact over policy, with the default denoise workers each running one request
-at a time unless ``--max-batch`` says more), the size of a checkpoint against the exact run's
+at a time unless ``--max-batch`` says more: what each request's denoising took, which grows
+with the runs an engine holds at once), the throughput speedup (the seconds to serve every
+request, all submitted at once, exact over policy), the size of a checkpoint against the exact run's
 at the same step, whether a sample of outputs equals ``QwenImagePipeline`` with the same hook
 enabled, and whether each of them, resumed from a checkpoint half-way, gives the same output
 again.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +86,7 @@ def main() -> None:
     runs: dict[str, tuple[list[RequestRecord], np.ndarray]] = {}
     checks: dict[str, tuple[bool, bool]] = {}
     sizes: dict[str, int] = {}  # bytes of the first request's checkpoint half-way
+    walls: dict[str, float] = {}  # seconds to serve each run's requests
     with model_stack(model={"preset": "shapes"}) as base:
         settings = base.model_copy(update={"workers": WorkerSettings(max_batch=args.max_batch)})
         records = Records(open_redis(settings))
@@ -92,7 +96,9 @@ def main() -> None:
             for name, step_cache in caches.items():
                 specs = [dataclasses.replace(s, step_cache=step_cache)
                          for s in specs_for(settings, name, scenes, CfgCache(), 1000)]
+                start = time.perf_counter()
                 served, outputs = serve(records, cache, specs)
+                walls[name] = time.perf_counter() - start
                 runs[name] = served, np.concatenate(outputs)
                 first = runs[name][0][0]
                 sizes[name] = checkpoint_bytes(cache, first, first.spec.num_inference_steps // 2)
@@ -108,7 +114,7 @@ def main() -> None:
     exact_acc = accuracy(classifier, exact_frames, scenes)
     exact_s = denoise_seconds(exact_records)
     rows: list[list[object]] = [["exact", *(exact_acc[a] for a in READ), "", round(exact_s, 2),
-                                 "", "", *checks["exact"]]]
+                                 "", "", "", *checks["exact"]]]
     results = []
     for policy in POLICIES:
         done, frames = runs[policy.value]
@@ -119,17 +125,20 @@ def main() -> None:
                  "forwards_saved": round(skipped / forwards, 4),
                  "acc_delta": round(float(np.mean([acc[a] - exact_acc[a] for a in READ])), 4),
                  "denoise_speedup": round(exact_s / denoise_seconds(done), 3),
+                 "throughput_speedup": round(walls["exact"] / walls[policy.value], 3),
                  "checkpoint_bytes_ratio": round(sizes[policy.value] / sizes["exact"], 3),
                  "identical_to_pipeline": checks[policy.value][0],
                  "identical_after_resume": checks[policy.value][1]}
         results.append(entry)
         rows.append([f"{policy.value} {entry['params']}", *(acc[a] for a in READ),
                      entry["forwards_saved"], round(denoise_seconds(done), 2),
-                     entry["denoise_speedup"], entry["checkpoint_bytes_ratio"],
+                     entry["denoise_speedup"], entry["throughput_speedup"],
+                     entry["checkpoint_bytes_ratio"],
                      *checks[policy.value]])
     report(f"step caches on the shapes model: {args.requests} held-out captions, one seed "
            f"each, max_batch {args.max_batch}; accuracy read by the classifier",
-           ["run", *READ, "forwards saved", "denoise s", "speedup", "ckpt bytes ratio",
+           ["run", *READ, "forwards saved", "denoise s", "speedup", "throughput",
+            "ckpt bytes ratio",
             "= pipeline", "= after resume"], rows,
            {"bench": "step_cache", "requests": args.requests, "max_batch": args.max_batch,
             "policies": results})

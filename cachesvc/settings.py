@@ -163,11 +163,18 @@ class WorkerSettings(_Section):
     cfg_parallel: bool = Field(True, description="run a step's independent forwards (rows "
                                "the batch bounds split, or texts of different lengths where "
                                "a family cannot pad them) on two threads")
-    # The denoise engine (README "The denoise engine"): the most runs a worker holds and steps
-    # together, and the most rows one forward takes (the 16 rows of 8 runs with CFG are two
-    # forwards, on two threads with cfg_parallel). On this CPU a forward of 16 shapes rows
+    # The denoise engine (docs/design/engine.md): the most runs a worker holds and steps
+    # together, and the most rows one forward computes (the 16 rows of 8 runs with CFG are
+    # two forwards, on two threads with cfg_parallel); runs whose step cache skips their rows
+    # weigh less, up to ride_along times as many. On this CPU a forward of 16 shapes rows
     # costs about a third per row of a lone forward.
     max_batch: int = Field(8, ge=1, le=256)
+    # How many times max_batch a worker's engine holds runs, and a forward rows, while step
+    # caches skip some of them (1: never more). More runs a step is more requests a second, and
+    # each request's step slower: on the shapes model at max_batch 8, first-block served 1.35x
+    # exact's requests a second at 2 (1.17x at 1), each request denoising in 1.40x exact's
+    # seconds (0.85x at 1).
+    ride_along: int = Field(2, ge=1, le=4)
     # And the most token-rows (image plus text tokens, summed over its rows) one forward takes,
     # so activation memory stays bounded when the requests are large: 64k is two rows of a
     # 480p 81-frame video of the default video model, thousands of the shipped image model's.

@@ -47,9 +47,9 @@ class StepResult:
 
 class DenoiseEngine:
     def __init__(self, model: Denoiser, max_batch: int, max_tokens: int, adapters: int,
-                 parallel: bool) -> None:
+                 parallel: bool, ride_along: int = 2) -> None:
         self.model = model
-        self.scheduler = Scheduler(Limits(max_batch, max_tokens, adapters))
+        self.scheduler = Scheduler(Limits(max_batch, max_tokens, adapters, ride_along))
         self.executor = Executor(model, parallel)
         self.runs: list[DenoiseRun] = []
 
@@ -65,7 +65,7 @@ class DenoiseEngine:
 
     @property
     def room(self) -> int:
-        return self.max_batch - len(self.runs)
+        return self.scheduler.room([run.view for run in self.runs])
 
     def add(self, run: DenoiseRun) -> None:
         self.runs.append(run)
@@ -89,7 +89,7 @@ class DenoiseEngine:
         if self.max_batch == 1:
             return []
         condition = self.model.condition_shape(spec)
-        largest = self.scheduler.per_forward(self.model.tokens(spec, condition), 1)[1]
+        largest = self.scheduler.most_rows(self.model.tokens(spec, condition), 1)
         proven, out_of_memory = self.executor.warm_up(spec, largest, budget_s)
         if out_of_memory:
             self.fit_after_out_of_memory()
@@ -132,9 +132,10 @@ class DenoiseEngine:
             return result
         rows = {(i, j): row for i, (_, plan) in enumerate(planned)
                 for j, row in enumerate(plan.rows)}
+        weights = [run.view.weight for run, _ in planned]
         try:
             with self.executor.watching(lambda: all(r.wants_stop for r, _ in planned)):
-                computed = self.compute(rows)
+                computed = self.compute(rows, weights)
         except StepInterrupted:
             for run, _ in planned:
                 run.stopped_mid_step()
@@ -156,11 +157,14 @@ class DenoiseEngine:
         """``plan`` and ``run`` with no exact tier between them."""
         return self.run(self.plan(only))
 
-    def compute(self, rows: dict[Slot, Row]) -> Computed:
+    def compute(self, rows: dict[Slot, Row], weights: Sequence[float] | None = None
+                ) -> Computed:
         """Every row's output: the scheduler shares the rows out into forwards, the executor
-        runs them."""
+        runs them. ``weights``: the share of its rows each run is expected to compute (its
+        ``view``'s; all of them if not given)."""
         needs = [RowNeed(slot, self._group(row), geometry(row), tokens(self.model, row),
-                         row.embeds.shape[1], frozenset(name for name, _ in row.adapters))
+                         row.embeds.shape[1], frozenset(name for name, _ in row.adapters),
+                         1.0 if weights is None else weights[slot[0]])
                  for slot, row in rows.items()]
         planned = self.scheduler.forwards(needs, self.executor.layout,
                                           self.executor.proof.usable)

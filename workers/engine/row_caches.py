@@ -124,6 +124,9 @@ def _copy(state: RowState) -> RowState:
 
 
 BRANCHES = ("cond", "uncond")  # a plan's rows, in order
+# The policies whose skipping rows pass the blocks by, and so ride along in a forward at
+# little cost; a TaylorSeer row that forecasts still runs every block but its attention.
+PASS_BLOCKS_BY = frozenset({StepCachePolicy.FIRST_BLOCK, StepCachePolicy.MAGCACHE})
 
 
 @dataclass
@@ -135,6 +138,7 @@ class RunStepCache:
     state: RunHookState = field(default_factory=dict)
     forwards: int = 0
     skipped: int = 0
+    computed_share: float = 1.0  # of its last step's rows, those whose blocks ran
 
     def attach(self, rows: Sequence[Row]) -> list[Row]:
         """The plan's rows, each to run under this run's state for its branch."""
@@ -144,12 +148,16 @@ class RunStepCache:
 
     def commit(self, rows: Sequence[Row]) -> None:
         """Take the state the rows' forwards left: the step is the run's now."""
+        skipped = 0
         for row, branch in zip(rows, BRANCHES, strict=False):
             slot = row.cached
             assert slot is not None and slot.after is not None
             self.state[branch] = slot.after
-            self.forwards += 1
-            self.skipped += slot.skipped
+            skipped += slot.skipped
+        self.forwards += len(rows)
+        self.skipped += skipped
+        if self.cache.policy in PASS_BLOCKS_BY:
+            self.computed_share = 1 - skipped / max(len(rows), 1)
 
 
 def check(state: RunHookState) -> None:

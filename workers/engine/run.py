@@ -14,6 +14,7 @@ from keys import ChainLink, GenerationSpec, LoraUse, StoreKey
 from workers.engine.checkpoint import Checkpoint
 from workers.engine.guidance import Guidance, StepPlan
 from workers.engine.row_caches import RunStepCache
+from workers.engine.scheduler import RunView
 from workers.engine.timing import seconds_since
 from workers.families.base import Inpainting
 from workers.families.scheduler_state import SchedulerFields
@@ -66,6 +67,12 @@ class DenoiseRun:
     def ledger(self) -> Ledger | None:
         """The attempt's ledger of lookups, which its guidance counts the CFG tier's in."""
         return self.guidance.ledger
+
+    @property
+    def view(self) -> RunView:
+        """What the scheduler reads of this run."""
+        return RunView(frozenset(lora.hash for lora in self.spec.loras), self.ctx.preemptible,
+                       1.0 if self.step_cache is None else self.step_cache.computed_share)
 
     @property
     def finished(self) -> bool:

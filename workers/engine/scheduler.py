@@ -7,10 +7,18 @@ A row's step cache and adapters are its own (``forward_rows``): rows of every po
 and adapter set share a forward. What keeps rows apart is only what the arithmetic needs:
 their geometry, their text's length where the family cannot pad texts, the token budget of a
 forward, the batch sizes the row proof refused, and how many adapters one forward may carry.
+
+``max_batch`` bounds the rows that compute. A row whose step cache passes its blocks by (a
+first-block or MagCache skip) costs a fraction of one, so the engine holds, and a forward
+carries, up to ``ride_along`` times as many rows as it computes: a step cache then shortens
+a batched step as it shortens a lone one, instead of leaving the forward part empty. A run's
+weight is the share of its rows its last step computed (1 before its first: every policy
+computes its first steps).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -22,9 +30,13 @@ Slot = tuple[int, int]
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    max_batch: int  # runs an engine holds; a forward takes this many rows (twice, WHOLE)
+    max_batch: int  # runs' weight an engine holds; rows a forward computes (twice, WHOLE)
     max_tokens: int  # token-rows one forward takes (image and text tokens, over its rows)
     adapters: int  # distinct adapters one forward, and one engine, may carry
+    # How many times ``max_batch`` an engine holds runs, and a forward rows, when step caches
+    # stand in for some (1: never more): bounded, so activation memory and a step's latency
+    # stay near a full batch's where every row computes again.
+    ride_along: int = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +49,7 @@ class RowNeed:
     image_tokens: int
     text_tokens: int
     adapters: frozenset[str]  # the adapters its forward must carry
+    weight: float = 1.0  # the share of a computed row it is expected to cost (its run's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +65,7 @@ class RunView:
 
     adapters: frozenset[str]
     preemptible: bool = False
+    weight: float = 1.0  # the share of its rows its last step computed
 
 
 class Scheduler:
@@ -60,12 +74,19 @@ class Scheduler:
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
 
+    def room(self, held: Sequence[RunView]) -> int:
+        """How many more runs may join ``held``: joiners weigh one each, within ``max_batch``
+        of weight and ``ride_along`` times as many runs."""
+        weight = sum(run.weight for run in held)
+        by_weight = math.floor(self.limits.max_batch - weight + 1e-9)
+        return max(0, min(by_weight, self.limits.ride_along * self.limits.max_batch - len(held)))
+
     def admit(self, held: Sequence[RunView], waiting: Sequence[RunView]) -> list[int]:
         """The waiting runs (their positions, oldest first) that join now: while there is
-        room, and the engine's adapters with theirs stay within ``limits.adapters`` (a run
-        that would overflow them waits; later ones may still join)."""
+        ``room``, and the engine's adapters with theirs stay within ``limits.adapters`` (a
+        run that would overflow them waits; later ones may still join)."""
         adapters = set().union(*(run.adapters for run in held))
-        room = self.limits.max_batch - len(held)
+        room = self.room(held)
         joining = []
         for n, run in enumerate(waiting):
             if room <= 0:
@@ -101,29 +122,42 @@ class Scheduler:
             first = members[0]
             longest = max(r.text_tokens for r in members)
             split, whole = self.per_forward(first.image_tokens, longest)
+            weight = sum(r.weight for r in members)
             chosen = (layout(first.geometry)
-                      if self.limits.max_batch > 1 and len(members) > split and whole > split
+                      if self.limits.max_batch > 1 and weight > split and whole > split
                       else None)
-            size = usable(first.geometry, whole if chosen is Layout.WHOLE else split)
+            size = whole if chosen is Layout.WHOLE else split
+            most = usable(first.geometry, min(self.limits.ride_along * size,
+                                              self.most_rows(first.image_tokens, longest)))
             planned += [PlannedForward(first.geometry, chosen, tuple(r.slot for r in cut))
-                        for cut in self._cut(members, size)]
+                        for cut in self._cut(members, min(size, most), most)]
         return planned
 
     def per_forward(self, image_tokens: int, text_tokens: int) -> tuple[int, int]:
-        """The most rows one forward of rows this long takes, within ``max_tokens``: as one of
-        several forwards of ``max_batch`` rows, and as the one forward of a whole step."""
-        by_tokens = max(1, self.limits.max_tokens // max(image_tokens + text_tokens, 1))
+        """The most computed rows one forward of rows this long takes: as one of several
+        forwards of ``max_batch`` rows, and as the one forward of a whole step."""
+        by_tokens = self.most_rows(image_tokens, text_tokens)
         return min(self.limits.max_batch, by_tokens), min(2 * self.limits.max_batch, by_tokens)
 
-    def _cut(self, rows: list[RowNeed], size: int) -> list[list[RowNeed]]:
-        """``rows`` in order, in forwards of at most ``size`` rows and ``limits.adapters``
-        distinct adapters."""
+    def most_rows(self, image_tokens: int, text_tokens: int) -> int:
+        """The most rows of this length one forward may take, computed or stood in for:
+        within ``max_tokens``, and ``ride_along`` times the whole step's bound."""
+        by_tokens = max(1, self.limits.max_tokens // max(image_tokens + text_tokens, 1))
+        return min(self.limits.ride_along * 2 * self.limits.max_batch, by_tokens)
+
+    def _cut(self, rows: list[RowNeed], weight: float, most: int) -> list[list[RowNeed]]:
+        """``rows`` in order, in forwards of at most ``weight`` computed rows, ``most`` rows
+        and ``limits.adapters`` distinct adapters."""
         cuts: list[list[RowNeed]] = [[]]
         adapters: set[str] = set()
+        carried = 0.0
         for row in rows:
-            if len(cuts[-1]) >= size or len(adapters | row.adapters) > self.limits.adapters:
+            if (len(cuts[-1]) >= most or carried + row.weight > weight + 1e-9
+                    or len(adapters | row.adapters) > self.limits.adapters) and cuts[-1]:
                 cuts.append([])
                 adapters = set()
+                carried = 0.0
             cuts[-1].append(row)
             adapters |= row.adapters
+            carried += row.weight
         return [cut for cut in cuts if cut]

@@ -78,7 +78,8 @@ class DenoiseHandler:
         self.credits = credits
         self._writes = WriteBehind()
         self.engine = DenoiseEngine(model, settings.max_batch, settings.max_batch_tokens,
-                                    settings.lora_slots, settings.cfg_parallel)
+                                    settings.lora_slots, settings.cfg_parallel,
+                                    settings.ride_along)
         # Asked by the worker loop for every run's unconditional row of a step at once.
         self.exact_tier = ExactTier(cache, self._writes)
         self.adapters = LoadedAdapters(cache, model.transformer, settings.lora_slots,

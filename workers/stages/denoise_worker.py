@@ -25,7 +25,6 @@ from cachesvc.redis_client import REDIS_ERRORS, RedisClient
 from cachesvc.settings import WorkerSettings
 from workers.engine.core import StepResult
 from workers.engine.run import DenoiseRun
-from workers.engine.scheduler import RunView
 from workers.engine.timing import release_memory
 from workers.queue.engine_metrics import EngineMetrics
 from workers.queue.messages import Job
@@ -132,7 +131,7 @@ class EngineWorker(StageWorker):
         engine with runs of its own still waiting to join."""
         if self.waiting:
             return
-        chosen = self.engine.scheduler.make_way([_view(r) for r in self.engine.runs])
+        chosen = self.engine.scheduler.make_way([r.view for r in self.engine.runs])
         if chosen is None:
             return
         victim = self.engine.runs[chosen]
@@ -188,8 +187,8 @@ class EngineWorker(StageWorker):
         the engine's), their adapters loaded first."""
         if not self.waiting:
             return
-        admitted = self.engine.scheduler.admit([_view(r) for r in self.engine.runs],
-                                               [_view(r) for r in self.waiting])
+        admitted = self.engine.scheduler.admit([r.view for r in self.engine.runs],
+                                               [r.view for r in self.waiting])
         for run in [self.waiting[n] for n in admitted]:
             self.waiting.remove(run)
             in_use = {lora.hash for held in self.engine.runs for lora in held.spec.loras}
@@ -314,9 +313,3 @@ class EngineWorker(StageWorker):
     def _drop(self, run: DenoiseRun, exc: Exception) -> None:
         self.leases.release(run.delivery)
         self.failed(run.ctx, run.delivery, exc)
-
-
-
-def _view(run: DenoiseRun) -> RunView:
-    """What the scheduler reads of ``run``."""
-    return RunView(frozenset(lora.hash for lora in run.spec.loras), run.ctx.preemptible)
