@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from encoders.text import MeanPooled, prompt_vector
-from keys import ChainLink, GenerationSpec, OutputFormat, reuse_bucket
+from keys import ChainLink, GenerationSpec, OutputFormat, PromptSegment, reuse_bucket
 from workers.families import family_of
 from workers.families.base import CPU
+from workers.stages.approximate import Agreement
 from workers.stages.prompt_view import (
     FIRST_STEP,
     MAX_FLOATS,
@@ -80,6 +81,37 @@ def test_the_prompts_effect_leaves_out_what_every_prompt_shares(qwen_model_dir: 
     effect = view.prediction(fox, spec) - view.prediction(blank, spec)
     np.testing.assert_allclose(view.vector(fox, 3, spec),
                                (effect / effect.norm()).numpy(), atol=1e-6)
+
+
+def test_a_repeated_agreement_check_reuses_the_sources_side(qwen_model_dir: Path) -> None:
+    """The check against one source's checkpoint gives the same cosine as computed whole,
+    and a second request checked against it costs the denoiser one prediction, not three."""
+    family = family_of(qwen_model_dir)
+    text = family.text_encoder(qwen_model_dir, CPU)
+    denoiser = family.denoiser(qwen_model_dir, CPU)
+    blank = text.encode(text.tokenize(""))
+    view = PromptEffect(denoiser, lambda: blank)
+    embedded = {p: text.encode(text.tokenize(p))
+                for p in ("a red fox", "a red fox in snow", "a blue whale")}
+    agreement = Agreement(view, 0.5, lambda _, prompt: embedded[prompt])
+    source = dataclasses.replace(shaped(), request_id="source", schedule=(
+        PromptSegment("a red fox", "", 4),))
+    latents, _ = denoiser.initial_latents(source)
+    predictions = []
+    original = denoiser.predict
+
+    def counted(*args: object, **kwargs: object) -> object:
+        predictions.append(1)
+        return original(*args, **kwargs)
+
+    denoiser.predict = counted  # type: ignore[method-assign]
+    for prompt, calls in (("a red fox in snow", 3), ("a blue whale", 1)):
+        predictions.clear()
+        mine = embedded[prompt]
+        whole = view.agreement(latents, 2, mine, embedded["a red fox"], source)
+        predictions.clear()
+        assert agreement.holds(latents, 2, mine, source, source) == (whole >= 0.5)
+        assert len(predictions) == calls
 
 
 def test_the_text_mean_is_the_encoders_embedding_averaged(qwen_model_dir: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from workers.engine.checkpoint import Checkpoint
 from workers.families.base import Trajectory
 from workers.queue.records import Records
 from workers.queue.schema import ApproximateHit
-from workers.stages.prompt_view import PromptEffect
+from workers.stages.prompt_view import EffectAt, PromptEffect
 
 CANDIDATES = 8  # nearest requests looked at, most similar first
 
@@ -70,22 +71,47 @@ def eligible(spec: GenerationSpec) -> bool:
     return len(spec.schedule) == 1 and spec.image is None
 
 
-@dataclass(frozen=True, slots=True)
 class Agreement:
     """The check that a reused step is not too late to switch prompts: on the source's own
     latents at that step, the two prompts must pull the prediction alike (their effects'
     cosine at least ``least``, the model card's ``reuse_agreement``). The first prediction
     from shared noise ranks prompts; this reads the trajectory itself, where a changed shape
-    or colour the reused steps already drew shows."""
+    or colour the reused steps already drew shows.
 
-    view: PromptEffect
-    least: float
-    embed: Callable[[str, str], torch.Tensor]  # (tenant, text): its embedding, cached
+    The source's side of a check (two of its three predictions) is the same for every request
+    checked against that checkpoint, and a popular prompt's rewordings all are: it is kept,
+    up to ``KEPT_BYTES``, so a repeated check costs one prediction."""
+
+    KEPT_BYTES = 64 << 20
+
+    def __init__(self, view: PromptEffect, least: float,
+                 embed: Callable[[str, str], torch.Tensor]) -> None:
+        self.view = view
+        self.least = least
+        self.embed = embed  # (tenant, text): its embedding, cached
+        self._kept: OrderedDict[tuple[str, str, int], EffectAt] = OrderedDict()
+        self._kept_bytes = 0
 
     def holds(self, latents: torch.Tensor, step: int, mine: torch.Tensor,
               source: GenerationSpec, spec: GenerationSpec) -> bool:
-        theirs = self.embed(source.tenant, source.schedule[0].prompt)
-        return self.view.agreement(latents, step, mine, theirs, spec) >= self.least
+        theirs = self._source_side(latents, step, source)
+        return self.view.agreement_with(theirs, latents, step, mine, spec) >= self.least
+
+    def _source_side(self, latents: torch.Tensor, step: int,
+                     source: GenerationSpec) -> EffectAt:
+        key = (source.tenant, source.request_id, step)
+        kept = self._kept.get(key)
+        if kept is not None:
+            self._kept.move_to_end(key)
+            return kept
+        embedding = self.embed(source.tenant, source.schedule[0].prompt)
+        kept = self.view.effect_at(latents, step, embedding, source)
+        self._kept[key] = kept
+        self._kept_bytes += kept.nbytes
+        while self._kept_bytes > self.KEPT_BYTES and len(self._kept) > 1:
+            _, dropped = self._kept.popitem(last=False)
+            self._kept_bytes -= dropped.nbytes
+        return kept
 
 
 class ApproximateReuse:

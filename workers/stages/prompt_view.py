@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -63,6 +64,20 @@ class FirstStep:
         return d.predict(latents, first, embedding.to(d.device), start).flatten().float()
 
 
+@dataclass(frozen=True, slots=True)
+class EffectAt:
+    """A prompt's effect on the prediction at one point of a trajectory, and the empty
+    prompt's prediction there that it is measured from."""
+
+    blank: torch.Tensor
+    effect: torch.Tensor  # flattened, float64
+
+    @property
+    def nbytes(self) -> int:
+        return (self.blank.numel() * self.blank.element_size()
+                + self.effect.numel() * self.effect.element_size())
+
+
 class PromptEffect(FirstStep):
     """What the prompt changes in the denoiser's first prediction: ``FirstStep``'s prediction
     less the empty prompt's, from the same noise. The noise's own part, which every prompt of a
@@ -96,12 +111,31 @@ class PromptEffect(FirstStep):
         empty prompt's). A reused trajectory switches prompts there; where the new prompt
         pulls elsewhere (another shape, colour or place), what the reused steps drew already
         decides against it."""
+        return self.agreement_with(self.effect_at(latents, step, theirs, spec), latents, step,
+                                   mine, spec)
+
+    @torch.no_grad()
+    def effect_at(self, latents: torch.Tensor, step: int, embedding: torch.Tensor,
+                  spec: GenerationSpec) -> EffectAt:
+        """One prompt's effect on the prediction at ``step``, where the trajectory stands at
+        ``latents``: the source's side of ``agreement``, which every request checked against
+        the same checkpoint shares."""
         d = self.denoiser
         t = d.scheduler(spec).timesteps[step].reshape(1)
         latents = latents.to(d.device)
         blank = d.predict(latents, t, self.blank().to(d.device), spec)
-        a = (d.predict(latents, t, mine.to(d.device), spec) - blank).flatten().double()
-        b = (d.predict(latents, t, theirs.to(d.device), spec) - blank).flatten().double()
+        effect = (d.predict(latents, t, embedding.to(d.device), spec) - blank).flatten()
+        return EffectAt(blank, effect.double())
+
+    @torch.no_grad()
+    def agreement_with(self, theirs: EffectAt, latents: torch.Tensor, step: int,
+                       mine: torch.Tensor, spec: GenerationSpec) -> float:
+        """``agreement`` with the source's side already known."""
+        d = self.denoiser
+        t = d.scheduler(spec).timesteps[step].reshape(1)
+        a = (d.predict(latents.to(d.device), t, mine.to(d.device), spec)
+             - theirs.blank).flatten().double()
+        b = theirs.effect
         return float(a @ b / (a.norm() * b.norm()).clamp_min(1e-30))
 
     def _blank_prediction(self, spec: GenerationSpec) -> torch.Tensor:
