@@ -95,8 +95,8 @@ ROWS = Metric("diffcache_engine_rows_per_forward", HistogramMetricFamily,
 JOIN_WAIT = Metric("diffcache_engine_join_wait_seconds", HistogramMetricFamily,
                    "Seconds from a denoise job's arrival to its first step in an engine")
 OCCUPANCY = Metric("diffcache_engine_occupancy", GaugeMetricFamily,
-                   "Runs a denoise worker's engine holds, as a share of its max_batch (up to 2 "
-                   "while step caches stand in for rows)",
+                   "Runs a denoise worker's engine holds, as a share of its max_batch (up to "
+                   "workers.ride_along while step caches skip rows)",
                    ("worker",))
 # Every metric ``/metrics`` shows, in the order it shows them.
 METRICS = (*CACHE.values(), STEP_CACHE, STEPS_REUSED, DEPTH, IN_FLIGHT, OLDEST, STAGE_SECONDS,

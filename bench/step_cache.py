@@ -88,7 +88,10 @@ def main() -> None:
     sizes: dict[str, int] = {}  # bytes of the first request's checkpoint half-way
     walls: dict[str, float] = {}  # seconds to serve each run's requests
     with model_stack(model={"preset": "shapes"}) as base:
-        settings = base.model_copy(update={"workers": WorkerSettings(max_batch=args.max_batch)})
+        # At max_batch 1 each request runs alone: no other rides along while its cache skips.
+        workers_settings = WorkerSettings(max_batch=args.max_batch, ride_along=1) \
+            if args.max_batch == 1 else WorkerSettings(max_batch=args.max_batch)
+        settings = base.model_copy(update={"workers": workers_settings})
         records = Records(open_redis(settings))
         cache = open_cache(settings)
         pipe = family_named("qwen-image").reference(settings.model_dir, CPU)

@@ -198,7 +198,8 @@ class WorkerSettings(_Section):
     # for each denoise worker this config starts, or for one if it starts none). A run takes
     # its credit before its first step, so with fewer credits than the engines hold runs,
     # rows sit idle whenever decode lags: set it to at least max_batch times the cluster's
-    # denoise workers, plus the backlog decode may keep.
+    # denoise workers, plus the backlog decode may keep (an engine whose step caches skip
+    # rows holds up to ride_along times max_batch runs, each with its credit).
     decode_credits: int | None = Field(None, ge=1)
     preempt: bool = Field(True, description="waiting interactive work preempts batch work")
     # An interactive entry must wait this long before a full engine makes way for it. An idle

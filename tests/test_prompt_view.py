@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 
 from encoders.text import MeanPooled, prompt_vector
-from keys import ChainLink, GenerationSpec, OutputFormat, PromptSegment, reuse_bucket
+from keys import (
+    ChainLink,
+    GenerationSpec,
+    KeyKind,
+    OutputFormat,
+    PromptSegment,
+    StoreKey,
+    reuse_bucket,
+)
 from workers.families import family_of
 from workers.families.base import CPU
 from workers.stages.approximate import Agreement
@@ -97,6 +105,7 @@ def test_a_repeated_agreement_check_reuses_the_sources_side(qwen_model_dir: Path
     source = dataclasses.replace(shaped(), request_id="source", schedule=(
         PromptSegment("a red fox", "", 4),))
     latents, _ = denoiser.initial_latents(source)
+    checkpoint = StoreKey(tenant="t", kind=KeyKind.CHECKPOINT, ident="0" * 64)
     predictions = []
     original = denoiser.predict
 
@@ -110,7 +119,7 @@ def test_a_repeated_agreement_check_reuses_the_sources_side(qwen_model_dir: Path
         mine = embedded[prompt]
         whole = view.agreement(latents, 2, mine, embedded["a red fox"], source)
         predictions.clear()
-        assert agreement.holds(latents, 2, mine, source, source) == (whole >= 0.5)
+        assert agreement.holds(checkpoint, latents, 2, mine, source, source) == (whole >= 0.5)
         assert len(predictions) == calls
 
 

@@ -39,8 +39,13 @@ def test_runs_join_while_there_is_room_and_their_adapters_fit() -> None:
 def test_the_last_preemptible_run_makes_way() -> None:
     held = [RunView(NONE, preemptible=True), RunView(NONE, preemptible=True),
             RunView(NONE, preemptible=False)]
-    assert Scheduler.make_way(held) == 1
-    assert Scheduler.make_way([RunView(NONE)]) is None
+    scheduler = Scheduler(Limits(max_batch=3, max_tokens=1 << 16, adapters=4))
+    assert scheduler.make_way(held) == 1
+    assert scheduler.make_way([RunView(NONE)]) is None
+    # One that leaving would not make room for: a run whose step cache skipped weighs nothing.
+    skipping = [RunView(NONE, preemptible=True), RunView(NONE, preemptible=True),
+                RunView(NONE, preemptible=True, weight=0.0), RunView(NONE, weight=1.0)]
+    assert scheduler.room(skipping) == 0 and scheduler.make_way(skipping) == 1
 
 
 def test_rows_of_any_adapter_set_and_step_share_a_forward() -> None:
@@ -109,6 +114,18 @@ def test_rows_stood_in_for_ride_along_in_a_forward() -> None:
     free = [RowNeed((n, 0), "g", "geometry", 1, 1, NONE, 0.0) for n in range(20)]
     assert [len(f.slots) for f in scheduler.forwards(free, lambda _: Layout.SPLIT,
                                                      any_size)] == [8, 8, 4]
+    # No forward of a size the proof refused, computed rows or riding along.
+    refuses_4 = lambda _, most: 3 if most == 4 else most  # noqa: E731
+    whole_rows = [need(n, image=1, text=1) for n in range(8)]
+    assert [len(f.slots) for f in scheduler.forwards(whole_rows, lambda _: Layout.SPLIT,
+                                                     refuses_4)] == [3, 3, 2]
+    refuses_8 = lambda _, most: 7 if most == 8 else most  # noqa: E731
+    assert [len(f.slots) for f in scheduler.forwards(light, lambda _: Layout.SPLIT,
+                                                     refuses_8)] == [7, 1]
+    # Many light rows cut otherwise in one forward than in several: the layout is asked.
+    asked: list[Hashable] = []
+    scheduler.forwards(free, lambda g: asked.append(g) or Layout.WHOLE, any_size)
+    assert asked == ["geometry"]
     # The token budget bounds the rows that ride along as it bounds the others.
     tight = Scheduler(Limits(max_batch=4, max_tokens=10, adapters=4))
     assert [len(f.slots) for f in tight.forwards(free[:8], lambda _: Layout.SPLIT,

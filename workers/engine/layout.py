@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 
 
 class Layout(enum.Enum):
-    SPLIT = "split"  # forwards of max_batch rows, on two threads
-    WHOLE = "whole"  # one forward of every row (at most twice max_batch)
+    SPLIT = "split"  # forwards of max_batch computed rows, on two threads
+    WHOLE = "whole"  # one forward of every row (at most twice max_batch computed rows)
 
 
 TRIALS = 2  # steps timed in each layout before the faster one is kept

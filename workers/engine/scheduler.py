@@ -18,6 +18,7 @@ computes its first steps).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -98,11 +99,13 @@ class Scheduler:
             room -= 1
         return joining
 
-    @staticmethod
-    def make_way(held: Sequence[RunView]) -> int | None:
+    def make_way(self, held: Sequence[RunView]) -> int | None:
         """The run (its position) that leaves a full engine for waiting interactive work:
-        the preemptible one that joined last, which has the least to lose."""
-        candidates = [n for n, run in enumerate(held) if run.preemptible]
+        the preemptible one that joined last, which has the least to lose, of those whose
+        leaving makes room (a run its step cache skipped weighs nothing: room by weight
+        would not grow)."""
+        candidates = [n for n, run in enumerate(held) if run.preemptible
+                      and self.room([r for m, r in enumerate(held) if m != n]) >= 1]
         return candidates[-1] if candidates else None
 
     def forwards(self, rows: Sequence[RowNeed], layout: Callable[[Hashable], Layout],
@@ -122,15 +125,18 @@ class Scheduler:
             first = members[0]
             longest = max(r.text_tokens for r in members)
             split, whole = self.per_forward(first.image_tokens, longest)
+            rows_bound = self.most_rows(first.image_tokens, longest)
             weight = sum(r.weight for r in members)
+            # Two layouts cut alike unless the rows exceed a SPLIT forward's weight or rows.
+            apart = weight > split or len(members) > min(self.limits.ride_along * split,
+                                                         rows_bound)
             chosen = (layout(first.geometry)
-                      if self.limits.max_batch > 1 and weight > split and whole > split
-                      else None)
+                      if self.limits.max_batch > 1 and apart and whole > split else None)
             size = whole if chosen is Layout.WHOLE else split
-            most = usable(first.geometry, min(self.limits.ride_along * size,
-                                              self.most_rows(first.image_tokens, longest)))
+            fit = functools.partial(usable, first.geometry)
+            most = fit(min(self.limits.ride_along * size, rows_bound))
             planned += [PlannedForward(first.geometry, chosen, tuple(r.slot for r in cut))
-                        for cut in self._cut(members, min(size, most), most)]
+                        for cut in self._cut(members, fit(size), most, fit)]
         return planned
 
     def per_forward(self, image_tokens: int, text_tokens: int) -> tuple[int, int]:
@@ -145,9 +151,11 @@ class Scheduler:
         by_tokens = max(1, self.limits.max_tokens // max(image_tokens + text_tokens, 1))
         return min(self.limits.ride_along * 2 * self.limits.max_batch, by_tokens)
 
-    def _cut(self, rows: list[RowNeed], weight: float, most: int) -> list[list[RowNeed]]:
+    def _cut(self, rows: list[RowNeed], weight: float, most: int,
+             fit: Callable[[int], int]) -> list[list[RowNeed]]:
         """``rows`` in order, in forwards of at most ``weight`` computed rows, ``most`` rows
-        and ``limits.adapters`` distinct adapters."""
+        and ``limits.adapters`` distinct adapters, each of a size the proof has not refused
+        (``fit``: the largest such size up to a count)."""
         cuts: list[list[RowNeed]] = [[]]
         adapters: set[str] = set()
         carried = 0.0
@@ -160,4 +168,11 @@ class Scheduler:
             cuts[-1].append(row)
             adapters |= row.adapters
             carried += row.weight
-        return [cut for cut in cuts if cut]
+        fitted = []
+        for cut in cuts:
+            start = 0
+            while start < len(cut):
+                n = fit(len(cut) - start)
+                fitted.append(cut[start:start + n])
+                start += n
+        return fitted

@@ -89,17 +89,20 @@ class Agreement:
         self.view = view
         self.least = least
         self.embed = embed  # (tenant, text): its embedding, cached
-        self._kept: OrderedDict[tuple[str, str, int], EffectAt] = OrderedDict()
+        # By the checkpoint's key, which names its content: one key, one latent. (The encode
+        # worker runs one job at a time; this is not shared between threads.)
+        self._kept: OrderedDict[StoreKey, EffectAt] = OrderedDict()
         self._kept_bytes = 0
 
-    def holds(self, latents: torch.Tensor, step: int, mine: torch.Tensor,
-              source: GenerationSpec, spec: GenerationSpec) -> bool:
-        theirs = self._source_side(latents, step, source)
+    def holds(self, checkpoint: StoreKey, latents: torch.Tensor, step: int,
+              mine: torch.Tensor, source: GenerationSpec, spec: GenerationSpec) -> bool:
+        """Whether the prompts agree at ``source``'s checkpoint (its key, and its latents at
+        ``step``)."""
+        theirs = self._source_side(checkpoint, latents, step, source)
         return self.view.agreement_with(theirs, latents, step, mine, spec) >= self.least
 
-    def _source_side(self, latents: torch.Tensor, step: int,
+    def _source_side(self, key: StoreKey, latents: torch.Tensor, step: int,
                      source: GenerationSpec) -> EffectAt:
-        key = (source.tenant, source.request_id, step)
         kept = self._kept.get(key)
         if kept is not None:
             self._kept.move_to_end(key)
@@ -190,7 +193,7 @@ class ApproximateReuse:
             if data is None:
                 continue  # gone since it was looked for
             latents = Checkpoint.from_bytes(data.numpy().tobytes()).latents
-            if self.agreement.holds(latents, step, mine, source, spec):
+            if self.agreement.holds(key, latents, step, mine, source, spec):
                 return step
         return None
 
