@@ -132,7 +132,7 @@ class DenoiseEngine:
             return result
         rows = {(i, j): row for i, (_, plan) in enumerate(planned)
                 for j, row in enumerate(plan.rows)}
-        weights = [run.view.weight for run, _ in planned]
+        weights = [run.weight for run, _ in planned]
         try:
             with self.executor.watching(lambda: all(r.wants_stop for r, _ in planned)):
                 computed = self.compute(rows, weights)
@@ -161,7 +161,7 @@ class DenoiseEngine:
                 ) -> Computed:
         """Every row's output: the scheduler shares the rows out into forwards, the executor
         runs them. ``weights``: the share of its rows each run is expected to compute (its
-        ``view``'s; all of them if not given)."""
+        ``weight``; all of them if not given)."""
         needs = [RowNeed(slot, self._group(row), geometry(row), tokens(self.model, row),
                          row.embeds.shape[1], frozenset(name for name, _ in row.adapters),
                          1.0 if weights is None else weights[slot[0]])

@@ -69,10 +69,15 @@ class DenoiseRun:
         return self.guidance.ledger
 
     @property
+    def weight(self) -> float:
+        """The share of its rows its last step computed (``scheduler``)."""
+        return 1.0 if self.step_cache is None else self.step_cache.computed_share
+
+    @property
     def view(self) -> RunView:
         """What the scheduler reads of this run."""
         return RunView(frozenset(lora.hash for lora in self.spec.loras), self.ctx.preemptible,
-                       1.0 if self.step_cache is None else self.step_cache.computed_share)
+                       self.weight)
 
     @property
     def finished(self) -> bool:

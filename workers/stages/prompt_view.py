@@ -74,8 +74,7 @@ class EffectAt:
 
     @property
     def nbytes(self) -> int:
-        return (self.blank.numel() * self.blank.element_size()
-                + self.effect.numel() * self.effect.element_size())
+        return self.blank.nbytes + self.effect.nbytes
 
 
 class PromptEffect(FirstStep):
