@@ -269,7 +269,8 @@ class Service:
             guidance_scale=asked.guidance_scale,
             seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
             output_format=asked.output_format, priority=body.priority,
-            cfg_cache=cfg_cache_from(body.cfg_cache), loras=self.loras_for(tenant, body.loras),
+            cfg_cache=cfg_cache_from(body.cfg_cache),
+            loras=self.loras_for(tenant, body.loras, served),
             step_cache=step_cache_from(
                 body.step_cache, self.settings.api.step_cache_defaults.get(tenant,
                                                                          StepCachePolicy.OFF),
@@ -359,8 +360,14 @@ class Service:
             raise FieldError(field, f"is not valid base64 ({exc})") from None
         return self.decoded_image(data, field)
 
-    def loras_for(self, tenant: str, loras: list[LoraBody]) -> tuple[LoraUse, ...]:
-        """The tenant's adapters a request names; another tenant's read as unknown (404)."""
+    def loras_for(self, tenant: str, loras: list[LoraBody],
+                  served: ServedModel) -> tuple[LoraUse, ...]:
+        """The tenant's adapters a request names; another tenant's read as unknown (404).
+        None where the served model's forwards split over ranks, which run no adapter yet."""
+        if loras and served.denoise_ranks > 1:
+            raise FieldError("loras", f"the served model's denoise workers split each forward "
+                             f"over {served.denoise_ranks} ranks (workers.denoise_parallel), "
+                             "where adapters do not run yet")
         limit = self.settings.api.max_loras
         if len(loras) > limit:
             raise FieldError("loras", f"{len(loras)} adapters; at most {limit} "

@@ -166,7 +166,8 @@ def start_workers(settings: Settings, logs: Path) -> list[ChildProcess]:
     gpus = torch.cuda.device_count()
     settings = with_worker_counts(settings, gpus)
     started = []
-    for stage, i, device in device_environ(settings.model, stage_counts(settings), gpus):
+    for stage, i, device in device_environ(settings.model, stage_counts(settings), gpus,
+                                           settings.workers.denoise_parallel.ranks):
         child = ChildProcess(f"bench-{stage.value}-{i}", worker_argv(stage),
                              logs / f"{stage.value}-{i}.log",
                              {**child_environ(settings), **device})

@@ -138,6 +138,33 @@ class ModelSettings(_Section):
     guidance_scale: float | None = Field(None, ge=0)
 
 
+class DenoiseParallelSettings(_Section):
+    """How one denoise worker spans ranks (a process each, on a device or a core each): its
+    forwards' sequence split by diffusers' context parallelism (docs/design/parallel.md)."""
+
+    # Ranks splitting each attention's heads (all-to-all) and its keys and values (a ring);
+    # a worker is ulysses x ring ranks, and 1 x 1 is one process on one device.
+    ulysses: int = Field(1, ge=1, le=64)
+    ring: int = Field(1, ge=1, le=64)
+    # Ulysses over head counts and sequence lengths its degree does not divide, at the price
+    # of a gather of sizes per attention (diffusers' ``ulysses_anything``); ring must be 1.
+    ulysses_anything: bool = False
+    # Ranks wait this long for one another inside a forward (and for the next forward, so
+    # it bounds how long a group may sit idle too); a dead rank ends its group at once.
+    collective_timeout_s: float = Field(86400.0, gt=0)
+
+    @property
+    def ranks(self) -> int:
+        return self.ulysses * self.ring
+
+    @model_validator(mode="after")
+    def _anything_is_ulysses_alone(self) -> DenoiseParallelSettings:
+        if self.ulysses_anything and (self.ulysses < 2 or self.ring != 1):
+            raise ValueError("workers.denoise_parallel.ulysses_anything needs ulysses of 2 or "
+                             f"more and ring 1 (ulysses {self.ulysses}, ring {self.ring})")
+        return self
+
+
 class WorkerSettings(_Section):
     """Stage workers: delivery, leases, retries and how many of each ``diffcache up`` starts."""
 
@@ -224,6 +251,7 @@ class WorkerSettings(_Section):
     # On SIGTERM a worker takes no new job; a denoise job checkpoints and is re-queued, others
     # finish. Past this long the supervisor kills what is left.
     shutdown_grace_s: float = Field(30.0, gt=0)
+    denoise_parallel: DenoiseParallelSettings = DenoiseParallelSettings()
 
     @model_validator(mode="after")
     def _credits_fill_an_engine(self) -> WorkerSettings:
@@ -352,14 +380,14 @@ class Settings(BaseSettings):
         return self.data_dir / "logs"
 
 
-def _known_variables() -> set[str]:
+def _known_variables(model: type[BaseModel] = Settings, prefix: str = ENV_PREFIX) -> set[str]:
+    """Every ``DIFFCACHE_*`` name a setting answers to, sections within sections included."""
     names = set()
-    for name, field in Settings.model_fields.items():
-        names.add(f"{ENV_PREFIX}{name}".upper())
+    for name, field in model.model_fields.items():
+        names.add(f"{prefix}{name}".upper())
         section = field.annotation
         if isinstance(section, type) and issubclass(section, BaseModel):
-            names.update(f"{ENV_PREFIX}{name}{_NESTED}{sub}".upper()
-                         for sub in section.model_fields)
+            names |= _known_variables(section, f"{prefix}{name}{_NESTED}")
     return names
 
 

@@ -223,7 +223,8 @@ class ServiceTree:
             ensure_model(settings)
         env = child_environ(settings)
         client = open_redis(settings)
-        devices = device_environ(settings.model, counts, gpus)
+        devices = device_environ(settings.model, counts, gpus,
+                                 settings.workers.denoise_parallel.ranks)
         for stage, i, device in devices:
             child = self.stack.spawn(f"worker-{stage.value}-{i}", worker_argv(stage),
                                      {**env, **device})

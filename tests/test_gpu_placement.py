@@ -40,6 +40,10 @@ def test_workers_take_the_visible_gpus_in_turn() -> None:
     assert [env for _, env in split] == [{}, {"DIFFCACHE_MODEL__DEVICE": "cuda:0"},
                                          {"DIFFCACHE_MODEL__DEVICE": "cuda:1"},
                                          {"DIFFCACHE_MODEL__DEVICE": "cuda:2"}]
+    # A denoise worker of two ranks takes two devices in a row (rank r on its own plus r).
+    groups = device_environ(ModelSettings(device="cuda"), COUNTS, 4, denoise_ranks=2)
+    assert [env["DIFFCACHE_MODEL__DEVICE"] for _, _, env in groups] == [
+        "cuda:0", "cuda:0", "cuda:2", "cuda:1"]
     # One GPU, a device named outright, or the CPU: the settings stand as they are.
     for model, gpus in [(ModelSettings(device="cuda"), 1), (ModelSettings(device="cuda:1"), 4),
                         (ModelSettings(device="cpu"), 4)]:
@@ -62,6 +66,11 @@ def test_the_default_starts_one_denoise_worker_per_gpu_or_per_cpu_core() -> None
                               8).workers.denoise_workers == 4
     assert with_worker_counts(load_settings(workers={"denoise_threads": 0}), 0,
                               8).workers.denoise_workers == 1
+    # A worker whose forwards split over two ranks counts as two, on GPUs or cores.
+    pairs = {"denoise_parallel": {"ulysses": 2}}
+    assert with_worker_counts(load_settings(workers=pairs), 4, 8).workers.denoise_workers == 2
+    assert with_worker_counts(load_settings(workers=pairs), 0, 8).workers.denoise_workers == 4
+    assert with_worker_counts(load_settings(workers=pairs), 0, 1).workers.denoise_workers == 1
     # A count the settings give stands, none included (a node of encode and decode only).
     assert stage_counts(load_settings(workers={"denoise_workers": 0}))[Stage.DENOISE] == 0
     # A count the settings give stands, on any machine.

@@ -24,7 +24,7 @@ from workers.queue.messages import Stage
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "gpu-split")
 # Native sidecars (an init container with restartPolicy: Always) are on by default from 1.29.
 OLDEST_KUBERNETES = "1.29"
 IMAGE = "diffcache"
@@ -263,7 +263,7 @@ def test_every_diffcache_variable_is_a_setting(overlay: tuple[str, list[Doc]],
             devices.add(settings.model.device)
     # One serving device named by every stage: an encode pool left at ``auto`` on CPU nodes
     # would key outputs and trajectories for the CPU, and no repeat would ever hit.
-    assert devices == ({"cuda"} if overlay_name == "gpu" else {"auto"})
+    assert devices == ({"auto"} if overlay_name == "cpu" else {"cuda"})
 
 
 def test_a_storage_node_gets_its_segment_in_memory(overlay: tuple[str, list[Doc]]) -> None:
@@ -277,12 +277,13 @@ def test_a_storage_node_gets_its_segment_in_memory(overlay: tuple[str, list[Doc]
         assert _mib(resources["limits"]["memory"]) >= segment + SEGMENT_HEADROOM_MIB
 
 
-def test_gpus_go_to_denoise_and_decode_in_the_gpu_overlay(overlay: tuple[str, list[Doc]]) -> None:
+def test_gpus_go_to_denoise_and_decode_in_the_gpu_overlays(overlay: tuple[str, list[Doc]]) -> None:
     name, docs = overlay
     for stage in Stage:
         pod = _one(docs, "Deployment", f"diffcache-{stage.value}")["spec"]["template"]["spec"]
         resources = _named(pod["containers"], "worker")["resources"]
-        wanted = 1 if name == "gpu" and stage is not Stage.ENCODE else None
+        wanted = (None if name == "cpu" or stage is Stage.ENCODE
+                  else 2 if name == "gpu-split" and stage is Stage.DENOISE else 1)
         assert resources["requests"].get("nvidia.com/gpu") == wanted, stage
         assert resources["limits"].get("nvidia.com/gpu") == wanted, stage
 

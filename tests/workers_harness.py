@@ -62,22 +62,24 @@ def start_worker(settings: Settings, stage: Stage, logs: Path, client: redis.Red
     return child
 
 
-def serving(settings: Settings, model_dir: Path, **model: Any) -> Settings:
+def serving(settings: Settings, model_dir: Path, workers: dict[str, Any] | None = None,
+            **model: Any) -> Settings:
     """``settings`` with workers serving the test preset of the model in ``model_dir`` (with
-    ``model``'s other settings), and a quick lease takeover."""
+    ``model``'s other settings), and a quick lease takeover (and ``workers``' settings)."""
     return settings.model_copy(update={
         "model": ModelSettings(dir=model_dir, preset="test", **model),
-        "workers": WorkerSettings(idle_timeout_s=3.0, block_ms=200)})
+        "workers": WorkerSettings(idle_timeout_s=3.0, block_ms=200, **(workers or {}))})
 
 
 @contextmanager
-def embedded_serving(data_dir: Path, model_dir: Path, **model: Any) -> Iterator[Settings]:
+def embedded_serving(data_dir: Path, model_dir: Path, workers: dict[str, Any] | None = None,
+                     **model: Any) -> Iterator[Settings]:
     """An embedded stack kept in ``data_dir`` (a 64 MiB store segment), with settings for
     workers serving the model in ``model_dir`` (``serving``)."""
     settings = load_settings(data_dir=str(data_dir), store={"segment_mib": 64})
     stack = EmbeddedStack(settings)
     with stack as addresses:
-        yield serving(stack.resolved(addresses), model_dir, **model)
+        yield serving(stack.resolved(addresses), model_dir, workers, **model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +93,10 @@ class ModelService:
 
 @contextmanager
 def model_service(data_dir: Path, model_dir: Path, name: str,
-                  **model: Any) -> Iterator[ModelService]:
+                  workers: dict[str, Any] | None = None, **model: Any) -> Iterator[ModelService]:
     """``embedded_serving`` in ``data_dir`` with ``worker_pool`` (workers named for
     ``name``, their logs beside the stack) for the block."""
-    with embedded_serving(data_dir / "stack", model_dir, **model) as settings:
+    with embedded_serving(data_dir / "stack", model_dir, workers, **model) as settings:
         client = open_redis(settings)
         with worker_pool(settings, client, data_dir, name) as pool:
             yield ModelService(settings, client, pool)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import signal
@@ -20,6 +21,7 @@ from cachesvc.supervisor import EXIT_CANNOT_FIT
 from cachesvc.tensor_cache import TensorCache
 from workers.families import is_built, resolve
 from workers.families.base import Family, Placement, TextEncoder, Trajectory, tokenizer_json
+from workers.parallel.layout import ParallelLayout
 from workers.queue.adapter_stats import WorkerAdapters, publish_adapter_stats
 from workers.queue.affinity import AdapterRouter
 from workers.queue.credits import Credits
@@ -58,15 +60,17 @@ def publish_model(client: RedisClient, settings: Settings, family: Family) -> No
     directory = settings.model_dir
     publish_served(client, ServedModel(family.name, directory.resolve().name, family.limits,
                                        request_defaults(settings.model, directory),
-                                       family.geometry(directory), model_card(directory)),
+                                       family.geometry(directory), model_card(directory),
+                                       denoise_ranks=settings.workers.denoise_parallel.ranks),
                    tokenizer_json(directory))
 
 
 def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHandler]:
     family = resolve(settings.model.family, settings.model_dir, settings.model.preset)
+    layout = ParallelLayout.of(settings.workers.denoise_parallel)
     placement = Placement.for_settings(
         settings.model.device, settings.model.dtype, settings.model.encode_device,
-        computes="encoders" if stage is Stage.ENCODE else "serving")
+        computes="encoders" if stage is Stage.ENCODE else "serving", dit_split=layout.name)
     here = placement.encoding.device if stage is Stage.ENCODE else placement.device
     if here.type == "cuda":
         # Before anything touches CUDA: pinned buffers and the default stream then belong to
@@ -105,11 +109,22 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
         return Worker(encode, client, settings.workers, router=router), encode
     credits = Credits(client, settings.workers.credit_limit)
     if stage is Stage.DENOISE:
+        from workers.parallel.group import start_group
         from workers.stages.adapters import AdapterStats
-        from workers.stages.denoise import DenoiseHandler
+        from workers.stages.denoise import DenoiseHandler, default_spec
         from workers.stages.denoise_worker import EngineWorker
 
-        denoiser = family.denoiser(directory, placement)
+        defaults = request_defaults(settings.model, directory)
+        mirror = None
+        if layout.ranks == 1:
+            denoiser = family.denoiser(directory, placement)
+        else:
+            spec = default_spec(defaults, family.limits)
+            denoiser, group = start_group(
+                settings, placement, lambda here: family.denoiser(directory, here),
+                lambda loaded: layout.check(loaded.transformer, loaded.tokens(spec)))
+            mirror = group.mirror
+            atexit.register(group.stop)  # before multiprocessing ends the ranks it started
         consumer = consumer_name()
 
         def report(stats: AdapterStats, held: tuple[str, ...]) -> None:
@@ -119,8 +134,9 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
 
         kept = (OutputFiles(settings.checkpoints_dir, settings.cache.checkpoint_ttl_s)
                 if settings.cache.durable_outputs else None)
-        denoise = DenoiseHandler(cache, denoiser, settings.workers, credits, report, kept)
-        denoise.warm_up(request_defaults(settings.model, directory), family.limits)
+        denoise = DenoiseHandler(cache, denoiser, settings.workers, credits, report, kept,
+                                 mirror)
+        denoise.warm_up(defaults, family.limits)
         publish_lora_targets(client, {
             name: (m.out_features, m.in_features)
             for name, m in denoiser.transformer.named_modules()

@@ -4,7 +4,8 @@ A forward's rows are concatenated (texts padded where the family pads them) and 
 family's ``Denoiser.predict`` inside ``rows_apart``, with each row's step cache and adapters its
 own (``forward_rows``). The first forward of each geometry and batch size is proven equal to
 its rows alone (``row_proof``) before its result is used; independent forwards of one step may
-run on two threads; how a step's rows are cut is timed per geometry (``layout``). The executor
+run on two threads; how a step's rows are cut is timed per geometry (``layout``). In a denoise
+group every forward's inputs are first handed to the other ranks (``mirror``). The executor
 decides nothing about who shares a forward: the scheduler did.
 """
 
@@ -20,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from keys import GenerationSpec
-from workers.engine.exact_rows import checks_made, pad_texts, rows_apart
-from workers.engine.forward_rows import Forward, running
+from workers.engine.exact_rows import checks_made, pad_texts
+from workers.engine.forward_inputs import ForwardInputs, predict
 from workers.engine.guidance import Row
 from workers.engine.interrupt import BlockInterrupts
 from workers.engine.layout import ForwardLayouts, Layout
@@ -31,6 +32,10 @@ from workers.engine.row_proof import RowProof
 from workers.engine.scheduler import PlannedForward, Slot
 from workers.engine.timing import seconds_since
 from workers.families.base import Denoiser
+
+# Called with each forward's inputs before it runs: a denoise group's rank 0 hands them to
+# the group's other ranks, which run the same forward beside it (``workers/parallel``).
+Mirror = Callable[[ForwardInputs], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +65,9 @@ def tokens(model: Denoiser, row: Row) -> int:
 class Executor:
     """Runs forwards of rows on one denoiser."""
 
-    def __init__(self, model: Denoiser, parallel: bool) -> None:
+    def __init__(self, model: Denoiser, parallel: bool, mirror: Mirror | None = None) -> None:
         self.model = model
+        self.mirror = mirror
         # Whether batched rows are exact is proven here, on this device, per geometry and
         # batch size, before a batched result is used.
         self.proof = RowProof()
@@ -69,9 +75,11 @@ class Executor:
         # Independent forwards of one step run on two threads, each with this thread's
         # intra-op count: a kernel splits work by its thread count, and results must not
         # depend on it. Not on a GPU: both threads would queue their kernels on its one stream.
+        # Nor in a group: its ranks must meet in every collective in the same order.
         self._pool = (ThreadPoolExecutor(2, "forward", initializer=torch.set_num_threads,
                                          initargs=(torch.get_num_threads(),))
-                      if parallel and model.device.type != "cuda" else None)
+                      if parallel and model.device.type != "cuda" and mirror is None
+                      else None)
         self.interrupts = BlockInterrupts(model.transformer)
         self.caches = RowCaches(model.transformer, model.step_cache_config)
         self.adapters = AdapterRows(model.transformer)
@@ -90,7 +98,12 @@ class Executor:
 
     @contextmanager
     def watching(self, should_stop: Callable[[], bool]) -> Iterator[None]:
-        """Forwards run within the block stop between blocks once ``should_stop()``."""
+        """Forwards run within the block stop between blocks once ``should_stop()``. Not
+        where the forwards are mirrored: the other ranks would wait inside the forward for
+        a rank that left it, so a group's forwards stop at their end."""
+        if self.mirror is not None:
+            yield
+            return
         with self.interrupts.watching(should_stop):
             yield
 
@@ -151,11 +164,10 @@ class Executor:
             raise ValueError("rows with and without an image condition in one forward")
         condition = torch.cat(conditions) if conditions else None
         caches = [None if r.cached is None else self.caches.row(r.cached) for r in rows]
-        with rows_apart(mask) as text, running(Forward(caches, [r.adapters for r in rows],
-                                                       text)):
-            out = self.model.predict(latents, timesteps, embeds, rows[0].spec, mask,
-                                     condition)
-        return out, caches
+        inputs = ForwardInputs(latents, timesteps, embeds, rows[0].spec, mask, condition)
+        if self.mirror is not None:
+            self.mirror(inputs)
+        return predict(self.model, inputs, caches, [r.adapters for r in rows]), caches
 
     def _reference(self, key: tuple[object, ...], rows: Sequence[Row]
                    ) -> tuple[torch.Tensor, list[RowCache | None]]:

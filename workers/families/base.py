@@ -74,6 +74,9 @@ class Placement:
     text_dtype: torch.dtype
     vae_dtype: torch.dtype
     encoders: Placement | None = None
+    # How a denoise worker splits the DiT's forwards over its ranks ("": one rank, else
+    # ``ParallelLayout.name``). Keys name it: a forward's bits may depend on the split.
+    dit_split: str = ""
 
     @property
     def encoding(self) -> Placement:
@@ -82,12 +85,13 @@ class Placement:
 
     @classmethod
     def for_settings(cls, device: str, dtype: str, encode_device: str = "same",
-                     computes: str = "all") -> Placement:
+                     computes: str = "all", dit_split: str = "") -> Placement:
         """``model.device``, ``model.dtype`` and ``model.encode_device`` resolved on this
         machine. ``computes`` says which side this process runs (``all``, ``serving`` or
-        ``encoders``): only that side's device must exist here, the other is named only."""
+        ``encoders``): only that side's device must exist here, the other is named only.
+        ``dit_split``: how the denoise workers split their forwards (``dit_split`` above)."""
         here = resolve_device(device, checked=computes in ("all", "serving"))
-        serving = cls._on(here, dtype)
+        serving = dataclasses.replace(cls._on(here, dtype), dit_split=dit_split)
         if encode_device == "same":
             return serving
         there = resolve_device(encode_device, "model.encode_device",
@@ -263,11 +267,12 @@ MANIFEST = "diffcache-fingerprints.json"
 
 
 def component_fingerprint(directory: Path, role: str, dtype: torch.dtype,
-                          device: torch.device) -> Fingerprint:
+                          device: torch.device, split: str = "") -> Fingerprint:
     """The fingerprint of one component folder: its config, the digests of its weights, the
     dtype and the device class. Weight digests are computed once per folder and kept in a
     manifest beside the model, so a worker's start does not hash gigabytes of weights; an
-    entry whose file changed size or time is computed again."""
+    entry whose file changed size or time is computed again. ``split``: how the component's
+    forwards are split over ranks, if they are (``Placement.dit_split``)."""
     component = directory / role
     config = json.loads((component / "config.json").read_text())
     config.pop("_diffusers_version", None)
@@ -289,7 +294,10 @@ def component_fingerprint(directory: Path, role: str, dtype: torch.dtype,
         partial = manifest_path.with_name(f".{MANIFEST}.{os.getpid()}.partial")
         partial.write_text(json.dumps(manifest, indent=1, sort_keys=True))
         partial.replace(manifest_path)  # concurrent writers write the same digests
-    return model_fingerprint(role, config, weights, str(dtype), device.type)
+    # A split forward is its own device class: an exact hit never crosses splits whose bits
+    # may differ. One rank's keys stay what they were.
+    device_class = f"{device.type}/{split}" if split else device.type
+    return model_fingerprint(role, config, weights, str(dtype), device_class)
 
 
 def vae_encode_fingerprint(directory: Path, placement: Placement, pixels: torch.dtype,

@@ -377,7 +377,8 @@ class QwenTrajectory:
         self.latents_mean = torch.tensor(vae_config["latents_mean"]).view(1, -1, 1, 1, 1)
         self.latents_std = torch.tensor(vae_config["latents_std"]).view(1, -1, 1, 1, 1)
         self.fingerprint = component_fingerprint(directory, "transformer",
-                                                 placement.dit_dtype, self.device)
+                                                 placement.dit_dtype, self.device,
+                                                 placement.dit_split)
         self.decoder_fingerprint = component_fingerprint(directory, "vae", placement.vae_dtype,
                                                          self.device)
         self.image_fingerprint: Fingerprint | None = image_encoder_fingerprint(

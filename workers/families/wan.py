@@ -227,7 +227,8 @@ class WanTrajectory:
             UniPCMultistepScheduler.load_config(directory / "scheduler"))
         self._scheduler_cls = UniPCMultistepScheduler
         self.fingerprint = component_fingerprint(directory, "transformer",
-                                                 placement.dit_dtype, self.device)
+                                                 placement.dit_dtype, self.device,
+                                                 placement.dit_split)
         self.decoder_fingerprint = component_fingerprint(directory, "vae", placement.vae_dtype,
                                                          self.device)
         self.image_fingerprint: Fingerprint | None = None  # it takes no input image yet

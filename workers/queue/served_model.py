@@ -207,11 +207,17 @@ class ServedModel:
     geometry: ModelGeometry | None = None
     card: ModelCard = ModelCard()
     tokenizer: str = ""  # the content hash its tokenizer is published under; set by publishing
+    # Ranks each denoise worker's forwards split over (``workers.denoise_parallel``): a
+    # split forward runs no step cache and no adapter yet.
+    denoise_ranks: int = 1
 
     @property
     def step_caches(self) -> frozenset[StepCachePolicy]:
         """The step-cache policies this model runs: its family's, and MagCache where its card
-        ships calibrated ratios."""
+        ships calibrated ratios. None on a split denoiser, whose ranks would each decide
+        from their own part of a row."""
+        if self.denoise_ranks > 1:
+            return frozenset()
         if self.card.magcache_ratios:
             return self.limits.step_caches | {StepCachePolicy.MAGCACHE}
         return self.limits.step_caches

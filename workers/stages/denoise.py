@@ -39,6 +39,7 @@ from keys import (
 )
 from workers.engine.checkpoint import Checkpoint, CheckpointError
 from workers.engine.core import DenoiseEngine
+from workers.engine.executor import Mirror
 from workers.engine.guidance import Guidance
 from workers.engine.hook_state import HookStateError, RunHookState, on_device
 from workers.engine.row_caches import RunStepCache, check
@@ -61,13 +62,25 @@ from workers.stages.write_behind import WriteBehind
 log = logging.getLogger(__name__)
 
 
+def default_spec(defaults: RequestDefaults, limits: FamilyLimits) -> GenerationSpec:
+    """A request at the served model's default geometry, as admission fills one in."""
+    return GenerationSpec.create(
+        request_id="warm-up", tenant="warm-up", prompt="", width=defaults.width,
+        height=defaults.height, num_frames=defaults.frames(limits.video),
+        num_inference_steps=defaults.num_inference_steps,
+        guidance_scale=defaults.guidance_scale, seed=0,
+        # Every request to an image-to-video or editing model names an image (a stand-in
+        # here: a warm-up's rows are noise, its condition too).
+        image=ImageInput("0" * 32, strength=None) if limits.image_conditions else None)
+
+
 class DenoiseHandler:
     stage = Stage.DENOISE
 
     def __init__(self, cache: TensorCache, model: Denoiser, settings: WorkerSettings,
                  credits: Credits,
                  report_adapters: Callable[[AdapterStats, tuple[str, ...]], None] | None = None,
-                 files: OutputFiles | None = None) -> None:
+                 files: OutputFiles | None = None, mirror: Mirror | None = None) -> None:
         self.cache = cache
         # Where a checkpoint written as the job stops early (a drain, a preemption) is also
         # kept: the store may live in memory only, and a drain is often followed by a restart
@@ -79,7 +92,7 @@ class DenoiseHandler:
         self._writes = WriteBehind()
         self.engine = DenoiseEngine(model, settings.max_batch, settings.max_batch_tokens,
                                     settings.lora_slots, settings.cfg_parallel,
-                                    settings.ride_along)
+                                    settings.ride_along, mirror)
         # Asked by the worker loop for every run's unconditional row of a step at once.
         self.exact_tier = ExactTier(cache, self._writes)
         self.adapters = LoadedAdapters(cache, model.transformer, settings.lora_slots,
@@ -92,14 +105,7 @@ class DenoiseHandler:
         met is proven when it arrives.)"""
         if not self.settings.warm_up_s:
             return
-        spec = GenerationSpec.create(
-            request_id="warm-up", tenant="warm-up", prompt="", width=defaults.width,
-            height=defaults.height, num_frames=defaults.frames(limits.video),
-            num_inference_steps=defaults.num_inference_steps,
-            guidance_scale=defaults.guidance_scale, seed=0,
-            # Every request to an image-to-video or editing model names an image (a
-            # stand-in here: the warm-up's rows are noise, its condition too).
-            image=ImageInput("0" * 32, strength=None) if limits.image_conditions else None)
+        spec = default_spec(defaults, limits)
         start = time.perf_counter()
         try:
             sizes = self.engine.warm_up(spec, self.settings.warm_up_s)

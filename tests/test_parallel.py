@@ -1,0 +1,197 @@
+"""A denoise worker over two ranks (gloo, one thread each, CPU, float32): its outputs are
+bit-identical to the diffusers pipeline split alike (``ContextParallelConfig`` on two ranks),
+alone and batched; a rank killed mid-request costs time, never the request; a split the model
+cannot take is refused at start-up, naming the setting."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.spawn import spawn
+
+from cachesvc.processes import free_port
+from cachesvc.settings import ApiSettings, DenoiseParallelSettings, WorkerSettings
+from cachesvc.waiting import wait_until
+from keys import GenerationSpec
+from tests.test_engine import batched_forwards, offered_together
+from tests.workers_harness import (
+    ModelService,
+    make_spec,
+    model_service,
+    read_frames,
+    serve_api,
+    start_worker,
+    wait_done,
+    wait_for,
+)
+from workers.families import qwen_image, wan
+from workers.families.base import CPU, Placement
+from workers.parallel.layout import ParallelLayout, ParallelLayoutError
+from workers.queue.messages import Stage
+from workers.queue.schema import State
+from workers.queue.submit import submit
+
+pytestmark = pytest.mark.slow
+ULYSSES_2 = ParallelLayout(ulysses=2)
+FAMILIES = {"wan": wan.FAMILY, "qwen-image": qwen_image.FAMILY}
+
+
+# --- the split checked at start-up ---------------------------------------------------------
+
+
+def test_a_split_the_model_cannot_take_is_refused_naming_the_setting(
+        qwen_model_dir: Path) -> None:
+    from diffusers import QwenImageTransformer2DModel
+
+    transformer = wan.components("test", seed=0).transformer  # 2 attention heads
+    ULYSSES_2.check(transformer, tokens=8)
+    with pytest.raises(ParallelLayoutError, match=r"workers\.denoise_parallel\.ulysses: "
+                       r"the model's 2 attention heads do not divide among 4 ranks"):
+        ParallelLayout(ulysses=4).check(transformer, tokens=8)
+    with pytest.raises(ParallelLayoutError, match="9 image tokens do not split into 2"):
+        ULYSSES_2.check(transformer, tokens=9)
+    ParallelLayout(ulysses=2, ulysses_anything=True).check(transformer, tokens=9)
+    # Qwen-Image splits its texts too, whose lengths vary by request.
+    qwen = QwenImageTransformer2DModel.from_pretrained(qwen_model_dir / "transformer")
+    with pytest.raises(ParallelLayoutError, match=r"denoise_parallel\.ulysses_anything"):
+        ULYSSES_2.check(qwen, tokens=8)
+    with pytest.raises(ValueError, match="ulysses_anything needs ulysses of 2 or more"):
+        WorkerSettings(denoise_parallel=DenoiseParallelSettings(ulysses_anything=True))
+
+
+def test_keys_name_the_split_and_one_rank_keeps_its_keys(model_dir: Path) -> None:
+    lone = wan.WanTrajectory(model_dir, CPU)
+    split = wan.WanTrajectory(model_dir, Placement.for_settings("cpu", "auto",
+                                                                    dit_split=ULYSSES_2.name))
+    assert ULYSSES_2.name == "ulysses2" and ParallelLayout().name == ""
+    assert wan.WanTrajectory(model_dir, Placement.for_settings(
+        "cpu", "auto")).fingerprint == lone.fingerprint
+    assert split.fingerprint != lone.fingerprint
+    assert split.decoder_fingerprint == lone.decoder_fingerprint
+
+
+# --- a group of two ranks serving requests ---------------------------------------------------
+
+
+def _reference_rank(rank: int, port: int, family: str, model_dir: Path,
+                    specs: Sequence[GenerationSpec], layout: ParallelLayout, out: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=layout.ranks, timeout=timedelta(minutes=10))
+    pipe = FAMILIES[family].reference(model_dir, CPU)
+    layout.enable(pipe.pipe.transformer)  # type: ignore[attr-defined]
+    frames = [pipe(spec) for spec in specs]
+    if rank == 0:
+        np.savez(out, *frames)
+    dist.destroy_process_group()
+
+
+def split_pipeline(model_dir: Path, specs: Sequence[GenerationSpec], layout: ParallelLayout,
+                   tmp_path: Path, family: str = "wan") -> list[np.ndarray]:
+    """The family's pipeline's frames for each of ``specs``, its transformer split by
+    ``layout`` over as many gloo ranks (processes this spawns, one thread each)."""
+    out = tmp_path / "reference.npz"
+    spawn(_reference_rank, args=(free_port("127.0.0.1"), family, model_dir, list(specs),
+                                    layout, out), nprocs=layout.ranks)
+    with np.load(out) as saved:
+        return [saved[f"arr_{i}"] for i in range(len(specs))]
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[ModelService]:
+    with model_service(tmp_path_factory.mktemp("parallel"), model_dir, "parallel",
+                       workers={"denoise_parallel": {"ulysses": 2}}) as service:
+        yield service
+
+
+def ranks_of(worker_pid: int) -> list[int]:
+    """The other ranks of the group whose rank 0 is ``worker_pid``: the children it spawned
+    (not multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split()
+    return [int(pid) for pid in children
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def test_a_request_on_a_ulysses_2_group_is_the_pipeline_split_alike(
+        group: ModelService, model_dir: Path, tmp_path: Path) -> None:
+    specs = [make_spec(prompt="a red fox in the snow", seed=5),
+             make_spec(prompt="a small boat on a wide grey sea", seed=6),
+             make_spec(prompt="a cat", seed=7)]
+    want = split_pipeline(model_dir, specs, ULYSSES_2, tmp_path)
+    submit(group.client, specs[0])
+    assert np.array_equal(read_frames(group.settings, wait_done(group.client, specs[0])),
+                          want[0])
+    # Two offered together share forwards on the group, each still the split pipeline's.
+    before = batched_forwards(group.client)
+    offered_together(group.client, group.pool[Stage.DENOISE][0], specs[1:])
+    for spec, frames in zip(specs[1:], want[1:], strict=True):
+        assert np.array_equal(read_frames(group.settings, wait_done(group.client, spec)),
+                              frames)
+    assert batched_forwards(group.client) > before
+
+
+def test_what_a_split_forward_cannot_run_yet_is_refused_naming_the_field(
+        group: ModelService) -> None:
+    body = {"prompt": "a fox", "width": 32, "height": 32, "num_frames": 5,
+            "num_inference_steps": 4, "output_format": "npy"}
+    with serve_api(group.settings, ApiSettings()) as url, httpx.Client(base_url=url) as http:
+        cached = http.post("/v1/generate", json={**body, "step_cache": {
+            "policy": "first_block", "threshold": 0.2}})
+        assert cached.status_code == 422, cached.text
+        assert "step_cache.policy" in cached.text, cached.text
+        adapted = http.post("/v1/generate", json={**body, "loras": [{"name": "style"}]})
+        assert adapted.status_code == 422, adapted.text
+        assert "loras" in adapted.text and "denoise_parallel" in adapted.text, adapted.text
+        assert http.post("/v1/generate", json=body).status_code == 202
+
+
+def test_a_rank_killed_mid_request_costs_time_never_the_request(
+        group: ModelService, model_dir: Path, tmp_path: Path) -> None:
+    spec = make_spec(prompt="a red fox in the rain", seed=9, num_inference_steps=12)
+    want = split_pipeline(model_dir, [spec], ULYSSES_2, tmp_path)[0]
+    rank_0 = group.pool[Stage.DENOISE][0]
+    assert rank_0.pid is not None
+    submit(group.client, spec)
+    wait_for(group.client, spec, State.DENOISING, min_step=2)
+    (follower,) = ranks_of(rank_0.pid)
+    os.kill(follower, signal.SIGKILL)
+    # The group goes down with its rank; a new one takes the request over.
+    wait_until(lambda: not rank_0.alive(), timeout_s=60, what="rank 0 ended with its group")
+    group.pool[Stage.DENOISE].append(start_worker(
+        group.settings, Stage.DENOISE, Path(group.settings.data_dir), group.client,
+        "denoise-parallel-again"))
+    record = wait_done(group.client, spec)
+    assert record.state is State.DONE
+    assert np.array_equal(read_frames(group.settings, record), want)
+
+
+def test_a_qwen_image_request_on_a_ulysses_2_group_is_the_pipeline_split_alike(
+        qwen_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Qwen-Image splits its texts too, of any length: ulysses_anything.
+    layout = ParallelLayout(ulysses=2, ulysses_anything=True)
+    specs = [make_spec(prompt="a fox", num_frames=1, width=64, height=64, seed=3),
+             make_spec(prompt="a red fox in the snow under a grey sky", num_frames=1,
+                       width=64, height=64, seed=4),
+             make_spec(prompt="a cat", num_frames=1, width=64, height=64, seed=5)]
+    want = split_pipeline(qwen_model_dir, specs, layout, tmp_path_factory.mktemp("qwen"),
+                          "qwen-image")
+    with model_service(tmp_path_factory.mktemp("qwen-parallel"), qwen_model_dir,
+                       "qwen-parallel", workers={"denoise_parallel": {
+                           "ulysses": 2, "ulysses_anything": True}}) as service:
+        submit(service.client, specs[0])
+        assert np.array_equal(read_frames(service.settings,
+                                          wait_done(service.client, specs[0])), want[0])
+        # Texts of two lengths, padded into one forward where the proof allows.
+        offered_together(service.client, service.pool[Stage.DENOISE][0], specs[1:])
+        for spec, frames in zip(specs[1:], want[1:], strict=True):
+            assert np.array_equal(read_frames(service.settings,
+                                              wait_done(service.client, spec)), frames)

@@ -1,0 +1,155 @@
+"""A denoise worker's group of ranks. Rank 0 is the worker: it starts the other ranks, runs
+the engine and the queue loop, and hands each forward's inputs to the others (``Wire``); every
+rank runs every forward, its sequence split by diffusers' context parallelism. A rank that dies
+takes the group down, and its jobs are taken over like any dead worker's."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+
+import torch
+import torch.distributed as dist
+
+from cachesvc.processes import free_port
+from cachesvc.settings import Settings
+from workers.engine.forward_inputs import ForwardInputs, predict
+from workers.families.base import Denoiser, Placement
+from workers.parallel.layout import ParallelLayout
+from workers.parallel.wire import Wire
+
+log = logging.getLogger(__name__)
+
+# The exit of a rank 0 whose group lost a rank: the supervisor restarts the whole group.
+EXIT_RANK_LOST = 70
+
+
+@dataclass(frozen=True, slots=True)
+class Rank:
+    """One process of a group: its rank, the group's size, where the group meets, and the
+    device it computes on."""
+
+    rank: int
+    ranks: int
+    port: int
+    device: torch.device
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    @property
+    def wire(self) -> Wire:
+        return Wire(self.device)
+
+    def join(self, timeout_s: float) -> None:
+        """Meet the group's other ranks (this blocks until all have come)."""
+        dist.init_process_group(self.backend, init_method=f"tcp://127.0.0.1:{self.port}",
+                                rank=self.rank, world_size=self.ranks,
+                                timeout=timedelta(seconds=timeout_s))
+
+
+def rank_placement(placement: Placement, rank: int) -> Placement:
+    """Where rank ``rank`` computes: the next GPU on from the worker's own for each rank (one
+    device per rank), or the same CPU."""
+    device = placement.device
+    if device.type != "cuda":
+        return placement
+    return replace(placement, device=torch.device("cuda", (device.index or 0) + rank))
+
+
+class DenoiseGroup:
+    """Rank 0's side: the other ranks it started, and the wire to them."""
+
+    def __init__(self, me: Rank, others: Sequence[BaseProcess]) -> None:
+        self.me = me
+        self.others = others
+        self._stopping = threading.Event()
+        threading.Thread(target=self._watch, name="denoise-group-watch", daemon=True).start()
+
+    def mirror(self, inputs: ForwardInputs) -> None:
+        """Hand a forward's inputs to the other ranks, which run it beside this one."""
+        self.me.wire.send(inputs)
+
+    def stop(self) -> None:
+        """The other ranks stop after the forward at hand."""
+        self._stopping.set()
+        self.me.wire.send(None)
+        for process in self.others:
+            process.join(timeout=30)
+
+    def _watch(self) -> None:
+        """A rank that dies leaves this one waiting inside a collective: end the worker, so
+        its leases lapse and the supervisor starts the group again."""
+        gone = wait([p.sentinel for p in self.others])
+        if self._stopping.is_set():
+            return
+        dead = next(p for p in self.others if p.sentinel in gone)
+        log.error("denoise group: rank %s exited with %s; the group stops", dead.name,
+                  dead.exitcode)
+        logging.shutdown()
+        os._exit(EXIT_RANK_LOST)
+
+
+def start_group(settings: Settings, placement: Placement,
+                load: Callable[[Placement], Denoiser], check: Callable[[Denoiser], None]
+                ) -> tuple[Denoiser, DenoiseGroup]:
+    """Start the other ranks of this worker's group, meet them, and load the denoiser split
+    as ``workers.denoise_parallel`` says, once ``check`` (which raises) has taken it; rank
+    0's denoiser and its group."""
+    layout = ParallelLayout.of(settings.workers.denoise_parallel)
+    port = free_port("127.0.0.1")
+    context = multiprocessing.get_context("spawn")  # no forked copy of this process's threads
+    others = [context.Process(target=follow, name=f"rank-{rank}", daemon=True,
+                              args=(settings.model_dump_json(), rank, port, placement))
+              for rank in range(1, layout.ranks)]
+    for process in others:
+        process.start()
+    me = Rank(0, layout.ranks, port, placement.device)
+    me.join(settings.workers.denoise_parallel.collective_timeout_s)
+    denoiser = load(placement)
+    check(denoiser)  # the other ranks end with this one if it refuses the split
+    layout.enable(denoiser.transformer)
+    log.info("denoise group of %d ranks (%s) on %s", layout.ranks, layout.name,
+             placement.device)
+    return denoiser, DenoiseGroup(me, others)
+
+
+def follow(settings_json: str, rank: int, port: int, placement: Placement) -> None:
+    """A rank other than 0: meet the group, load the denoiser split alike, then run every
+    forward rank 0 hands over until it says stop (or dies, which ends this one)."""
+    from workers.families import resolve
+
+    # Rank 0 decides when the group stops; a signal to the whole process group reaches it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    settings = Settings.model_validate_json(settings_json)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s rank-{rank} %(name)s %(levelname)s %(message)s")
+    if settings.workers.denoise_threads:
+        torch.set_num_threads(settings.workers.denoise_threads)
+    here = rank_placement(placement, rank)
+    if here.device.type == "cuda":
+        torch.cuda.set_device(here.device)
+    layout = ParallelLayout.of(settings.workers.denoise_parallel)
+    me = Rank(rank, layout.ranks, port, here.device)
+    me.join(settings.workers.denoise_parallel.collective_timeout_s)
+    family = resolve(settings.model.family, settings.model_dir, settings.model.preset)
+    denoiser = family.denoiser(settings.model_dir, here)
+    layout.enable(denoiser.transformer)
+    run_forwards(denoiser, me.wire)
+
+
+def run_forwards(denoiser: Denoiser, wire: Wire) -> None:
+    """Every forward rank 0 hands over, until it says stop."""
+    with torch.no_grad():
+        while (inputs := wire.receive()) is not None:
+            predict(denoiser, inputs)
