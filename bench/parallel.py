@@ -1,20 +1,25 @@
-"""A denoise worker over two ranks against one: one request of the default Wan model denoised
-by the engine's executor, its conditional and unconditional rows a forward a step, on 1 rank
-and on 2 (gloo, one thread per op each: the machine's two cores), each forward's sequence
-split by Ulysses through diffusers' context parallelism.
+"""A denoise worker over two ranks against one (gloo, one thread per op each: the machine's
+two cores), through the engine's executor as a group's rank 0 runs it:
 
-Each trajectory is run again the way the pipeline calls the transformer (each row alone, the
-transformer split alike on as many ranks) and compared: ``identical`` is whether the executor's
-latents are those, bit for bit, on both rank counts. Whether 2 ranks give 1 rank's bits is
-printed beside it (a split may round differently; keys name the split). The stand-in update
-between steps is the same arithmetic on every run. Rows split across ranks (the issue's second
-figure) are not built yet: ``rows_throughput_ratio`` is null.
+- video: one request of the default Wan model, its conditional and unconditional rows a
+  forward a step, each forward's sequence split by Ulysses (diffusers' context parallelism);
+  the figure is its latency on 1 rank over 2.
+- rows: a batch of 8 requests of the default Qwen-Image model, texts of three lengths, their
+  8 conditional and 8 unconditional rows two forwards a step (as ``max_batch`` 8 cuts them),
+  each forward's rows shared out over the ranks; the figure is requests a second on 2 ranks
+  over 1.
+
+Each run is computed again as the pipeline calls the transformer (each row alone, the
+transformer split alike) and compared: ``identical`` is whether every run's latents are those,
+bit for bit. Rows split are also one rank's bits (printed); a sequence split may round
+differently (keys name it). The stand-in update between steps is the same on every run.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -28,108 +33,148 @@ from cachesvc.processes import free_port
 from keys import GenerationSpec
 from workers.engine.executor import Executor
 from workers.engine.guidance import Row
-from workers.families import wan
+from workers.families import family_named
 from workers.families.base import CPU, Denoiser
-from workers.parallel.group import run_forwards
+from workers.parallel.group import SplitForwards, run_forwards
 from workers.parallel.layout import ParallelLayout
 from workers.parallel.wire import Wire
 
+# A step's rows, [conditional rows, unconditional rows], to their outputs in that order.
+Forward = Callable[[list[Row], list[Row]], torch.Tensor]
 
-def trajectory(model: Denoiser, spec: GenerationSpec, forward: object) -> torch.Tensor:
-    """``spec``'s latents after its steps, each step's two rows through ``forward``."""
-    latents, generator = model.initial_latents(spec)
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    family: str
+    layout: ParallelLayout  # on two ranks
+    specs: tuple[GenerationSpec, ...]
+    texts: tuple[int, ...]  # each request's text length (the family's typical one if 0)
+
+
+def trajectories(model: Denoiser, case: Case, forward: Forward, steps: int | None = None
+                 ) -> torch.Tensor:
+    """Every request's latents after its steps (``steps``, if given), each step's rows
+    through ``forward``."""
     tokens, width = model.text_shape()
-    cond = torch.randn(1, tokens, width, generator=generator)
-    uncond = torch.randn(1, tokens, width, generator=generator)
-    for t in model.scheduler(spec).timesteps:
-        out = forward(latents, t, cond, uncond)  # type: ignore[operator]
-        latents = latents - 0.05 * (out[0:1] + 4.0 * (out[0:1] - out[1:2]))
-    return latents
+    latents, conds, unconds = [], [], []
+    for spec, text in zip(case.specs, case.texts, strict=True):
+        start, generator = model.initial_latents(spec)
+        latents.append(start)
+        conds.append(torch.randn(1, text or tokens, width, generator=generator))
+        unconds.append(torch.randn(1, text or tokens, width, generator=generator))
+    for t in model.scheduler(case.specs[0]).timesteps[:steps]:
+        rows = list(zip(latents, conds, unconds, case.specs, strict=True))
+        out = forward([Row(x, t, c, s) for x, c, _, s in rows],
+                      [Row(x, t, u, s) for x, _, u, s in rows])
+        n = len(latents)
+        latents = [x - 0.05 * (out[i:i + 1] + 4.0 * (out[i:i + 1] - out[n + i:n + i + 1]))
+                   for i, x in enumerate(latents)]
+    return torch.cat(latents)
 
 
-def _rank(rank: int, ranks: int, port: int, model_dir: Path, spec: GenerationSpec,
-          warm: GenerationSpec, out: Path) -> None:
+def _rank(rank: int, ranks: int, port: int, model_dir: Path, case: Case, out: Path) -> None:
     torch.set_num_threads(1)
-    model = wan.FAMILY.denoiser(model_dir, CPU)
+    model = family_named(case.family).denoiser(model_dir, CPU)
+    layout = case.layout if ranks > 1 else ParallelLayout()
     wire = Wire(torch.device("cpu"))
     if ranks > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=ranks, timeout=timedelta(minutes=30))
-        ParallelLayout(ulysses=ranks).enable(model.transformer)
+        layout.enable(model.transformer)
 
-    def alone(latents: torch.Tensor, t: torch.Tensor, cond: torch.Tensor,
-              uncond: torch.Tensor) -> torch.Tensor:
-        return torch.cat([model.predict(latents, t.reshape(1), e, spec) for e in (cond, uncond)])
+    def alone(conds: list[Row], unconds: list[Row]) -> torch.Tensor:
+        return torch.cat([model.predict(r.latents, r.timestep.reshape(1), r.embeds, r.spec)
+                          for r in conds + unconds])
 
     with torch.no_grad():
         if rank > 0:
-            run_forwards(model, wire)  # the executor's forwards, until rank 0 says stop
-            trajectory(model, spec, alone)
+            # The executor's forwards, until rank 0 says stop.
+            run_forwards(model, wire, layout, rank, CPU.dit_dtype)
+            if layout.sequence_ranks > 1:
+                trajectories(model, case, alone)  # its part of rank 0's sequence
             return
-        executor = Executor(model, parallel=False, mirror=wire.send if ranks > 1 else None)
+        executor = Executor(model, parallel=False,
+                            ranks=SplitForwards(wire, layout, CPU.dit_dtype)
+                            if ranks > 1 else None)
 
-        def engine(latents: torch.Tensor, t: torch.Tensor, cond: torch.Tensor,
-                   uncond: torch.Tensor) -> torch.Tensor:
-            return executor.forward([Row(latents, t, cond, spec), Row(latents, t, uncond, spec)])[0]
+        def served(conds: list[Row], unconds: list[Row]) -> torch.Tensor:
+            return torch.cat([executor.forward(conds)[0], executor.forward(unconds)[0]])
 
-        trajectory(model, warm, engine)  # the batch of two proven, the kernels warm
+        trajectories(model, case, served, steps=2)  # batch sizes proven, kernels warm
         start = time.perf_counter()
-        served = trajectory(model, spec, engine)
+        latents = trajectories(model, case, served)
         seconds = time.perf_counter() - start
         if ranks > 1:
             wire.send(None)
-        direct = trajectory(model, spec, alone)
-    torch.save({"seconds": seconds, "served": served, "direct": direct}, out)
+        direct = trajectories(model, case, alone)
+    torch.save({"seconds": torch.tensor(seconds), "served": latents, "direct": direct}, out)
 
 
 @dataclass(frozen=True, slots=True)
 class Measured:
-    seconds: float  # the request's steps through the executor
-    served: torch.Tensor  # its latents so
-    direct: torch.Tensor  # its latents as the pipeline calls the transformer
+    seconds: float  # the steps of every request, through the executor
+    served: torch.Tensor  # the latents so
+    direct: torch.Tensor  # the latents as the pipeline calls the transformer
 
     @property
     def identical(self) -> bool:
         return torch.equal(self.served, self.direct)
 
 
-def run(model_dir: Path, spec: GenerationSpec, ranks: int, scratch: Path) -> Measured:
-    out = scratch / f"ranks-{ranks}.pt"
-    warm = video(spec.width, spec.height, spec.num_frames, 2)
-    spawn(_rank, args=(ranks, free_port("127.0.0.1"), model_dir, spec, warm, out),
-          nprocs=ranks)
-    saved = torch.load(out, weights_only=True)  # tensors and a float: nothing unpickled
+def run(model_dir: Path, case: Case, ranks: int, scratch: Path) -> Measured:
+    out = scratch / f"{case.family}-{ranks}.pt"
+    spawn(_rank, args=(ranks, free_port("127.0.0.1"), model_dir, case, out), nprocs=ranks)
+    saved = torch.load(out, weights_only=True)  # tensors only: nothing unpickled
     return Measured(float(saved["seconds"]), saved["served"], saved["direct"])
 
 
-def video(width: int, height: int, frames: int, steps: int) -> GenerationSpec:
-    return GenerationSpec.create(request_id="bench-parallel", tenant="bench", prompt="",
-                                 width=width, height=height, num_frames=frames,
-                                 num_inference_steps=steps, guidance_scale=5.0, seed=7)
+def spec(width: int, height: int, frames: int, steps: int, seed: int) -> GenerationSpec:
+    return GenerationSpec.create(request_id=f"bench-parallel-{seed}", tenant="bench",
+                                 prompt="", width=width, height=height, num_frames=frames,
+                                 num_inference_steps=steps, guidance_scale=5.0, seed=seed)
+
+
+def measure(case: Case, scratch: Path) -> tuple[Measured, Measured, int]:
+    """``case`` on 1 rank and on 2, and the image tokens of one of its rows."""
+    model_dir = scratch / case.family
+    family = family_named(case.family)
+    family.build(model_dir, "default", 0)
+    tokens = family.denoiser(model_dir, CPU).tokens(case.specs[0])
+    return run(model_dir, case, 1, scratch), run(model_dir, case, 2, scratch), tokens
 
 
 def main() -> None:
     parser = bench_parser(__doc__)
-    parser.add_argument("--size", default="256x256", help="width x height of the video")
-    parser.add_argument("--frames", type=int, default=17)
+    parser.add_argument("--video", default="256x256x17", help="width x height x frames")
+    parser.add_argument("--image", default="256x256", help="width x height of each image")
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
-    width, height = (int(side) for side in args.size.split("x"))
-    spec = video(width, height, args.frames, args.steps)
+    w, h, frames = (int(n) for n in args.video.split("x"))
+    video = Case("wan", ParallelLayout(ulysses=2), (spec(w, h, frames, args.steps, 7),), (0,))
+    w, h = (int(n) for n in args.image.split("x"))
+    images = Case("qwen-image", ParallelLayout(rows=2),
+                  tuple(spec(w, h, 1, args.steps, seed) for seed in range(8)),
+                  tuple(12 + seed % 3 for seed in range(8)))
     with tempfile.TemporaryDirectory() as scratch:
-        model_dir = Path(scratch) / "wan"
-        wan.build(model_dir, "default")
-        tokens = wan.FAMILY.denoiser(model_dir, CPU).tokens(spec)
-        one, two = (run(model_dir, spec, ranks, Path(scratch)) for ranks in (1, 2))
-    ratio = one.seconds / two.seconds
-    report("One Wan request, Ulysses over gloo ranks (one thread each)",
-           ["ranks", "seconds", "latency ratio", "= the pipeline's calls, split alike"],
-           [[1, f"{one.seconds:.2f}", "1.00", one.identical],
-            [2, f"{two.seconds:.2f}", f"{ratio:.2f}", two.identical]],
-           {"bench": "parallel", "ranks": 2, "video_latency_ratio": round(ratio, 3),
-            "rows_throughput_ratio": None, "identical": one.identical and two.identical,
-            "two_ranks_equal_one": torch.equal(one.served, two.served), "size": args.size,
-            "frames": args.frames, "steps": args.steps, "tokens": tokens})
+        one, two, video_tokens = measure(video, Path(scratch))
+        one_rows, two_rows, image_tokens = measure(images, Path(scratch))
+    latency = one.seconds / two.seconds
+    throughput = one_rows.seconds / two_rows.seconds
+    runs = (one, two, one_rows, two_rows)
+    report("Two gloo ranks against one (one thread per op each)",
+           ["case", "ranks", "seconds", "ratio", "= the pipeline's calls, split alike"],
+           [["video, Ulysses", 1, f"{one.seconds:.2f}", "", one.identical],
+            ["video, Ulysses", 2, f"{two.seconds:.2f}", f"{latency:.2f}", two.identical],
+            ["8 images, rows", 1, f"{one_rows.seconds:.2f}", "", one_rows.identical],
+            ["8 images, rows", 2, f"{two_rows.seconds:.2f}", f"{throughput:.2f}",
+             two_rows.identical]],
+           {"bench": "parallel", "ranks": 2, "video_latency_ratio": round(latency, 3),
+            "rows_throughput_ratio": round(throughput, 3),
+            "identical": all(m.identical for m in runs),
+            "video_two_ranks_equal_one": torch.equal(one.served, two.served),
+            "rows_two_ranks_equal_one": torch.equal(one_rows.served, two_rows.served),
+            "video": args.video, "video_tokens": video_tokens, "image": args.image,
+            "image_tokens": image_tokens, "steps": args.steps})
 
 
 if __name__ == "__main__":

@@ -143,9 +143,13 @@ class DenoiseParallelSettings(_Section):
     forwards' sequence split by diffusers' context parallelism (docs/design/parallel.md)."""
 
     # Ranks splitting each attention's heads (all-to-all) and its keys and values (a ring);
-    # a worker is ulysses x ring ranks, and 1 x 1 is one process on one device.
+    # a worker is ulysses x ring x rows ranks, and 1 x 1 x 1 is one process on one device.
     ulysses: int = Field(1, ge=1, le=64)
     ring: int = Field(1, ge=1, le=64)
+    # Or ranks taking each a part of a forward's rows (the conditional and unconditional rows
+    # of one request included): for many short rows, where a sequence split gains little.
+    # Each row is then computed whole, as alone, so keys stay those of one rank.
+    rows: int = Field(1, ge=1, le=64)
     # Ulysses over head counts and sequence lengths its degree does not divide, at the price
     # of a gather of sizes per attention (diffusers' ``ulysses_anything``); ring must be 1.
     ulysses_anything: bool = False
@@ -155,13 +159,16 @@ class DenoiseParallelSettings(_Section):
 
     @property
     def ranks(self) -> int:
-        return self.ulysses * self.ring
+        return self.ulysses * self.ring * self.rows
 
     @model_validator(mode="after")
-    def _anything_is_ulysses_alone(self) -> DenoiseParallelSettings:
+    def _one_split_at_a_time(self) -> DenoiseParallelSettings:
         if self.ulysses_anything and (self.ulysses < 2 or self.ring != 1):
             raise ValueError("workers.denoise_parallel.ulysses_anything needs ulysses of 2 or "
                              f"more and ring 1 (ulysses {self.ulysses}, ring {self.ring})")
+        if self.rows > 1 and self.ulysses * self.ring > 1:
+            raise ValueError("workers.denoise_parallel.rows splits rows, ulysses and ring the "
+                             "sequence: set one or the other (both at once is not built yet)")
         return self
 
 

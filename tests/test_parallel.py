@@ -1,7 +1,8 @@
-"""A denoise worker over two ranks (gloo, one thread each, CPU, float32): its outputs are
-bit-identical to the diffusers pipeline split alike (``ContextParallelConfig`` on two ranks),
-alone and batched; a rank killed mid-request costs time, never the request; a split the model
-cannot take is refused at start-up, naming the setting."""
+"""A denoise worker over two ranks (gloo, one thread each, CPU, float32): with its sequence
+split, its outputs are bit-identical to the diffusers pipeline split alike
+(``ContextParallelConfig`` on two ranks), alone and batched; with its rows split, to the
+pipeline on one device. A rank killed mid-request costs time, never the request; a split the
+model cannot take is refused at start-up, naming the setting."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from tests.workers_harness import (
     make_spec,
     model_service,
     read_frames,
+    reference,
     serve_api,
     start_worker,
     wait_done,
@@ -66,6 +68,17 @@ def test_a_split_the_model_cannot_take_is_refused_naming_the_setting(
         ULYSSES_2.check(qwen, tokens=8)
     with pytest.raises(ValueError, match="ulysses_anything needs ulysses of 2 or more"):
         WorkerSettings(denoise_parallel=DenoiseParallelSettings(ulysses_anything=True))
+
+
+def test_rows_are_shared_out_in_order_rank_0_first() -> None:
+    rows = ParallelLayout(rows=2)
+    assert rows.row_parts(16) == [slice(0, 8), slice(8, 16)]
+    assert rows.row_parts(3) == [slice(0, 2), slice(2, 3)]
+    assert rows.row_parts(1) == [slice(0, 1), slice(1, 1)]
+    assert ParallelLayout(rows=3).row_parts(4) == [slice(0, 2), slice(2, 4), slice(4, 4)]
+    assert rows.name == "" and rows.ranks == 2 and rows.sequence_ranks == 1
+    with pytest.raises(ValueError, match="set one or the other"):
+        DenoiseParallelSettings(rows=2, ulysses=2)
 
 
 def test_keys_name_the_split_and_one_rank_keeps_its_keys(model_dir: Path) -> None:
@@ -195,3 +208,18 @@ def test_a_qwen_image_request_on_a_ulysses_2_group_is_the_pipeline_split_alike(
         for spec, frames in zip(specs[1:], want[1:], strict=True):
             assert np.array_equal(read_frames(service.settings,
                                               wait_done(service.client, spec)), frames)
+
+
+def test_rows_shared_out_over_two_ranks_are_the_pipeline_on_one_device(
+        model_dir: Path, pipe: object, tmp_path_factory: pytest.TempPathFactory) -> None:
+    specs = [make_spec(prompt="a fox", seed=21), make_spec(prompt="a red fox", seed=22),
+             make_spec(prompt="a grey cat on a wall", seed=23)]
+    with model_service(tmp_path_factory.mktemp("rows"), model_dir, "rows",
+                       workers={"denoise_parallel": {"rows": 2}}) as service:
+        before = batched_forwards(service.client)
+        offered_together(service.client, service.pool[Stage.DENOISE][0], specs)
+        for spec in specs:
+            assert np.array_equal(read_frames(service.settings,
+                                              wait_done(service.client, spec)),
+                                  reference(pipe, spec))
+        assert batched_forwards(service.client) > before

@@ -115,7 +115,7 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
         from workers.stages.denoise_worker import EngineWorker
 
         defaults = request_defaults(settings.model, directory)
-        mirror = None
+        group = None
         if layout.ranks == 1:
             denoiser = family.denoiser(directory, placement)
         else:
@@ -123,7 +123,6 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
             denoiser, group = start_group(
                 settings, placement, lambda here: family.denoiser(directory, here),
                 lambda loaded: layout.check(loaded.transformer, loaded.tokens(spec)))
-            mirror = group.mirror
             atexit.register(group.stop)  # before multiprocessing ends the ranks it started
         consumer = consumer_name()
 
@@ -135,7 +134,7 @@ def build_worker(stage: Stage, settings: Settings) -> tuple[StageWorker, StageHa
         kept = (OutputFiles(settings.checkpoints_dir, settings.cache.checkpoint_ttl_s)
                 if settings.cache.durable_outputs else None)
         denoise = DenoiseHandler(cache, denoiser, settings.workers, credits, report, kept,
-                                 mirror)
+                                 None if group is None else group.forwards)
         denoise.warm_up(defaults, family.limits)
         publish_lora_targets(client, {
             name: (m.out_features, m.in_features)

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from keys import GenerationSpec
-from workers.engine.executor import Computed, Executor, Mirror, geometry, tokens
+from workers.engine.executor import Computed, Executor, geometry, tokens
+from workers.engine.forward_inputs import Ranks
 from workers.engine.guidance import Row, StepPlan
 from workers.engine.interrupt import StepInterrupted
 from workers.engine.run import DenoiseRun
@@ -47,10 +48,10 @@ class StepResult:
 
 class DenoiseEngine:
     def __init__(self, model: Denoiser, max_batch: int, max_tokens: int, adapters: int,
-                 parallel: bool, ride_along: int = 2, mirror: Mirror | None = None) -> None:
+                 parallel: bool, ride_along: int = 2, ranks: Ranks | None = None) -> None:
         self.model = model
         self.scheduler = Scheduler(Limits(max_batch, max_tokens, adapters, ride_along))
-        self.executor = Executor(model, parallel, mirror)
+        self.executor = Executor(model, parallel, ranks)
         self.runs: list[DenoiseRun] = []
 
     @property

@@ -5,7 +5,7 @@ family's ``Denoiser.predict`` inside ``rows_apart``, with each row's step cache 
 own (``forward_rows``). The first forward of each geometry and batch size is proven equal to
 its rows alone (``row_proof``) before its result is used; independent forwards of one step may
 run on two threads; how a step's rows are cut is timed per geometry (``layout``). In a denoise
-group every forward's inputs are first handed to the other ranks (``mirror``). The executor
+group every forward runs on all its ranks (``ranks``). The executor
 decides nothing about who shares a forward: the scheduler did.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from keys import GenerationSpec
 from workers.engine.exact_rows import checks_made, pad_texts
-from workers.engine.forward_inputs import ForwardInputs, predict
+from workers.engine.forward_inputs import ForwardInputs, Ranks, predict
 from workers.engine.guidance import Row
 from workers.engine.interrupt import BlockInterrupts
 from workers.engine.layout import ForwardLayouts, Layout
@@ -32,10 +32,6 @@ from workers.engine.row_proof import RowProof
 from workers.engine.scheduler import PlannedForward, Slot
 from workers.engine.timing import seconds_since
 from workers.families.base import Denoiser
-
-# Called with each forward's inputs before it runs: a denoise group's rank 0 hands them to
-# the group's other ranks, which run the same forward beside it (``workers/parallel``).
-Mirror = Callable[[ForwardInputs], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +61,9 @@ def tokens(model: Denoiser, row: Row) -> int:
 class Executor:
     """Runs forwards of rows on one denoiser."""
 
-    def __init__(self, model: Denoiser, parallel: bool, mirror: Mirror | None = None) -> None:
+    def __init__(self, model: Denoiser, parallel: bool, ranks: Ranks | None = None) -> None:
         self.model = model
-        self.mirror = mirror
+        self.ranks = ranks
         # Whether batched rows are exact is proven here, on this device, per geometry and
         # batch size, before a batched result is used.
         self.proof = RowProof()
@@ -78,7 +74,7 @@ class Executor:
         # Nor in a group: its ranks must meet in every collective in the same order.
         self._pool = (ThreadPoolExecutor(2, "forward", initializer=torch.set_num_threads,
                                          initargs=(torch.get_num_threads(),))
-                      if parallel and model.device.type != "cuda" and mirror is None
+                      if parallel and model.device.type != "cuda" and ranks is None
                       else None)
         self.interrupts = BlockInterrupts(model.transformer)
         self.caches = RowCaches(model.transformer, model.step_cache_config)
@@ -99,9 +95,9 @@ class Executor:
     @contextmanager
     def watching(self, should_stop: Callable[[], bool]) -> Iterator[None]:
         """Forwards run within the block stop between blocks once ``should_stop()``. Not
-        where the forwards are mirrored: the other ranks would wait inside the forward for
-        a rank that left it, so a group's forwards stop at their end."""
-        if self.mirror is not None:
+        in a group: its other ranks would wait for this one inside the forward, or send it
+        rows it no longer takes, so a group's forwards stop at their end."""
+        if self.ranks is not None:
             yield
             return
         with self.interrupts.watching(should_stop):
@@ -165,9 +161,14 @@ class Executor:
         condition = torch.cat(conditions) if conditions else None
         caches = [None if r.cached is None else self.caches.row(r.cached) for r in rows]
         inputs = ForwardInputs(latents, timesteps, embeds, rows[0].spec, mask, condition)
-        if self.mirror is not None:
-            self.mirror(inputs)
-        return predict(self.model, inputs, caches, [r.adapters for r in rows]), caches
+        adapters = [r.adapters for r in rows]
+
+        def local(part: ForwardInputs, which: slice) -> torch.Tensor:
+            return predict(self.model, part, caches[which], adapters[which])
+
+        out = (local(inputs, slice(None)) if self.ranks is None
+               else self.ranks.run(inputs, local))
+        return out, caches
 
     def _reference(self, key: tuple[object, ...], rows: Sequence[Row]
                    ) -> tuple[torch.Tensor, list[RowCache | None]]:

@@ -1,14 +1,15 @@
 """What one transformer forward takes, and the call that runs it under its rows' choices.
 
 The executor builds these from its rows; a denoise group's other ranks receive the same inputs
-(``workers/parallel``) and make the same call, so every rank runs every forward alike.
+(``workers/parallel``) and make the same call, on the whole sequence split or on their part of
+the rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -33,6 +34,25 @@ class ForwardInputs:
     @property
     def rows(self) -> int:
         return int(self.latents.shape[0])
+
+    def part(self, rows: slice) -> ForwardInputs:
+        """These inputs' ``rows`` alone."""
+        return ForwardInputs(self.latents[rows], self.timesteps[rows], self.embeds[rows],
+                             self.spec, None if self.mask is None else self.mask[rows],
+                             None if self.condition is None else self.condition[rows])
+
+
+# Runs some of a forward's rows on this rank: their inputs, and which of the forward's rows
+# they are (for their step caches and adapters).
+Local = Callable[[ForwardInputs, slice], torch.Tensor]
+
+
+class Ranks(Protocol):
+    """The other ranks of a denoise group, which run each forward with this one
+    (``workers/parallel``): ``run`` gives the forward's whole output, having had this rank
+    compute its part with ``local``."""
+
+    def run(self, inputs: ForwardInputs, local: Local) -> torch.Tensor: ...
 
 
 def predict(model: Denoiser, inputs: ForwardInputs,

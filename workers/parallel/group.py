@@ -1,7 +1,8 @@
 """A denoise worker's group of ranks. Rank 0 is the worker: it starts the other ranks, runs
 the engine and the queue loop, and hands each forward's inputs to the others (``Wire``); every
-rank runs every forward, its sequence split by diffusers' context parallelism. A rank that dies
-takes the group down, and its jobs are taken over like any dead worker's."""
+rank runs every forward, its sequence split by diffusers' context parallelism, or a part of its
+rows. A rank that dies takes the group down, and its jobs are taken over like any dead
+worker's."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from cachesvc.processes import free_port
 from cachesvc.settings import Settings
-from workers.engine.forward_inputs import ForwardInputs, predict
+from workers.engine.forward_inputs import ForwardInputs, Local, predict
 from workers.families.base import Denoiser, Placement
 from workers.parallel.layout import ParallelLayout
 from workers.parallel.wire import Wire
@@ -66,18 +67,45 @@ def rank_placement(placement: Placement, rank: int) -> Placement:
     return replace(placement, device=torch.device("cuda", (device.index or 0) + rank))
 
 
-class DenoiseGroup:
-    """Rank 0's side: the other ranks it started, and the wire to them."""
+class SplitForwards:
+    """How rank 0 runs each forward with the group's other ranks (the executor's ``Ranks``):
+    its sequence split over every rank, or its rows shared out, each rank computing its part
+    whole."""
 
-    def __init__(self, me: Rank, others: Sequence[BaseProcess]) -> None:
+    def __init__(self, wire: Wire, layout: ParallelLayout, dtype: torch.dtype) -> None:
+        self.wire = wire
+        self.layout = layout
+        self.dtype = dtype  # of the transformer's output, which has its latents' shape
+
+    def run(self, inputs: ForwardInputs, local: Local) -> torch.Tensor:
+        if self.layout.rows == 1:  # the sequence is split: every rank runs all of it
+            self.wire.send(inputs)
+            return local(inputs, slice(None))
+        parts = self.layout.row_parts(inputs.rows)
+        if inputs.rows == 1:
+            return local(inputs, parts[0])  # nothing to share: the others stay idle
+        self.wire.send(inputs)
+        theirs: list[torch.Tensor] = []
+        try:
+            mine = local(inputs.part(parts[0]), parts[0]).to(self.dtype)
+        finally:
+            # Taken even if this rank's part raised: a rank left holding its part would
+            # wait for rank 0 through every forward after.
+            theirs = [self.wire.take(inputs.latents, self.dtype, part, rank)
+                      for rank, part in enumerate(parts) if rank and part.stop > part.start]
+        return torch.cat([mine, *theirs])
+
+
+class DenoiseGroup:
+    """Rank 0's side: the other ranks it started, and how forwards run with them."""
+
+    def __init__(self, me: Rank, layout: ParallelLayout, others: Sequence[BaseProcess],
+                 dtype: torch.dtype) -> None:
         self.me = me
+        self.forwards = SplitForwards(me.wire, layout, dtype)
         self.others = others
         self._stopping = threading.Event()
         threading.Thread(target=self._watch, name="denoise-group-watch", daemon=True).start()
-
-    def mirror(self, inputs: ForwardInputs) -> None:
-        """Hand a forward's inputs to the other ranks, which run it beside this one."""
-        self.me.wire.send(inputs)
 
     def stop(self) -> None:
         """The other ranks stop after the forward at hand."""
@@ -120,7 +148,7 @@ def start_group(settings: Settings, placement: Placement,
     layout.enable(denoiser.transformer)
     log.info("denoise group of %d ranks (%s) on %s", layout.ranks, layout.name,
              placement.device)
-    return denoiser, DenoiseGroup(me, others)
+    return denoiser, DenoiseGroup(me, layout, others, placement.dit_dtype)
 
 
 def follow(settings_json: str, rank: int, port: int, placement: Placement) -> None:
@@ -131,6 +159,7 @@ def follow(settings_json: str, rank: int, port: int, placement: Placement) -> No
     # Rank 0 decides when the group stops; a signal to the whole process group reaches it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The settings as rank 0 read them (secrets masked: this rank talks to no service).
     settings = Settings.model_validate_json(settings_json)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank-{rank} %(name)s %(levelname)s %(message)s")
@@ -145,11 +174,19 @@ def follow(settings_json: str, rank: int, port: int, placement: Placement) -> No
     family = resolve(settings.model.family, settings.model_dir, settings.model.preset)
     denoiser = family.denoiser(settings.model_dir, here)
     layout.enable(denoiser.transformer)
-    run_forwards(denoiser, me.wire)
+    run_forwards(denoiser, me.wire, layout, rank, here.dit_dtype)
 
 
-def run_forwards(denoiser: Denoiser, wire: Wire) -> None:
-    """Every forward rank 0 hands over, until it says stop."""
+def run_forwards(denoiser: Denoiser, wire: Wire, layout: ParallelLayout, rank: int,
+                 dtype: torch.dtype) -> None:
+    """Every forward rank 0 hands over, until it says stop: the whole of it where the
+    sequence is split, else this rank's part of its rows, whose output (in ``dtype``, the
+    DiT's) goes back."""
     with torch.no_grad():
         while (inputs := wire.receive()) is not None:
-            predict(denoiser, inputs)
+            if layout.rows == 1:
+                predict(denoiser, inputs)
+                continue
+            part = layout.row_parts(inputs.rows)[rank]
+            if part.stop > part.start:
+                wire.give(predict(denoiser, inputs.part(part)).to(dtype))

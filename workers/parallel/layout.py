@@ -1,5 +1,6 @@
-"""How a denoise group splits each forward's sequence, checked against the model at start-up:
-the settings as diffusers' ``ContextParallelConfig``, and the name keys carry for it."""
+"""How a denoise group splits each forward, checked against the model at start-up: its
+sequence (the settings as diffusers' ``ContextParallelConfig``), or its rows; and the name
+keys carry for it."""
 
 from __future__ import annotations
 
@@ -29,19 +30,26 @@ class ParallelLayout:
     ulysses: int = 1
     ring: int = 1
     ulysses_anything: bool = False
+    rows: int = 1  # or ranks taking each a part of a forward's rows
 
     @classmethod
     def of(cls, settings: DenoiseParallelSettings) -> ParallelLayout:
-        return cls(settings.ulysses, settings.ring, settings.ulysses_anything)
+        return cls(settings.ulysses, settings.ring, settings.ulysses_anything, settings.rows)
 
     @property
     def ranks(self) -> int:
+        return self.ulysses * self.ring * self.rows
+
+    @property
+    def sequence_ranks(self) -> int:
+        """Ranks a forward's sequence is split over (1: each computes whole rows)."""
         return self.ulysses * self.ring
 
     @property
     def name(self) -> str:
-        """What keys call it ("" for one rank, whose keys stay those of a lone worker)."""
-        if self.ranks == 1:
+        """What keys call it: "" where each row is computed whole on one rank, as on a lone
+        worker (whose keys it keeps: the row proof holds a row's bits to its bits alone)."""
+        if self.sequence_ranks == 1:
             return ""
         parts = [f"{kind}{degree}" for kind, degree in (("ulysses", self.ulysses),
                                                          ("ring", self.ring)) if degree > 1]
@@ -50,6 +58,8 @@ class ParallelLayout:
     def check(self, transformer: Any, tokens: int) -> None:
         """Refuse, naming the setting, a split ``transformer`` cannot take at a request of
         ``tokens`` image tokens (the served model's default geometry)."""
+        if self.sequence_ranks == 1:
+            return  # any model computes whole rows
         heads = int(transformer.config.num_attention_heads)
         if heads % self.ulysses and not self.ulysses_anything:
             raise ParallelLayoutError(
@@ -64,20 +74,26 @@ class ParallelLayout:
                 f"{SETTING}.ulysses_anything", f"{type(transformer).__name__} splits its "
                 "texts too, whose lengths vary from request to request: a group serving it "
                 "needs ulysses_anything (and ring 1)")
-        if tokens % self.ranks and not self.ulysses_anything:
+        if tokens % self.sequence_ranks and not self.ulysses_anything:
             raise ParallelLayoutError(
                 SETTING, f"the default request's {tokens} image tokens do not split into "
-                f"{self.ranks} equal parts (ulysses {self.ulysses} x ring {self.ring}); set "
-                f"a split that divides them, or {SETTING}.ulysses_anything")
+                f"{self.sequence_ranks} equal parts (ulysses {self.ulysses} x ring "
+                f"{self.ring}); set a split that divides them, or {SETTING}.ulysses_anything")
 
-    def splits(self, tokens: int) -> bool:
-        """Whether a forward of ``tokens`` image tokens splits into this layout's parts."""
-        return self.ulysses_anything or tokens % self.ranks == 0
+    def row_parts(self, rows: int) -> list[slice]:
+        """Which of a forward's ``rows`` each rank computes where rows are split: in order,
+        rank 0 first, as even as may be (a rank past the last row gets none)."""
+        each = -(-rows // self.ranks)
+        return [slice(min(rows, r * each), min(rows, (r + 1) * each))
+                for r in range(self.ranks)]
 
     def enable(self, transformer: Any) -> None:
-        """Split ``transformer``'s forwards over the process group (which must have started)
-        as diffusers' context parallelism does."""
+        """Split ``transformer``'s forwards' sequence over the process group (which must have
+        started) as diffusers' context parallelism does; nothing where rows are split."""
         from diffusers import ContextParallelConfig
+
+        if self.sequence_ranks == 1:
+            return
 
         with _cpu_devices_counted():
             transformer.enable_parallelism(config=ContextParallelConfig(

@@ -1,6 +1,7 @@
 """How rank 0 of a denoise group hands each forward's inputs to the group's other ranks: a JSON
 header naming the tensors that follow (the request as its record holds it), then the tensors,
-each by ``torch.distributed.broadcast``. Nothing is unpickled; an empty header says stop."""
+each by ``torch.distributed.broadcast``; and, where rows are split, how each rank's part of the
+output comes back. Nothing is unpickled; an empty header says stop."""
 
 from __future__ import annotations
 
@@ -54,6 +55,19 @@ class Wire:
         return ForwardInputs(spec=spec_from_json(header["spec"]), latents=tensors["latents"],
                              timesteps=tensors["timesteps"], embeds=tensors["embeds"],
                              mask=tensors.get("mask"), condition=tensors.get("condition"))
+
+    def give(self, out: torch.Tensor) -> None:
+        """This rank's part of a forward's output, to rank 0."""
+        dist.send(out.detach().to(self.device).contiguous(), dst=0)
+
+    def take(self, latents: torch.Tensor, dtype: torch.dtype, rows: slice,
+             rank: int) -> torch.Tensor:
+        """``rank``'s part of a forward's output: its ``rows``, shaped as their ``latents``,
+        in ``dtype``."""
+        part = torch.empty((rows.stop - rows.start, *latents.shape[1:]), dtype=dtype,
+                           device=self.device)
+        dist.recv(part, src=rank)
+        return part.to(latents.device)
 
     def _header(self, raw: bytes | None) -> bytes:
         """``raw`` from rank 0 (None on the others: what it sent)."""

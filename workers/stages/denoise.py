@@ -39,7 +39,7 @@ from keys import (
 )
 from workers.engine.checkpoint import Checkpoint, CheckpointError
 from workers.engine.core import DenoiseEngine
-from workers.engine.executor import Mirror
+from workers.engine.forward_inputs import Ranks
 from workers.engine.guidance import Guidance
 from workers.engine.hook_state import HookStateError, RunHookState, on_device
 from workers.engine.row_caches import RunStepCache, check
@@ -80,7 +80,7 @@ class DenoiseHandler:
     def __init__(self, cache: TensorCache, model: Denoiser, settings: WorkerSettings,
                  credits: Credits,
                  report_adapters: Callable[[AdapterStats, tuple[str, ...]], None] | None = None,
-                 files: OutputFiles | None = None, mirror: Mirror | None = None) -> None:
+                 files: OutputFiles | None = None, ranks: Ranks | None = None) -> None:
         self.cache = cache
         # Where a checkpoint written as the job stops early (a drain, a preemption) is also
         # kept: the store may live in memory only, and a drain is often followed by a restart
@@ -92,7 +92,7 @@ class DenoiseHandler:
         self._writes = WriteBehind()
         self.engine = DenoiseEngine(model, settings.max_batch, settings.max_batch_tokens,
                                     settings.lora_slots, settings.cfg_parallel,
-                                    settings.ride_along, mirror)
+                                    settings.ride_along, ranks)
         # Asked by the worker loop for every run's unconditional row of a step at once.
         self.exact_tier = ExactTier(cache, self._writes)
         self.adapters = LoadedAdapters(cache, model.transformer, settings.lora_slots,
