@@ -32,6 +32,7 @@ from tests.workers_harness import (
     reference,
     serve_api,
     start_worker,
+    stop_owner_when,
     wait_done,
     wait_for,
 )
@@ -41,6 +42,7 @@ from workers.parallel.layout import ParallelLayout, ParallelLayoutError
 from workers.queue.messages import Stage
 from workers.queue.schema import State
 from workers.queue.submit import submit
+from workers.stages.trajectory import checkpoint_every
 
 pytestmark = pytest.mark.slow
 ULYSSES_2 = ParallelLayout(ulysses=2)
@@ -210,16 +212,52 @@ def test_a_qwen_image_request_on_a_ulysses_2_group_is_the_pipeline_split_alike(
                                               wait_done(service.client, spec)), frames)
 
 
-def test_rows_shared_out_over_two_ranks_are_the_pipeline_on_one_device(
-        model_dir: Path, pipe: object, tmp_path_factory: pytest.TempPathFactory) -> None:
-    specs = [make_spec(prompt="a fox", seed=21), make_spec(prompt="a red fox", seed=22),
-             make_spec(prompt="a grey cat on a wall", seed=23)]
+@pytest.fixture(scope="module")
+def rows_group(tmp_path_factory: pytest.TempPathFactory,
+               model_dir: Path) -> Iterator[ModelService]:
     with model_service(tmp_path_factory.mktemp("rows"), model_dir, "rows",
                        workers={"denoise_parallel": {"rows": 2}}) as service:
-        before = batched_forwards(service.client)
-        offered_together(service.client, service.pool[Stage.DENOISE][0], specs)
-        for spec in specs:
-            assert np.array_equal(read_frames(service.settings,
-                                              wait_done(service.client, spec)),
-                                  reference(pipe, spec))
-        assert batched_forwards(service.client) > before
+        yield service
+
+
+def test_rows_shared_out_over_two_ranks_are_the_pipeline_on_one_device(
+        rows_group: ModelService, pipe: object) -> None:
+    specs = [make_spec(prompt="a fox", seed=21), make_spec(prompt="a red fox", seed=22),
+             make_spec(prompt="a grey cat on a wall", seed=23)]
+    before = batched_forwards(rows_group.client)
+    offered_together(rows_group.client, rows_group.pool[Stage.DENOISE][0], specs)
+    for spec in specs:
+        assert np.array_equal(read_frames(rows_group.settings,
+                                          wait_done(rows_group.client, spec)),
+                              reference(pipe, spec))
+    assert batched_forwards(rows_group.client) > before
+
+
+def test_a_rows_group_killed_mid_request_resumes_on_one_rank_from_its_checkpoint(
+        rows_group: ModelService, pipe: object, tmp_path: Path) -> None:
+    # A rows split keeps a lone worker's keys and bits, so a worker of one rank continues
+    # the group's checkpoint, and the output is still the pipeline's on one device.
+    spec = make_spec(seed=31, num_inference_steps=40, width=64, height=64)
+    every = checkpoint_every(spec, rows_group.settings.workers.checkpoint_every)
+    submit(rows_group.client, spec)
+
+    def past_second_checkpoint(fields: dict[str, str]) -> bool:
+        step, saved = int(fields.get("step", 0)), int(fields.get("checkpoint_step", 0))
+        return saved >= 2 * every and step - saved <= every
+
+    denoise = rows_group.pool[Stage.DENOISE]
+    victim, fields = stop_owner_when(rows_group.client, spec, Stage.DENOISE, denoise,
+                                     past_second_checkpoint)
+    saved = int(fields["checkpoint_step"])
+    victim.kill()  # rank 0, kill -9: its other rank ends with it
+    denoise.remove(victim)
+    lone = rows_group.settings.model_copy(update={"workers": rows_group.settings.workers
+                                                  .model_copy(update={
+                                                      "denoise_parallel":
+                                                      DenoiseParallelSettings()})})
+    denoise.append(start_worker(lone, Stage.DENOISE, tmp_path, rows_group.client,
+                                "denoise-one-rank"))
+    record = wait_done(rows_group.client, spec)
+    assert record.state is State.DONE
+    assert record.counter("resumed_from") >= saved > 0
+    assert np.array_equal(read_frames(rows_group.settings, record), reference(pipe, spec))
