@@ -55,12 +55,13 @@ def cfg_cache_from(body: CfgCacheBody) -> CfgCache:
 
 def step_cache_from(body: StepCacheBody | None, default: StepCachePolicy,
                     served: frozenset[StepCachePolicy], family: str,
-                    part_way: bool = False) -> StepCache:
+                    withheld: str | None = None, part_way: bool = False) -> StepCache:
     """The request's step cache (``default`` when it names none), refused unless the served
     model can run it. A tenant default the model cannot run is no default: such a request
     never named the field it would be refused for. ``part_way``: the request starts after
     step 0 (image-to-image below strength 1), where MagCache's per-step ratios do not hold,
-    so a MagCache default does not apply (``Service.image_for`` refuses one asked for)."""
+    so a MagCache default does not apply (``Service.image_for`` refuses one asked for).
+    ``withheld``: why the served model runs no step cache at all for now, if it does not."""
     if body is None and part_way:
         served = served - {StepCachePolicy.MAGCACHE}
     if body is None:
@@ -70,6 +71,8 @@ def step_cache_from(body: StepCacheBody | None, default: StepCachePolicy,
     except ValueError as exc:  # a parameter of another policy: the message names it
         field = str(exc).partition(" ")[0]
         raise FieldError(field, str(exc).partition(" ")[2]) from exc
+    if cache.on and withheld:
+        raise FieldError("step_cache.policy", withheld)
     if cache.on and cache.policy not in served:
         raise FieldError("step_cache.policy", f"{cache.policy.value} cannot run on the served "
                          f"{family} model; it serves {sorted(p.value for p in served)}")

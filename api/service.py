@@ -274,7 +274,7 @@ class Service:
             step_cache=step_cache_from(
                 body.step_cache, self.settings.api.step_cache_defaults.get(tenant,
                                                                          StepCachePolicy.OFF),
-                served.step_caches, served.family,
+                served.step_caches, served.family, served.split_refusal,
                 part_way=bool(image and image.strength is not None
                               and start_step(asked.steps, image.strength) > 0)),
             reuse=reuse_from(body.reuse, self.settings.api.reuse_defaults.get(
@@ -363,11 +363,9 @@ class Service:
     def loras_for(self, tenant: str, loras: list[LoraBody],
                   served: ServedModel) -> tuple[LoraUse, ...]:
         """The tenant's adapters a request names; another tenant's read as unknown (404).
-        None where the served model's forwards split over ranks, which run no adapter yet."""
-        if loras and served.denoise_ranks > 1:
-            raise FieldError("loras", f"the served model's denoise workers split each forward "
-                             f"over {served.denoise_ranks} ranks (workers.denoise_parallel), "
-                             "where adapters do not run yet")
+        None where the served model's forwards split over ranks (``split_refusal``)."""
+        if loras and served.split_refusal:
+            raise FieldError("loras", served.split_refusal)
         limit = self.settings.api.max_loras
         if len(loras) > limit:
             raise FieldError("loras", f"{len(loras)} adapters; at most {limit} "

@@ -162,7 +162,8 @@ def test_what_a_split_forward_cannot_run_yet_is_refused_naming_the_field(
         cached = http.post("/v1/generate", json={**body, "step_cache": {
             "policy": "first_block", "threshold": 0.2}})
         assert cached.status_code == 422, cached.text
-        assert "step_cache.policy" in cached.text, cached.text
+        assert "step_cache.policy" in cached.text and "denoise_parallel" in cached.text, \
+            cached.text
         adapted = http.post("/v1/generate", json={**body, "loras": [{"name": "style"}]})
         assert adapted.status_code == 422, adapted.text
         assert "loras" in adapted.text and "denoise_parallel" in adapted.text, adapted.text

@@ -223,6 +223,16 @@ class ServedModel:
         return self.limits.step_caches
 
     @property
+    def split_refusal(self) -> str | None:
+        """Why a request may not ask for what a split forward cannot run yet (step caches,
+        adapters); None where the denoise workers do not split their forwards."""
+        if self.denoise_ranks == 1:
+            return None
+        return (f"the served model's denoise workers split each forward over "
+                f"{self.denoise_ranks} ranks (workers.denoise_parallel), where it does not "
+                "run yet")
+
+    @property
     def spatial_multiple(self) -> int:
         """What width and height must be multiples of."""
         return self.geometry.spatial_factor if self.geometry else self.limits.spatial_multiple
