@@ -363,7 +363,7 @@ class Service:
     def loras_for(self, tenant: str, loras: list[LoraBody],
                   served: ServedModel) -> tuple[LoraUse, ...]:
         """The tenant's adapters a request names; another tenant's read as unknown (404).
-        None where the served model's forwards split over ranks (``split_refusal``)."""
+        Refused where the served model's forwards split over ranks (``split_refusal``)."""
         if loras and served.split_refusal:
             raise FieldError("loras", served.split_refusal)
         limit = self.settings.api.max_loras

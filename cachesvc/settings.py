@@ -140,7 +140,8 @@ class ModelSettings(_Section):
 
 class DenoiseParallelSettings(_Section):
     """How one denoise worker spans ranks (a process each, on a device or a core each): its
-    forwards' sequence split by diffusers' context parallelism (docs/design/parallel.md)."""
+    forwards' sequence split by diffusers' context parallelism, or their rows shared out
+    (docs/design/parallel.md)."""
 
     # Ranks splitting each attention's heads (all-to-all) and its keys and values (a ring);
     # a worker is ulysses x ring x rows ranks, and 1 x 1 x 1 is one process on one device.

@@ -22,7 +22,7 @@ from torch.multiprocessing.spawn import spawn
 from cachesvc.processes import free_port
 from cachesvc.settings import ApiSettings, DenoiseParallelSettings, WorkerSettings
 from cachesvc.waiting import wait_until
-from keys import GenerationSpec
+from keys import GenerationSpec, LoraUse, StepCache, StepCachePolicy
 from tests.test_engine import batched_forwards, offered_together
 from tests.workers_harness import (
     ModelService,
@@ -38,7 +38,9 @@ from tests.workers_harness import (
 )
 from workers.families import qwen_image, wan
 from workers.families.base import CPU, Placement
+from workers.parallel.group import SplitForwards
 from workers.parallel.layout import ParallelLayout, ParallelLayoutError
+from workers.parallel.wire import Wire
 from workers.queue.messages import Stage
 from workers.queue.schema import State
 from workers.queue.submit import submit
@@ -64,6 +66,8 @@ def test_a_split_the_model_cannot_take_is_refused_naming_the_setting(
     with pytest.raises(ParallelLayoutError, match="9 image tokens do not split into 2"):
         ULYSSES_2.check(transformer, tokens=9)
     ParallelLayout(ulysses=2, ulysses_anything=True).check(transformer, tokens=9)
+    with pytest.raises(ParallelLayoutError, match=r"denoise_parallel\.ring: ring attention"):
+        ParallelLayout(ring=2).check(transformer, tokens=8)
     # Qwen-Image splits its texts too, whose lengths vary by request.
     qwen = QwenImageTransformer2DModel.from_pretrained(qwen_model_dir / "transformer")
     with pytest.raises(ParallelLayoutError, match=r"denoise_parallel\.ulysses_anything"):
@@ -81,6 +85,16 @@ def test_rows_are_shared_out_in_order_rank_0_first() -> None:
     assert rows.name == "" and rows.ranks == 2 and rows.sequence_ranks == 1
     with pytest.raises(ValueError, match="set one or the other"):
         DenoiseParallelSettings(rows=2, ulysses=2)
+
+
+def test_a_job_a_group_cannot_run_is_refused_before_any_forward() -> None:
+    # Admission refuses these; a job queued before the split, or resumed, reaches the worker.
+    group = SplitForwards(Wire(torch.device("cpu")), ULYSSES_2, torch.float32)
+    assert group.refusal(make_spec(), tokens=8) is None
+    assert "9 image tokens do not split into 2" in str(group.refusal(make_spec(), tokens=9))
+    cached = make_spec(step_cache=StepCache.create(StepCachePolicy.FIRST_BLOCK, threshold=0.2))
+    assert "no step cache" in str(group.refusal(cached, tokens=8))
+    assert "no adapter" in str(group.refusal(make_spec(loras=(LoraUse("a" * 32, 1.0),)), 8))
 
 
 def test_keys_name_the_split_and_one_rank_keeps_its_keys(model_dir: Path) -> None:
@@ -206,7 +220,7 @@ def test_a_qwen_image_request_on_a_ulysses_2_group_is_the_pipeline_split_alike(
         submit(service.client, specs[0])
         assert np.array_equal(read_frames(service.settings,
                                           wait_done(service.client, specs[0])), want[0])
-        # Texts of two lengths, padded into one forward where the proof allows.
+        # Texts of two lengths, each in a forward of its own on a split sequence.
         offered_together(service.client, service.pool[Stage.DENOISE][0], specs[1:])
         for spec, frames in zip(specs[1:], want[1:], strict=True):
             assert np.array_equal(read_frames(service.settings,

@@ -50,9 +50,12 @@ Local = Callable[[ForwardInputs, slice], torch.Tensor]
 class Ranks(Protocol):
     """The other ranks of a denoise group, which run each forward with this one
     (``workers/parallel``): ``run`` gives the forward's whole output, having had this rank
-    compute its part with ``local``."""
+    compute its part with ``local``; ``refusal`` says why a request cannot run on them (None
+    if it can), before any of its forwards."""
 
     def run(self, inputs: ForwardInputs, local: Local) -> torch.Tensor: ...
+
+    def refusal(self, spec: GenerationSpec, tokens: int) -> str | None: ...
 
 
 def predict(model: Denoiser, inputs: ForwardInputs,

@@ -16,12 +16,15 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from cachesvc.processes import free_port
 from cachesvc.settings import Settings
+from cachesvc.supervisor import EXIT_CANNOT_FIT
+from keys import GenerationSpec
 from workers.engine.forward_inputs import ForwardInputs, Local, predict
 from workers.families.base import Denoiser, Placement
 from workers.parallel.layout import ParallelLayout
@@ -80,7 +83,14 @@ class SplitForwards:
     def run(self, inputs: ForwardInputs, local: Local) -> torch.Tensor:
         if self.layout.rows == 1:  # the sequence is split: every rank runs all of it
             self.wire.send(inputs)
-            return local(inputs, slice(None))
+            try:
+                return local(inputs, slice(None))
+            except BaseException:
+                # The other ranks wait inside this forward's collectives for a part this
+                # rank will never give: no later forward can meet them. End the group; its
+                # jobs are taken over from their checkpoints.
+                log.exception("denoise group: rank 0 failed inside a split forward")
+                end_group(EXIT_RANK_LOST)
         parts = self.layout.row_parts(inputs.rows)
         if inputs.rows == 1:
             return local(inputs, parts[0])  # nothing to share: the others stay idle
@@ -94,6 +104,25 @@ class SplitForwards:
             theirs = [self.wire.take(inputs.latents, self.dtype, part, rank)
                       for rank, part in enumerate(parts) if rank and part.stop > part.start]
         return torch.cat([mine, *theirs])
+
+    def refusal(self, spec: GenerationSpec, tokens: int) -> str | None:
+        """Why ``spec`` cannot run on this group: what only rank 0 would apply (step caches,
+        adapters), or a sequence its split cannot cut evenly."""
+        if spec.step_cache.on or spec.loras:
+            return (f"a denoise worker split over {self.layout.ranks} ranks "
+                    "(workers.denoise_parallel) runs no step cache and no adapter yet")
+        if not self.layout.cuts(tokens):
+            return (f"its {tokens} image tokens do not split into "
+                    f"{self.layout.sequence_ranks} equal parts, as this deployment's denoise "
+                    "workers split them (workers.denoise_parallel); another size, or "
+                    "ulysses_anything, serves it")
+        return None
+
+
+def end_group(code: int) -> NoReturn:
+    """End this process at once, and with it its group: the supervisor starts it again."""
+    logging.shutdown()
+    os._exit(code)
 
 
 class DenoiseGroup:
@@ -114,6 +143,12 @@ class DenoiseGroup:
         for process in self.others:
             process.join(timeout=30)
 
+    def abandon(self) -> None:
+        """End the other ranks now (this one failed before the group could run)."""
+        self._stopping.set()
+        for process in self.others:
+            process.kill()
+
     def _watch(self) -> None:
         """A rank that dies leaves this one waiting inside a collective: end the worker, so
         its leases lapse and the supervisor starts the group again."""
@@ -123,8 +158,10 @@ class DenoiseGroup:
         dead = next(p for p in self.others if p.sentinel in gone)
         log.error("denoise group: rank %s exited with %s; the group stops", dead.name,
                   dead.exitcode)
-        logging.shutdown()
-        os._exit(EXIT_RANK_LOST)
+        for process in self.others:
+            process.kill()
+        # A rank that cannot fit its model tells the supervisor so, as a lone worker would.
+        end_group(EXIT_CANNOT_FIT if dead.exitcode == EXIT_CANNOT_FIT else EXIT_RANK_LOST)
 
 
 def start_group(settings: Settings, placement: Placement,
@@ -142,13 +179,22 @@ def start_group(settings: Settings, placement: Placement,
     for process in others:
         process.start()
     me = Rank(0, layout.ranks, port, placement.device)
-    me.join(settings.workers.denoise_parallel.collective_timeout_s)
-    denoiser = load(placement)
-    check(denoiser)  # the other ranks end with this one if it refuses the split
-    layout.enable(denoiser.transformer)
-    log.info("denoise group of %d ranks (%s) on %s", layout.ranks, layout.name,
+    # Watched from the start: a rank that fails before it joins would leave this one
+    # waiting to meet it.
+    group = DenoiseGroup(me, layout, others, placement.dit_dtype)
+    try:
+        me.join(settings.workers.denoise_parallel.collective_timeout_s)
+        denoiser = load(placement)
+        check(denoiser)
+        if layout.sequence_ranks > 1:
+            denoiser.pads_text = False  # as on the other ranks (``follow``)
+        layout.enable(denoiser.transformer)
+    except BaseException:
+        group.abandon()  # they would wait for this rank in a collective
+        raise
+    log.info("denoise group of %d ranks (%s) on %s", layout.ranks, layout.name or "rows",
              placement.device)
-    return denoiser, DenoiseGroup(me, layout, others, placement.dit_dtype)
+    return denoiser, group
 
 
 def follow(settings_json: str, rank: int, port: int, placement: Placement) -> None:
@@ -156,10 +202,11 @@ def follow(settings_json: str, rank: int, port: int, placement: Placement) -> No
     forward rank 0 hands over until it says stop (or dies, which ends this one)."""
     from workers.families import resolve
 
-    # Rank 0 decides when the group stops; a signal to the whole process group reaches it.
+    # Rank 0 decides when the group stops: a Ctrl-C in a terminal reaches every process of
+    # the foreground group, and rank 0 first checkpoints its runs, which needs this rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # The settings as rank 0 read them (secrets masked: this rank talks to no service).
+    _end_with_parent()
+    # The settings as rank 0 read them (it uses only the model's and the workers').
     settings = Settings.model_validate_json(settings_json)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank-{rank} %(name)s %(levelname)s %(message)s")
@@ -172,9 +219,30 @@ def follow(settings_json: str, rank: int, port: int, placement: Placement) -> No
     me = Rank(rank, layout.ranks, port, here.device)
     me.join(settings.workers.denoise_parallel.collective_timeout_s)
     family = resolve(settings.model.family, settings.model_dir, settings.model.preset)
-    denoiser = family.denoiser(settings.model_dir, here)
+    try:
+        denoiser = family.denoiser(settings.model_dir, here)
+    except torch.OutOfMemoryError:
+        log.exception("rank %d: out of device memory loading the model", rank)
+        end_group(EXIT_CANNOT_FIT)
+    if layout.sequence_ranks > 1:
+        # Texts of different lengths do not share a forward here: padded texts are told
+        # from image tokens by their length, and each rank holds a part of the image's.
+        denoiser.pads_text = False
     layout.enable(denoiser.transformer)
     run_forwards(denoiser, me.wire, layout, rank, here.dit_dtype)
+
+
+def _end_with_parent() -> None:
+    """End this rank when rank 0 ends, however it ends (NCCL need not fail a collective
+    whose peer died, and an idle rank is in none)."""
+    parent = multiprocessing.parent_process()
+    assert parent is not None  # started by rank 0
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        end_group(EXIT_RANK_LOST)
+
+    threading.Thread(target=watch, name="rank-0-watch", daemon=True).start()
 
 
 def run_forwards(denoiser: Denoiser, wire: Wire, layout: ParallelLayout, rank: int,

@@ -74,11 +74,19 @@ class ParallelLayout:
                 f"{SETTING}.ulysses_anything", f"{type(transformer).__name__} splits its "
                 "texts too, whose lengths vary from request to request: a group serving it "
                 "needs ulysses_anything (and ring 1)")
-        if tokens % self.sequence_ranks and not self.ulysses_anything:
+        if self.ring > 1:
+            raise ParallelLayoutError(
+                f"{SETTING}.ring", "ring attention needs an attention backend that returns "
+                "its log-sum-exp, and diffcache runs the native one: use ulysses")
+        if not self.cuts(tokens):
             raise ParallelLayoutError(
                 SETTING, f"the default request's {tokens} image tokens do not split into "
                 f"{self.sequence_ranks} equal parts (ulysses {self.ulysses} x ring "
                 f"{self.ring}); set a split that divides them, or {SETTING}.ulysses_anything")
+
+    def cuts(self, tokens: int) -> bool:
+        """Whether a row of ``tokens`` image tokens splits as this layout splits it."""
+        return self.ulysses_anything or tokens % self.sequence_ranks == 0
 
     def row_parts(self, rows: int) -> list[slice]:
         """Which of a forward's ``rows`` each rank computes where rows are split: in order,

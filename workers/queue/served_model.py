@@ -214,8 +214,8 @@ class ServedModel:
     @property
     def step_caches(self) -> frozenset[StepCachePolicy]:
         """The step-cache policies this model runs: its family's, and MagCache where its card
-        ships calibrated ratios. None on a split denoiser, whose ranks would each decide
-        from their own part of a row."""
+        ships calibrated ratios. None where the denoise workers split their forwards
+        (``split_refusal``)."""
         if self.denoise_ranks > 1:
             return frozenset()
         if self.card.magcache_ratios:

@@ -90,6 +90,7 @@ class DenoiseHandler:
         self.settings = settings
         self.credits = credits
         self._writes = WriteBehind()
+        self.ranks = ranks
         self.engine = DenoiseEngine(model, settings.max_batch, settings.max_batch_tokens,
                                     settings.lora_slots, settings.cfg_parallel,
                                     settings.ride_along, ranks)
@@ -125,6 +126,10 @@ class DenoiseHandler:
         step (0, or where an input image is noised to).
         Its adapters are loaded when the engine takes it in (``load_adapters``)."""
         spec = ctx.spec()
+        if self.ranks is not None and (why := self.ranks.refusal(
+                spec, self.model.tokens(spec, self.model.condition_shape(spec)))):
+            # Admission refuses these; a job queued before the split, or resumed, may not be.
+            raise ValueError(f"request {spec.request_id}: {why}")
         embeds = self._embeddings(ctx)
         scheduler = self.model.scheduler(spec)
         links = chain_links(spec, {name: key for name, (key, _) in embeds.items()},
