@@ -181,6 +181,10 @@ def test_what_a_split_forward_cannot_run_yet_is_refused_naming_the_field(
         adapted = http.post("/v1/generate", json={**body, "loras": [{"name": "style"}]})
         assert adapted.status_code == 422, adapted.text
         assert "loras" in adapted.text and "denoise_parallel" in adapted.text, adapted.text
+        uneven = http.post("/v1/generate", json={**body, "width": 48, "height": 48,
+                                                  "num_frames": 9})
+        assert uneven.status_code == 422, uneven.text
+        assert "27 image tokens" in uneven.text and "width" in uneven.text, uneven.text
         assert http.post("/v1/generate", json=body).status_code == 202
 
 

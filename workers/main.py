@@ -58,10 +58,12 @@ def publish_model(client: RedisClient, settings: Settings, family: Family) -> No
     """Say which model this deployment serves (its defaults, geometry, card and tokenizer):
     admission checks every request against it, wherever it runs."""
     directory = settings.model_dir
+    layout = ParallelLayout.of(settings.workers.denoise_parallel)
     publish_served(client, ServedModel(family.name, directory.resolve().name, family.limits,
                                        request_defaults(settings.model, directory),
                                        family.geometry(directory), model_card(directory),
-                                       denoise_ranks=settings.workers.denoise_parallel.ranks),
+                                       denoise_ranks=layout.ranks,
+                                       token_parts=layout.token_parts),
                    tokenizer_json(directory))
 
 

@@ -84,9 +84,14 @@ class ParallelLayout:
                 f"{self.sequence_ranks} equal parts (ulysses {self.ulysses} x ring "
                 f"{self.ring}); set a split that divides them, or {SETTING}.ulysses_anything")
 
+    @property
+    def token_parts(self) -> int:
+        """Equal parts a row's image tokens must split into (1: any number will do)."""
+        return 1 if self.ulysses_anything else self.sequence_ranks
+
     def cuts(self, tokens: int) -> bool:
         """Whether a row of ``tokens`` image tokens splits as this layout splits it."""
-        return self.ulysses_anything or tokens % self.sequence_ranks == 0
+        return tokens % self.token_parts == 0
 
     def row_parts(self, rows: int) -> list[slice]:
         """Which of a forward's ``rows`` each rank computes where rows are split: in order,

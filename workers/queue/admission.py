@@ -186,6 +186,13 @@ def check_limits(asked: Asked, limits: Limits, model: ServedModel, texts: TextLi
     if not 1 <= frames <= limits.max_frames or (frames - 1) % k:
         raise FieldError("num_frames", f"must be {k}k+1 from 1 to {limits.max_frames}, "
                          f"got {frames}")
+    if model.token_parts > 1 and model.geometry is not None and (
+            tokens := model.geometry.tokens(asked.width, asked.height, frames)) % model.token_parts:
+        raise FieldError("width", f"{asked.width}x{asked.height}x{frames} is {tokens} image "
+                         f"tokens a row, which do not split into {model.token_parts} equal "
+                         "parts as the served model's denoise workers split them "
+                         "(workers.denoise_parallel); choose another width, height or "
+                         "num_frames")
     if not 1 <= asked.steps <= limits.max_steps:
         raise FieldError("num_inference_steps", f"must be from 1 to {limits.max_steps}, "
                          f"got {asked.steps}")

@@ -83,11 +83,14 @@ class ModelGeometry:
         """A request's estimated compute in token-forwards: the DiT's tokens (latent frames
         times patches) times the forwards it runs (a step with CFG runs two; image-to-image
         runs only the steps from ``first_step``)."""
-        frames = (spec.num_frames - 1) // self.frame_factor + 1
-        patches = (spec.height // self.spatial_factor) * (spec.width // self.spatial_factor)
         forwards = sum(2 if spec.segment_uses_cfg(spec.schedule[seg]) else 1
                        for seg in spec.step_segments()[spec.first_step:])
-        return frames * patches * forwards
+        return self.tokens(spec.width, spec.height, spec.num_frames) * forwards
+
+    def tokens(self, width: int, height: int, frames: int) -> int:
+        """The DiT's image tokens in a row of that size: latent frames times patches."""
+        latent_frames = (frames - 1) // self.frame_factor + 1
+        return latent_frames * (height // self.spatial_factor) * (width // self.spatial_factor)
 
 
 # A model folder may carry this card; its "request_defaults" are what a request to that model
@@ -210,6 +213,8 @@ class ServedModel:
     # Ranks each denoise worker's forwards split over (``workers.denoise_parallel``): a
     # split forward runs no step cache and no adapter yet.
     denoise_ranks: int = 1
+    # Equal parts a row's image tokens must split into there (1: any number of tokens).
+    token_parts: int = 1
 
     @property
     def step_caches(self) -> frozenset[StepCachePolicy]:
