@@ -50,13 +50,16 @@ def _size(size: str | None) -> tuple[int | None, int | None]:
     return int(width), int(height)
 
 
-def _frames(body: VideosBody) -> int | None:
+def _frames(body: VideosBody, served: ServedModel, fps: int) -> int | None:
+    """``num_frames``, or ``seconds`` at ``fps`` (the body's, else the rate the deployment's
+    MP4s play at) as the nearest length at or below that the served family takes
+    (``frame_multiple`` k + 1)."""
     if body.num_frames is not None:
         return body.num_frames
     if body.seconds is None:
         return None
-    frames = round(body.seconds * (body.fps or 16))
-    return frames - (frames - 1) % 4  # the nearest 4k+1 at or below
+    frames = max(1, round(body.seconds * (body.fps or fps)))
+    return frames - (frames - 1) % served.limits.frame_multiple
 
 
 def video_job(record: RequestRecord) -> VideoJob:
@@ -237,7 +240,7 @@ def create_video(body: VideosBody, who: Tenant, svc: Svc) -> VideoJob:
     try:
         request_id = svc.generate(who, GenerateBody(
             prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
-            height=height, num_frames=_frames(body),
+            height=height, num_frames=_frames(body, svc.served(), svc.settings.workers.fps),
             num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
             seed=body.seed, output_format=OutputFormat.MP4, loras=body.loras, reuse=body.reuse,
             image=body.input_reference))

@@ -18,7 +18,7 @@ from bench.common import bench_parser, bench_stack, report
 from bench.e2e import measure
 from cachesvc.connect import open_cache
 from keys import KeyKind, StoreKey
-from workers.families import FAMILIES, family_named
+from workers.families import BUILT_IN
 
 # Sizes where the tiny models do real work on a GPU: a 17-frame 256x256 video, a 512x512 image.
 VIDEO = {"width": 256, "height": 256, "num_frames": 17, "num_inference_steps": 30}
@@ -66,8 +66,8 @@ def main() -> None:
         return
     families = {}
     rows: list[list[object]] = []
-    for name in FAMILIES:
-        family = family_named(name)
+    for family in BUILT_IN:
+        name = family.name
         size = VIDEO if family.limits.video else IMAGE
         result, _ = measure(family, args.requests, args.seed, {**size, "device": "cuda"})
         families[name] = {k: result[k] for k in ("ratio", "identical", "stage_share",

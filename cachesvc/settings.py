@@ -109,7 +109,8 @@ class ModelSettings(_Section):
 
     # "auto": the family whose pipeline class the model folder's model_index.json names (a
     # folder still to be built gets the family whose preset it names). Otherwise a
-    # name in the family registry (``workers.families``), which checks it: `diffcache up`
+    # name in the family registry (``workers.families``), or a plug-in family's import path
+    # ("package.module:ATTRIBUTE", a ``Family``), which the registry checks: `diffcache up`
     # before it starts anything, and every worker.
     family: str = "auto"
     # Where denoise and decode run, which every trajectory and output key names. "auto":

@@ -310,8 +310,10 @@ def test_openai_images_and_sglang_videos(http: TestClient) -> None:
     assert http.get(url).status_code == 200
     other = http.post("/v1/images/generations", json={"prompt": "a flower", "model": "dall-e-3"})
     assert other.status_code == 404 and "wan/" in other.json()["error"]["message"]
+    # Half a second at 12 fps is 6 frames: Wan takes 4k + 1, so 5 (its published limits').
     job = http.post("/v1/videos", json={"prompt": "a horse running", "size": "32x32",
-                                        "num_frames": 5, "num_inference_steps": 3}).json()
+                                        "seconds": 0.5, "fps": 12,
+                                        "num_inference_steps": 3}).json()
     assert job["object"] == "video" and job["status"] in ("queued", "in_progress")
     wait_until(lambda: http.get(f"/v1/videos/{job['id']}").json()["status"] == "completed",
                timeout_s=120, interval_s=0.05, what=f"video job {job['id']} completed")

@@ -15,7 +15,7 @@ import torch
 from bench.service_process import DIFFCACHE, diffcache_environ
 from cachesvc.settings import ModelSettings
 from keys import file_digest
-from workers.families import FAMILIES, UnknownFamilyError, family_of, resolve, wan_i2v
+from workers.families import BUILT_IN, UnknownFamilyError, family_of, resolve, wan_i2v
 from workers.families.base import (
     CPU,
     MANIFEST,
@@ -71,7 +71,7 @@ def test_an_unknown_pipeline_class_names_itself_and_the_supported_ones(tmp_path:
         resolve("auto", tmp_path, "default")
     message = str(info.value)
     assert "FluxPipeline" in message
-    assert all(f.pipeline_class in message for f in FAMILIES.values())
+    assert all(f.pipeline_class in message for f in BUILT_IN)
 
 
 @pytest.mark.slow  # builds the test models: seconds
@@ -110,7 +110,7 @@ def test_model_init_builds_a_qwen_image_folder(tmp_path: Path) -> None:
                              "DIFFCACHE_DATA_DIR": str(tmp_path / "up")},
                         timeout=300, check=False)
     assert up.returncode == 2 and "model.family" in up.stderr, up.stderr[-2000:]
-    assert all(name in up.stderr for name in FAMILIES)
+    assert all(f.name in up.stderr for f in BUILT_IN)
     assert not (tmp_path / "up" / "logs").exists()  # nothing was started
 
 

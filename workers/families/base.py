@@ -3,7 +3,7 @@
 A family holds everything model-specific: how a text becomes conditioning, the scheduler for
 a request and its resumable state, the latents and their noise (or an input image's encoding,
 for a family that takes one), how the two CFG branches combine, and the decoder. A new family
-is one module and one registry entry.
+is one module: a registry entry, or a plug-in the settings name (``workers.families``).
 """
 
 from __future__ import annotations
