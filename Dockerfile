@@ -32,6 +32,7 @@ COPY keys keys
 COPY cachesvc cachesvc
 COPY encoders encoders
 COPY workers workers
+COPY admission admission
 COPY api api
 COPY cli cli
 COPY bench bench

@@ -7,9 +7,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
+from admission.request import NotFoundError
 from api.deps import Svc, Tenant
 from api.schemas import AdapterOut
-from api.service import NotFoundError
 from cachesvc.adapters import NAME_RE, as_dict
 
 router = APIRouter()

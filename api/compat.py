@@ -13,10 +13,10 @@ import anyio.from_thread
 import xxhash
 from fastapi import APIRouter, File, Form, Header, Request, Response, UploadFile
 
+from admission.body import GenerateBody
 from api.deps import Svc, Tenant
 from api.schemas import (
     EditsForm,
-    GenerateBody,
     ImagesBody,
     ModelFacts,
     ModelList,
@@ -129,9 +129,9 @@ def edits(form: Annotated[EditsForm, Form()], who: Tenant, svc: Svc, request: Re
     if len(files) != 1:
         raise FieldError(field, f"give exactly one image (got {len(files)}): the served "
                          "model edits one image at a time")
-    kept = [svc.decoded_image(files[0].file.read(), field)]  # kept once admitted
+    kept = [svc.admission.decoded_image(files[0].file.read(), field)]  # kept once admitted
     if mask is not None:
-        kept.append(svc.decoded_image(mask.file.read(), "mask"))
+        kept.append(svc.admission.decoded_image(mask.file.read(), "mask"))
     width, height = _size(form.size)
     generate = GenerateBody(
         prompt=form.prompt, negative_prompt=form.negative_prompt, width=width,

@@ -14,11 +14,12 @@ from pydantic import ValidationError
 from redis.exceptions import ClusterError, MovedError, RedisClusterException, TryAgainError
 from starlette.exceptions import HTTPException
 
+from admission.body import field_error
+from admission.request import NotFoundError
 from api.service import (
     ClientGoneError,
     GoneError,
     NoDenoiserError,
-    NotFoundError,
     RecomputingError,
     WaitTimeoutError,
 )
@@ -77,13 +78,8 @@ def install(app: FastAPI, retry_after_s: int) -> None:
         if first["type"] == "json_invalid":  # its loc holds a byte offset, not a field
             return _body(request, 422, f"body: is not valid JSON ({first['ctx']['error']} at "
                          f"byte {first['loc'][-1]})", "body")
-        field = ".".join(str(p) for p in first["loc"] if p not in ("body", "query", "path",
-                                                                    "header"))
-        if not field and tuple(first["loc"][:1]) == ("body",):
-            field = "body"  # the body as a whole, e.g. none at all
-        limit = first.get("ctx")
-        detail = f"{field}: {first['msg']}" + (f" ({limit})" if limit else "")
-        return _body(request, 422, detail, field or None)
+        error = field_error(first)
+        return _body(request, 422, str(error), error.field or None)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -8,9 +8,9 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Request, Response
 
+from admission.request import NotFoundError
 from api.deps import Svc, Tenant
 from api.schemas import ImageOut
-from api.service import NotFoundError
 
 router = APIRouter()
 UPLOADS = "/v1/images"

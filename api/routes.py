@@ -13,15 +13,9 @@ from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from admission.body import GenerateBody, ResumeBody
 from api.deps import Svc, Tenant
-from api.schemas import (
-    Accepted,
-    GenerateBody,
-    PreemptBody,
-    Readiness,
-    RequestStatus,
-    ResumeBody,
-)
+from api.schemas import Accepted, PreemptBody, Readiness, RequestStatus
 from api.service import Service, reuse_headers, status_of
 
 router = APIRouter()

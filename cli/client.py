@@ -1,5 +1,5 @@
-"""The command line's requests: ``submit`` through the queue's admission, and ``generate``
-and ``resume`` through the REST API, each with a progress bar."""
+"""The command line's requests: ``submit`` through the API's own admission (``admission``) and
+the queue, and ``generate`` and ``resume`` through the REST API, each with a progress bar."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import Progress
 
+from admission.body import GenerateBody, field_error
+from admission.request import RequestAdmission
 from cachesvc.connect import open_cache
 from cachesvc.redis_client import open_redis
 from cachesvc.settings import Settings
 from keys import GenerationSpec, OutputFormat, Priority, StoreKey
 from workers.queue.admission import (
-    Asked,
     FieldError,
     Limits,
     QueueFullError,
@@ -28,7 +30,6 @@ from workers.queue.admission import (
 from workers.queue.client import QueueClient
 from workers.queue.schema import RequestRecord, State
 from workers.queue.served_model import NotPublishedError
-from workers.queue.submit import new_request_id
 
 if TYPE_CHECKING:
     import httpx  # imported where it is used: ``submit`` needs no HTTP client
@@ -54,34 +55,36 @@ class Ask:
     model: str | None = None
 
 
-def admitted(queue: QueueClient, ask: Ask, tenant: str, out: str) -> GenerationSpec:
-    """Check and submit ``ask`` through the same admission as the API: what the API refuses
-    is refused here, with its message and field."""
-    admission = queue.admission
+def admitted(queue: QueueClient, requests: RequestAdmission, ask: Ask, tenant: str,
+             out: str) -> GenerationSpec:
+    """Check and submit ``ask`` through the API's own admission (``admission.request``):
+    what the API refuses is refused here, with its message and field."""
     try:
         served = queue.served()
         check_model(ask.model, served)
-        if served.limits.image_conditions:  # submit sends no image; the API names the field
-            raise FieldError("image", f"the served {served.family} model takes an input image "
-                             "with every request, which submit does not send: use diffcache "
-                             "generate --image")
-        texts = (("prompt", ask.prompt), ("negative_prompt", ask.negative_prompt))
-        asked = Asked.of(served, texts, width=ask.width, height=ask.height, frames=ask.num_frames,
-                         steps=ask.steps, output_format=OutputFormat(
-                             format_for(out, ask.output_format, served.limits.video)),
-                         guidance_scale=ask.guidance_scale, seed=ask.seed)
-        admission.check(asked, served)
-        spec = admission.within_cost(GenerationSpec.create(
-            request_id=new_request_id(), tenant=tenant, prompt=ask.prompt,
-            negative_prompt=ask.negative_prompt, width=asked.width, height=asked.height,
-            num_frames=asked.frames, num_inference_steps=asked.steps,
-            guidance_scale=asked.guidance_scale,
-            seed=ask.seed, output_format=asked.output_format, priority=ask.priority), served)
+        body = generate_body(ask, format_for(out, ask.output_format, served.limits.video))
+        spec = requests.admit(tenant, body, served).spec
         queue.submit(spec, served)
-    except (FieldError, NotPublishedError, QueueFullError, UnknownModelError) as exc:
-        # The API's own message, which starts with the field a FieldError names.
+    except FieldError as exc:
+        # The API's own message, which starts with the field; submit sends no image.
+        hint = "; submit sends no image: use diffcache generate --image" \
+            if exc.field == "image" else ""
+        raise SystemExit(f"error: refused: {exc}{hint}") from None
+    except (NotPublishedError, QueueFullError, UnknownModelError) as exc:
         raise SystemExit(f"error: refused: {exc}") from None
     return spec
+
+
+def generate_body(ask: Ask, output_format: str) -> GenerateBody:
+    """``ask`` as the body the API's route would have read, its schema's bounds checked."""
+    try:
+        return GenerateBody(
+            prompt=ask.prompt, negative_prompt=ask.negative_prompt, width=ask.width,
+            height=ask.height, num_frames=ask.num_frames, num_inference_steps=ask.steps,
+            guidance_scale=ask.guidance_scale, seed=ask.seed,
+            output_format=OutputFormat(output_format), priority=ask.priority)
+    except ValidationError as exc:
+        raise field_error(exc.errors()[0]) from None
 
 
 def submit_and_wait(settings: Settings, ask: Ask, tenant: str, out: str, console: Console,
@@ -90,7 +93,8 @@ def submit_and_wait(settings: Settings, ask: Ask, tenant: str, out: str, console
     # The limits the API admits under; this machine's settings where no API has said.
     queue = QueueClient(client, published_limits(client) or Limits.of(settings.api))
     try:
-        spec = admitted(queue, ask, tenant, out)
+        spec = admitted(queue, RequestAdmission(settings.api, queue.admission), ask, tenant,
+                        out)
         record = followed(queue, spec, console, timeout_s)
     finally:
         queue.close()

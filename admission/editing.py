@@ -6,7 +6,7 @@ or which override to change.
 
 from __future__ import annotations
 
-from api.schemas import (
+from admission.body import (
     PREFIX_FIELDS,
     CfgCacheBody,
     Overrides,
@@ -60,7 +60,8 @@ def step_cache_from(body: StepCacheBody | None, default: StepCachePolicy,
     model can run it. A tenant default the model cannot run is no default: such a request
     never named the field it would be refused for. ``part_way``: the request starts after
     step 0 (image-to-image below strength 1), where MagCache's per-step ratios do not hold,
-    so a MagCache default does not apply (``Service.image_for`` refuses one asked for).
+    so a MagCache default does not apply (``RequestAdmission.image_for`` refuses one asked
+    for).
     ``withheld``: why the served model runs no step cache at all for now, if it does not."""
     if body is None and part_way:
         served = served - {StepCachePolicy.MAGCACHE}
