@@ -29,7 +29,10 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY keys keys
+COPY config config
 COPY cachesvc cachesvc
+COPY supervision supervision
+COPY uploads uploads
 COPY encoders encoders
 COPY workers workers
 COPY admission admission

@@ -23,9 +23,7 @@ from admission.editing import (
     segments_from,
     step_cache_from,
 )
-from cachesvc.adapters import AdapterRegistry
-from cachesvc.images import ImageStore, InputImage, normalise, normalise_mask
-from cachesvc.settings import ApiSettings
+from config.settings import ApiSettings
 from keys import (
     DEFAULT_STRENGTH,
     IMAGE_NOT_REUSED,
@@ -37,6 +35,8 @@ from keys import (
     StepCachePolicy,
     start_step,
 )
+from uploads.adapters import AdapterRegistry
+from uploads.images import ImageStore, InputImage, normalise, normalise_mask
 from workers.queue.admission import Admission, Asked, FieldError
 from workers.queue.served_model import ServedModel
 from workers.queue.submit import new_request_id

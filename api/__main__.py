@@ -3,7 +3,7 @@
 import uvicorn
 
 from api.app import create_app
-from cachesvc.settings import load_settings
+from config.settings import load_settings
 
 settings = load_settings()
 uvicorn.run(create_app(settings), host=settings.api.host, port=settings.api.port,

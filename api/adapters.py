@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from admission.request import NotFoundError
 from api.deps import Svc, Tenant
 from api.schemas import AdapterOut
-from cachesvc.adapters import NAME_RE, as_dict
+from uploads.adapters import NAME_RE, as_dict
 
 router = APIRouter()
 

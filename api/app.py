@@ -17,7 +17,7 @@ from api.schemas import ErrorBody
 from api.service import Service
 from cachesvc.cache_link import CacheLink
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings
+from config.settings import Settings
 
 ERRORS: dict[int | str, dict[str, object]] = {
     code: {"model": ErrorBody} for code in (401, 403, 404, 409, 410, 413, 422, 429, 503, 504)}

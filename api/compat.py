@@ -32,8 +32,8 @@ from api.service import (
     reuse_status,
 )
 from cachesvc.errors import UploadError
-from cachesvc.images import InputImage
 from keys import OutputFormat
+from uploads.images import InputImage
 from workers.queue.admission import FieldError, check_model, model_ids
 from workers.queue.client import NotReadyError
 from workers.queue.schema import RequestRecord, State

@@ -18,8 +18,8 @@ from fastapi.responses import HTMLResponse
 from api.deps import Svc, Viewer
 from api.service import Service, status_of
 from cachesvc.counters import read_buckets, read_totals, tenants
-from cachesvc.supervisor import read_published
 from keys import KeyKind, Priority
+from supervision.supervisor import read_published
 from workers.queue.cluster_view import EngineView
 from workers.queue.messages import Stage
 

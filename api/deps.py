@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Header, HTTPException, Request
 
 from api.service import Service
-from cachesvc.settings import Settings
+from config.settings import Settings
 
 _MISSING = "a valid API key is required (X-API-Key: <key> or Authorization: Bearer <key>)"
 

@@ -18,9 +18,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from cachesvc.counters import Event, read_totals, tenants
-from cachesvc.settings import ApiSettings
-from cachesvc.supervisor import ChildStatus, read_published
+from config.settings import ApiSettings
 from keys import Priority
+from supervision.supervisor import ChildStatus, read_published
 from workers.queue.cluster_view import ClusterView, EngineView, WorkerAdapters
 from workers.queue.messages import Stage
 

@@ -19,16 +19,16 @@ from admission.body import GenerateBody, ResumeBody
 from admission.editing import branch_point
 from admission.request import RequestAdmission
 from api.schemas import ChildState, Readiness, RequestStatus, ReuseStatus, StepCacheStatus
-from cachesvc.adapters import AdapterInfo, AdapterRegistry
 from cachesvc.cache_link import CacheLink
 from cachesvc.errors import CacheError, StoreUnavailableError
-from cachesvc.images import ImageStore, InputImage
 from cachesvc.output_files import OutputFiles
 from cachesvc.redis_client import RedisClient
-from cachesvc.settings import Settings
-from cachesvc.supervisor import ChildStatus, read_published
+from config.settings import Settings
 from keys import GenerationSpec, KeyKind, StoreKey
 from keys.names import KEY_VERSION, call_waiters, check_tenant
+from supervision.supervisor import ChildStatus, read_published
+from uploads.adapters import AdapterInfo, AdapterRegistry
+from uploads.images import ImageStore, InputImage
 from workers.queue.admission import FieldError, Limits, QueueFullError, publish_limits
 from workers.queue.client import HEARTBEAT_WITHIN_S, NotReadyError, QueueClient
 from workers.queue.messages import Stage

@@ -20,10 +20,10 @@ import httpx
 import numpy as np
 
 from bench.common import bench_parser, bench_stack, report, start_workers
-from cachesvc.processes import ChildProcess, free_port
 from cachesvc.redis_client import RedisClient, open_redis
-from cachesvc.settings import ApiSettings, ModelSettings, Settings, child_environ
+from config.settings import ApiSettings, ModelSettings, Settings, child_environ
 from keys import GenerationSpec, OutputFormat
+from supervision.processes import ChildProcess, free_port
 from workers.main import ensure_model
 from workers.queue.events import RecordEvents
 from workers.queue.schema import State

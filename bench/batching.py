@@ -29,8 +29,8 @@ import torch
 from bench.common import bench_parser, model_stack, print_table, report, wait_all, workers
 from cachesvc.connect import open_cache
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings, WorkerSettings
 from cachesvc.waiting import wait_until
+from config.settings import Settings, WorkerSettings
 from keys import GenerationSpec, OutputFormat, Priority, StoreKey
 from training.scenes import free_caption, scene_at
 from workers.engine.exact_rows import rows_apart

@@ -19,8 +19,8 @@ from bench.common import bench_parser, model_stack, report, serve, workers
 from bench.workload import NEGATIVE_PROMPTS, prompt_pool
 from cachesvc.connect import open_cache
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
+from config.settings import Settings
 from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat
 from workers.queue.records import Records
 from workers.queue.served_model import request_defaults

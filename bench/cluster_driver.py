@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import redis
 
-from cachesvc.supervisor import CHILD_STATUS
 from cachesvc.waiting import wait_until
 from keys import Priority
 from keys.names import request_record, stage_stream, supervised_children
+from supervision.supervisor import CHILD_STATUS
 from workers.queue.messages import Job, Stage
 
 TENANT = "default"

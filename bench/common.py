@@ -22,13 +22,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from cachesvc.processes import ChildProcess
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings, WorkerSettings, child_environ, load_settings
-from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import WaitTimeout, wait_until
+from config.settings import Settings, WorkerSettings, child_environ, load_settings
 from keys import GenerationSpec, StoreKey
+from supervision.processes import ChildProcess
+from supervision.stack import EmbeddedStack
 from workers.launch import (
     device_environ,
     stage_counts,

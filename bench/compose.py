@@ -30,8 +30,8 @@ from bench.common import bench_parser, collect, model_stack, report, workers
 from bench.lora import random_lora
 from cachesvc.connect import open_cache
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
+from config.settings import Settings
 from keys import GenerationSpec, LoraUse, OutputFormat, StepCache, StepCachePolicy, adapter_key
 from training.scenes import scene_at
 from workers.families import family_named

@@ -6,7 +6,7 @@ publish of the next job, state, latency and ack in one script) on Valkey with
 In the same run, on the same Valkey, rounds alternate with the raw Redis work a dispatch cannot
 avoid (``bench.raw_dispatch``), so the ratio between the two holds on any disk and machine.
 With ``--redis-cluster`` they alternate instead with the same dispatches on a Redis Cluster of
-three masters with a replica each (``cachesvc.valkey_cluster``), beside the single server.
+three masters with a replica each (``bench.valkey_cluster``), beside the single server.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from bench.common import (
     start_noop_workers,
     stop_processes,
 )
+from bench.valkey_cluster import LocalValkeyCluster
 from cachesvc.redis_client import RedisClient, open_redis
-from cachesvc.settings import RedisSettings, Settings
-from cachesvc.valkey_cluster import LocalValkeyCluster
 from cachesvc.waiting import wait_until
+from config.settings import RedisSettings, Settings
 from keys import GenerationSpec, OutputFormat
 from keys.names import request_record
 from workers.queue.messages import Stage

@@ -24,10 +24,10 @@ from PIL import Image
 from bench.common import bench_parser, model_stack, report, seconds_to_done, wait_all, workers
 from bench.workload import Draw, zipf_requests
 from cachesvc.connect import open_cache
-from cachesvc.images import InputImage, normalise
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings
+from config.settings import Settings
 from keys import GenerationSpec, ImageInput, OutputFormat, StoreKey, image_key
+from uploads.images import InputImage, normalise
 from workers.engine.timing import release_memory
 from workers.families import family_named
 from workers.families.base import Family, Placement

@@ -25,10 +25,10 @@ from safetensors.torch import save as save_safetensors
 from bench.common import bench_parser, report
 from bench.lora import random_lora
 from bench.running_service import RunningService
-from cachesvc.processes import free_port
 from cachesvc.redis_client import RedisClient
 from keys import GenerationSpec, OutputFormat
 from keys.names import worker_inboxes
+from supervision.processes import free_port
 from workers.families import DEFAULT_FAMILY, family_named
 from workers.families.base import CPU
 from workers.queue.messages import Stage

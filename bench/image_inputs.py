@@ -32,13 +32,13 @@ from PIL import Image, ImageDraw
 from bench.common import bench_parser, collect, model_stack, report, workers
 from bench.e2e import placement_of
 from cachesvc.connect import open_cache
-from cachesvc.images import InputImage, normalise, normalise_mask
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
+from config.settings import Settings
 from keys import GenerationSpec, ImageInput, KeyKind, OutputFormat, image_key
 from training.classifier import load_classifier
 from training.scenes import ATTRIBUTES, Colour, Scene, scene_at
+from uploads.images import InputImage, normalise, normalise_mask
 from workers.families import family_of
 from workers.queue.records import Records
 from workers.queue.schema import KindField, RequestRecord

@@ -17,7 +17,7 @@ from safetensors.torch import save as save_safetensors
 from bench.common import bench_parser, model_stack, report, wait_all, workers
 from cachesvc.connect import open_cache
 from cachesvc.redis_client import RedisClient, open_redis
-from cachesvc.settings import Settings
+from config.settings import Settings
 from keys import GenerationSpec, LoraUse, OutputFormat, StoreKey, adapter_key
 from keys.names import adapter_stats
 from workers.queue.adapter_stats import read_adapter_stats

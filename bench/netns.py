@@ -161,7 +161,7 @@ PASSWORD = "netns-cluster-password"
 
 def base_environ(**settings: str) -> dict[str, str]:
     """This process's environment without its DIFFCACHE_* settings, plus ``settings``."""
-    from cachesvc.settings import ENV_PREFIX
+    from config.settings import ENV_PREFIX
 
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith(ENV_PREFIX)}
     return {**env, "DIFFCACHE_REDIS__PASSWORD": PASSWORD, **settings}

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
 from bench.common import bench_parser, report
-from cachesvc.processes import free_port
 from keys import GenerationSpec
+from supervision.processes import free_port
 from workers.engine.executor import Executor
 from workers.engine.guidance import Row
 from workers.families import family_named

@@ -16,7 +16,7 @@ import numpy as np
 from bench.common import bench_parser, model_stack, report, seconds_to_done, wait_all, workers
 from bench.workload import prompt_pool
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings
+from config.settings import Settings
 from keys import GenerationSpec, OutputFormat, Priority
 from workers.queue.records import Records
 from workers.queue.served_model import request_defaults

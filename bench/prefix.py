@@ -16,7 +16,7 @@ import time
 from bench.common import bench_parser, model_stack, report, wait_all, workers
 from bench.workload import ACTIONS, PLACES, SUBJECTS
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings
+from config.settings import Settings
 from keys import GenerationSpec, OutputFormat, PromptSegment
 from workers.queue.records import Records
 from workers.queue.served_model import request_defaults

@@ -31,8 +31,8 @@ from bench.common import bench_parser, model_stack, report, serve, workers
 from bench.image_inputs import STRENGTHS, Target, other_colours, readings, recoloured
 from cachesvc.connect import open_cache
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
+from config.settings import Settings
 from keys import CfgCache, CfgMode, GenerationSpec, OutputFormat, StepCache, StepCachePolicy
 from training.classifier import AttributeClassifier, load_classifier
 from training.scenes import Colour, Scene, Shape, Size, free_caption, scene_at

@@ -8,8 +8,8 @@ from typing import Any
 
 from bench.common import NOOP_GO, NOOP_READY, NOOP_START_S
 from cachesvc.redis_client import RedisClient, open_redis
-from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
+from config.settings import Settings
 from keys.names import consumer_group
 from workers.queue.messages import Stage
 

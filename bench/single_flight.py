@@ -15,7 +15,7 @@ import torch
 
 from bench.common import bench_parser, bench_stack, report
 from cachesvc.connect import open_cache
-from cachesvc.settings import Settings
+from config.settings import Settings
 from keys import KeyKind, StoreKey
 
 KEY = StoreKey("bench", KeyKind.EMBEDDING, "hot-negative-prompt")

@@ -23,7 +23,7 @@ from bench.common import (
     stop_processes,
 )
 from cachesvc.redis_client import RedisClient, open_redis
-from cachesvc.settings import RetentionSettings, Settings
+from config.settings import RetentionSettings, Settings
 from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import request_index, stage_stream
 from workers.queue import stage_metrics

@@ -27,8 +27,8 @@ from bench.quality import HELD_OUT, READ, accuracy, specs_for
 from cachesvc.connect import open_cache
 from cachesvc.output_files import OutputFiles
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings, WorkerSettings
 from cachesvc.tensor_cache import TensorCache
+from config.settings import Settings, WorkerSettings
 from keys import CfgCache, StepCache, StepCachePolicy, StoreKey
 from training.classifier import load_classifier
 from training.scenes import scene_at

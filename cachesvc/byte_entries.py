@@ -16,9 +16,9 @@ from cachesvc.entry_io import discard, expired, seal, send, verified
 from cachesvc.errors import CodecError, EntryTooLargeError
 from cachesvc.policy import policies
 from cachesvc.redis_client import RedisClient, open_redis
-from cachesvc.settings import CacheSettings, Settings
 from cachesvc.store_backend import StoreBackend
 from cachesvc.ttl_index import TtlIndex, now_ms
+from config.settings import CacheSettings, Settings
 from keys import StoreKey
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from cachesvc.errors import StoreUnavailableError
 from cachesvc.redis_client import RedisClient
-from cachesvc.settings import Settings
+from config.settings import Settings
 
 if TYPE_CHECKING:
     from cachesvc.byte_entries import ByteEntries

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from cachesvc.redis_client import RedisClient, open_redis
-from cachesvc.settings import Settings
+from config.settings import Settings
 
 if TYPE_CHECKING:
     from cachesvc.tensor_cache import TensorCache

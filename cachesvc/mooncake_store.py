@@ -19,7 +19,7 @@ from cachesvc.errors import (
     StoreOperationError,
     StoreUnavailableError,
 )
-from cachesvc.settings import StoreSettings
+from config.settings import StoreSettings
 
 OK = 0
 NO_AVAILABLE_HANDLE = -200  # no segment has room for the entry

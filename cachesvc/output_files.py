@@ -3,7 +3,7 @@
 The store holds every output in memory only, so a restart of the service or the loss of a
 storage node would lose them all. Decode also writes each output here, and the API serves it
 from here when the store no longer has it, until the output's TTL has passed. Uploaded LoRA
-adapters are kept the same way, with no TTL (``cachesvc/adapters.py``).
+adapters are kept the same way, with no TTL (``uploads/adapters.py``).
 """
 
 from __future__ import annotations

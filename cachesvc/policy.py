@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cachesvc.settings import CacheSettings
+from config.settings import CacheSettings
 from keys import KeyKind
 
 

@@ -11,7 +11,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 
-from cachesvc.settings import Settings
+from config.settings import Settings
 
 # One server, or a Redis Cluster (``redis.cluster`` in the settings). The queue's keys share
 # one hash slot (``keys.names``), so every script runs the same on both.

@@ -29,10 +29,10 @@ from cachesvc.errors import StoreUnavailableError
 from cachesvc.ledger import Ledger
 from cachesvc.policy import KindPolicy, policies
 from cachesvc.redis_client import RedisClient
-from cachesvc.settings import CacheSettings, StoreSettings
 from cachesvc.single_flight import Outcome, SingleFlight
 from cachesvc.store_backend import StoreBackend
 from cachesvc.ttl_index import TtlIndex
+from config.settings import CacheSettings, StoreSettings
 from keys import StoreKey
 from keys.names import flight_lock
 

@@ -17,7 +17,7 @@ from admission.body import GenerateBody, field_error
 from admission.request import RequestAdmission
 from cachesvc.connect import open_cache
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings
+from config.settings import Settings
 from keys import GenerationSpec, OutputFormat, Priority, StoreKey
 from workers.queue.admission import (
     FieldError,

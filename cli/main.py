@@ -10,13 +10,13 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from cachesvc.processes import StartupError
-from cachesvc.settings import Settings, SettingsError, load_settings
-from cachesvc.stack import HEAD, NODE, ONE_MACHINE, Roles
 from cli import train
 from cli.console import detach_native_stderr, log_handlers
 from cli.up import ServiceTree, api_url, endpoints_path
+from config.settings import Settings, SettingsError, load_settings
 from keys import Priority
+from supervision.processes import StartupError
+from supervision.stack import HEAD, NODE, ONE_MACHINE, Roles
 
 app = typer.Typer(help="Cache-centric disaggregated diffusion serving.", no_args_is_help=True)
 console = Console(soft_wrap=True)

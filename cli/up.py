@@ -24,16 +24,16 @@ import redis
 from rich.console import Console
 
 from cachesvc.errors import CacheError
-from cachesvc.instance_lock import InstanceLock
 from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints
 from cachesvc.output_files import OutputFiles
-from cachesvc.processes import require_free
 from cachesvc.redis_client import RedisClient, open_redis
-from cachesvc.settings import Settings, child_environ
-from cachesvc.stack import ONE_MACHINE, EmbeddedStack, Roles, StackAddresses
-from cachesvc.supervisor import Supervisor, publish
 from cachesvc.ttl_index import TtlIndex
 from cli.console import LogEcho
+from config.settings import Settings, child_environ
+from supervision.instance_lock import InstanceLock
+from supervision.processes import require_free
+from supervision.stack import ONE_MACHINE, EmbeddedStack, Roles, StackAddresses
+from supervision.supervisor import Supervisor, publish
 from workers.queue.served_model import model_card
 
 log = logging.getLogger("diffcache")

@@ -10,8 +10,8 @@ import mkdocs_gen_files
 import typer
 
 from api.metrics import METRICS
-from cachesvc.settings import Settings, load_settings
 from cli.main import app as cli
+from config.settings import Settings, load_settings
 from docsgen.benchmarks import page as benchmarks_page
 from docsgen.reference import cli_page, metrics_page, rest_page, settings_page
 

@@ -12,11 +12,11 @@ import pytest
 import redis
 
 from cachesvc.connect import open_cache
-from cachesvc.processes import ChildProcess
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings, load_settings
-from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
+from config.settings import Settings, load_settings
+from supervision.processes import ChildProcess
+from supervision.stack import EmbeddedStack
 from tests import redis_databases
 from tests.workers_harness import publish_as_workers, serving, worker_pool
 from workers.families import qwen_image, qwen_image_edit, wan, wan_i2v

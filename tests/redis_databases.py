@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings
+from config.settings import Settings
 from workers.queue.heartbeats import live_workers
 from workers.queue.messages import Stage
 

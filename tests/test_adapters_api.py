@@ -18,10 +18,10 @@ from safetensors.torch import save as save_safetensors
 from api.app import create_app
 from bench.lora import random_lora
 from cachesvc.connect import open_cache
-from cachesvc.processes import ChildProcess, free_port
-from cachesvc.settings import ApiSettings, Settings, child_environ
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings, Settings, child_environ
 from keys import adapter_key
+from supervision.processes import ChildProcess, free_port
 
 pytestmark = pytest.mark.slow
 KEYS = {"key-a": "adapters-a", "key-b": "adapters-b"}

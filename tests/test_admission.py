@@ -17,8 +17,8 @@ import pytest
 import redis
 from rich.console import Console
 
-from cachesvc.settings import ApiSettings, ModelSettings, Settings
 from cli.client import Ask, submit_and_wait
+from config.settings import ApiSettings, ModelSettings, Settings
 from keys.names import active_requests
 from tests.redis_databases import ADMISSION, emptied, on_database
 from tests.test_api_hardening import error_body

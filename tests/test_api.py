@@ -21,8 +21,8 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from cachesvc.connect import open_cache
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings, Settings
 from keys import GenerationSpec, StoreKey
 from tests.workers_harness import in_hand, reference
 from workers.queue.messages import Stage

@@ -11,7 +11,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from cachesvc.settings import ApiSettings, Settings
+from config.settings import ApiSettings, Settings
 from tests.workers_harness import serve_api
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.

@@ -18,12 +18,12 @@ import redis
 from api.errors import OPENAI_PREFIXES
 from api.metrics import hashed_tenant, tenant_labeller
 from cachesvc.counters import CacheCounters, Event
-from cachesvc.processes import free_port
-from cachesvc.settings import ApiSettings, ModelSettings, Settings, load_settings
-from cachesvc.stack import EmbeddedStack
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings, ModelSettings, Settings, load_settings
 from keys import KeyKind, StoreKey
 from keys.names import active_requests, request_record, stage_stream
+from supervision.processes import free_port
+from supervision.stack import EmbeddedStack
 from tests.conftest import TEST_MODEL
 from tests.redis_databases import API_HARDENING, emptied, on_database
 from tests.workers_harness import publish_as_workers, serve_api

@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachesvc.processes import ChildProcess, free_port
-from cachesvc.settings import ApiSettings, Settings, StoreSettings, child_environ
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings, Settings, StoreSettings, child_environ
+from supervision.processes import ChildProcess, free_port
 from tests.redis_databases import API_START, emptied, on_database
 
 # Starts an API process: left out of the fast subset.

@@ -10,8 +10,8 @@ import redis
 
 from bench.common import NoOp
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings, WorkerSettings
 from cachesvc.waiting import wait_until
+from config.settings import Settings, WorkerSettings
 from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import stage_stream
 from tests.redis_databases import BATCHING, emptied, on_database

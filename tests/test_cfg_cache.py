@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from cachesvc.connect import open_cache
-from cachesvc.settings import Settings
+from config.settings import Settings
 from keys import CfgCache, CfgMode
 from tests.workers_harness import make_spec, reference, rewind, run_request, wait_done
 

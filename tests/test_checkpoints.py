@@ -13,10 +13,10 @@ import redis
 import torch
 
 from cachesvc.connect import open_cache
-from cachesvc.processes import ChildProcess
-from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
+from config.settings import Settings
 from keys import PromptSegment, StoreKey
+from supervision.processes import ChildProcess
 from tests.workers_harness import (
     lose_output,
     make_spec,

@@ -8,9 +8,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
 from cli.main import app
+from config.settings import ApiSettings, Settings
 from tests.workers_harness import serve_api
 from workers.stages.media import decode_npy
 
@@ -56,7 +56,7 @@ def test_foreseeable_client_errors_are_one_line(tmp_path: Path) -> None:
     import subprocess
 
     from bench.service_process import DIFFCACHE, diffcache_environ
-    from cachesvc.processes import free_port
+    from supervision.processes import free_port
 
     environ = diffcache_environ(DIFFCACHE_API__PORT=str(free_port("127.0.0.1")),
                                 DIFFCACHE_DATA_DIR=str(tmp_path))

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.metrics import ClusterCollector, registry_with
 from cachesvc.connect import open_cache
-from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
+from config.settings import Settings
 from keys import GenerationSpec, KeyKind, StoreKey
 from tests.workers_harness import lose_output, make_spec, record_fields, wait_done
 from workers.queue.cluster_view import ClusterView

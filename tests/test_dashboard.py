@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from cachesvc.counters import read_totals
-from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings, Settings
 from tests.workers_harness import serve_api
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from api.metrics import METRICS, ClusterCollector
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import ApiSettings, Settings
+from config.settings import ApiSettings, Settings
 from docsgen.benchmarks import page as benchmarks_page
 from docsgen.reference import settings_page
 from tests.redis_databases import API_START, on_database

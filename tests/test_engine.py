@@ -19,12 +19,12 @@ import redis
 import torch
 
 from bench.lora import random_lora
-from cachesvc.processes import ChildProcess
-from cachesvc.settings import ModelSettings, Settings, SettingsError, WorkerSettings, load_settings
 from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import wait_until
+from config.settings import ModelSettings, Settings, SettingsError, WorkerSettings, load_settings
 from keys import GenerationSpec, LoraUse, StepCache, StepCachePolicy
 from keys.names import consumer_group, stage_stream
+from supervision.processes import ChildProcess
 from tests.test_lora import TENANT, upload
 from tests.test_preemption import decode_entries_for
 from tests.workers_harness import (

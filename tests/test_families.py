@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.service_process import DIFFCACHE, diffcache_environ
-from cachesvc.settings import ModelSettings
+from config.settings import ModelSettings
 from keys import file_digest
 from workers.families import BUILT_IN, UnknownFamilyError, family_of, resolve, wan_i2v
 from workers.families.base import (

@@ -14,8 +14,8 @@ import numpy as np
 import openai
 import pytest
 
-from cachesvc.settings import ApiSettings
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings
 from tests.workers_harness import answered_record, model_service, reference, serve_api
 from workers.families import UnknownFamilyError, family_named, qwen_image, resolve
 from workers.families.base import CPU

@@ -24,8 +24,8 @@ import pytest
 import redis
 
 from cachesvc.mooncake_store import LEASE_EXPIRED, MooncakeStore, StoreEndpoints
-from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings, Settings
 from keys import ImageInput
 from keys.names import request_index, stage_stream
 from tests.redis_databases import FIRST_DAY, emptied, on_database
@@ -47,7 +47,7 @@ SHIPPED = Path(qwen_image.__file__).parent / "trained" / "shapes"
 
 def shipped_model() -> ServedModel:
     """The shipped shapes model as its workers publish it."""
-    from cachesvc.settings import ModelSettings
+    from config.settings import ModelSettings
 
     return ServedModel("qwen-image", SHIPPED.name, qwen_image.LIMITS,
                        request_defaults(ModelSettings(), SHIPPED),

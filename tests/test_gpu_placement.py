@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachesvc.settings import ModelSettings, load_settings
+from config.settings import ModelSettings, load_settings
 from tests.workers_harness import make_spec
 from workers.engine import timing
 from workers.families import qwen_image, wan, wan_i2v

@@ -18,9 +18,8 @@ import redis
 from PIL import Image
 
 from cachesvc.connect import open_cache
-from cachesvc.images import normalise
-from cachesvc.settings import ApiSettings
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings
 from keys import (
     GenerationSpec,
     ImageInput,
@@ -43,6 +42,7 @@ from tests.workers_harness import (
     step_cache_is_the_pipelines,
     wait_done,
 )
+from uploads.images import normalise
 from workers.families import wan_i2v
 from workers.families.base import CPU
 from workers.queue.lifecycle import Lifecycle

@@ -20,11 +20,11 @@ from PIL import Image
 
 from api.app import create_app
 from cachesvc.connect import open_cache
-from cachesvc.images import ImageError, normalise, normalise_mask, pixel_hash
-from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings, Settings
 from keys import image_key
 from tests import redis_databases
+from uploads.images import ImageError, normalise, normalise_mask, pixel_hash
 
 LIMITS = {"max_bytes": 2**20, "max_pixels": 512 * 512}
 

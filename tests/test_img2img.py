@@ -26,12 +26,10 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from cachesvc.connect import open_cache
-from cachesvc.images import normalise
-from cachesvc.processes import ChildProcess
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
 from cli.main import app
+from config.settings import ApiSettings, Settings
 from keys import (
     GenerationSpec,
     ImageInput,
@@ -42,6 +40,7 @@ from keys import (
     image_key,
     image_latent_key,
 )
+from supervision.processes import ChildProcess
 from tests.workers_harness import (
     answered_record,
     embedded_serving,
@@ -56,6 +55,7 @@ from tests.workers_harness import (
     wait_for,
     worker_pool,
 )
+from uploads.images import normalise
 from workers.families import family_named, qwen_image
 from workers.families.base import CPU
 from workers.queue.lifecycle import Lifecycle

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import grimp
 
-PACKAGES = ("keys", "cachesvc", "encoders", "workers", "admission", "api", "cli", "training",
-            "docsgen", "bench")
+PACKAGES = ("keys", "config", "cachesvc", "supervision", "uploads", "encoders", "workers",
+            "admission", "api", "cli", "training", "docsgen", "bench")
 
 
 def test_no_module_imports_what_imports_it() -> None:

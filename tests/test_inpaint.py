@@ -24,13 +24,12 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from cachesvc.connect import open_cache
-from cachesvc.images import InputImage, normalise_mask
-from cachesvc.processes import ChildProcess
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
 from cli.main import app
+from config.settings import ApiSettings, Settings
 from keys import GenerationSpec, ImageInput, KeyKind, image_key, image_latent_key, image_mask_key
+from supervision.processes import ChildProcess
 from tests.test_img2img import lookups, picture, stored, uploaded
 from tests.workers_harness import (
     answered_record,
@@ -44,6 +43,7 @@ from tests.workers_harness import (
     wait_done,
     worker_pool,
 )
+from uploads.images import InputImage, normalise_mask
 from workers.families import family_named, qwen_image
 from workers.families.base import CPU
 from workers.queue.messages import Stage

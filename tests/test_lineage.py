@@ -11,11 +11,11 @@ import redis
 
 from cachesvc.connect import open_cache
 from cachesvc.output_files import OutputFiles
-from cachesvc.processes import ChildProcess
-from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings, Settings
 from keys import GenerationSpec, StepCache, StoreKey
 from keys.names import stage_stream
+from supervision.processes import ChildProcess
 from tests.test_preemption import LONG
 from tests.workers_harness import (
     make_spec,

@@ -16,7 +16,7 @@ from safetensors.torch import save as save_safetensors
 from api.metrics import ClusterCollector, registry_with
 from bench.lora import random_lora
 from cachesvc.connect import open_cache
-from cachesvc.settings import Settings
+from config.settings import Settings
 from keys import LoraUse, adapter_key
 from tests.workers_harness import make_spec, reference, run_request, wait_done
 from workers.families import wan

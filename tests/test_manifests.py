@@ -17,7 +17,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
-from cachesvc.settings import ENV_PREFIX, WorkerSettings, load_settings
+from config.settings import ENV_PREFIX, WorkerSettings, load_settings
 from keys import Priority
 from keys.names import consumer_group, stage_stream
 from workers.queue.messages import Stage

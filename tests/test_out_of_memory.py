@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from cachesvc.processes import ChildProcess
 from cachesvc.redis_client import open_redis
-from cachesvc.supervisor import EXIT_CANNOT_FIT, Backoff, Supervisor
 from cachesvc.waiting import wait_until
+from supervision.processes import ChildProcess
+from supervision.supervisor import EXIT_CANNOT_FIT, Backoff, Supervisor
 from tests.workers_harness import (
     embedded_serving,
     make_spec,

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
-from cachesvc.processes import free_port
-from cachesvc.settings import ApiSettings, DenoiseParallelSettings, WorkerSettings
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings, DenoiseParallelSettings, WorkerSettings
 from keys import GenerationSpec, LoraUse, StepCache, StepCachePolicy
+from supervision.processes import free_port
 from tests.test_engine import batched_forwards, offered_together
 from tests.workers_harness import (
     ModelService,

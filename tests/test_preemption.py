@@ -12,12 +12,12 @@ import redis
 
 from bench.lora import random_lora
 from cachesvc.connect import open_cache
-from cachesvc.processes import ChildProcess
-from cachesvc.settings import Settings
-from cachesvc.stack import EmbeddedStack
 from cachesvc.waiting import wait_until
+from config.settings import Settings
 from keys import GenerationSpec, LoraUse, latents_key
 from keys.names import decode_credits, request_record, stage_stream
+from supervision.processes import ChildProcess
+from supervision.stack import EmbeddedStack
 from tests.test_lora import upload
 from tests.workers_harness import (
     make_spec,

@@ -22,8 +22,8 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
 
 from cachesvc.connect import open_cache
-from cachesvc.settings import ApiSettings
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings
 from keys import (
     GenerationSpec,
     ImageInput,

@@ -19,11 +19,11 @@ import pytest
 import redis
 
 from cachesvc.connect import open_cache
-from cachesvc.processes import ChildProcess
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings, Settings
 from keys import GenerationSpec, StepCache, StepCachePolicy, StoreKey
+from supervision.processes import ChildProcess
 from tests.workers_harness import (
     embedded_serving,
     lose_output,

@@ -20,11 +20,11 @@ import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
 
-from cachesvc.images import normalise
 from cachesvc.tensor_cache import TensorCache
 from encoders.image import ImageLostError, encode_image
 from encoders.text import encode_texts_with_image
 from keys import GenerationSpec, ImageInput, KeyKind, image_key
+from uploads.images import normalise
 from workers.families import qwen_image, qwen_image_edit
 from workers.queue.admission import FieldError, TextLimits, check_texts
 from workers.queue.submit import new_request_id

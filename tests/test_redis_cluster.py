@@ -16,14 +16,14 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from cachesvc.processes import ChildProcess
+from bench.valkey_cluster import LocalValkeyCluster
 from cachesvc.redis_client import open_redis, slot_server
-from cachesvc.settings import ApiSettings, Settings, load_settings
-from cachesvc.stack import EmbeddedStack
-from cachesvc.valkey_cluster import LocalValkeyCluster
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings, Settings, load_settings
 from keys import GenerationSpec
 from keys.names import QUEUE_TAG, request_record, stats_total
+from supervision.processes import ChildProcess
+from supervision.stack import EmbeddedStack
 from tests.conftest import TEST_MODEL
 from tests.test_counter_truth import KINDS, Workload, recorded, settled_export
 from tests.workers_harness import (

@@ -8,8 +8,8 @@ import time
 import pytest
 import redis
 
-from cachesvc.settings import RetentionSettings, Settings
 from cachesvc.waiting import wait_until
+from config.settings import RetentionSettings, Settings
 from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import (
     consumer_group,

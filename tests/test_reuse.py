@@ -16,10 +16,10 @@ import redis
 
 from cachesvc.connect import open_cache
 from cachesvc.counters import read_totals
-from cachesvc.processes import ChildProcess
-from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
+from config.settings import Settings
 from keys import Reuse, ReuseMode, StoreKey
+from supervision.processes import ChildProcess
 from tests.workers_harness import (
     make_spec,
     paused,

@@ -13,11 +13,11 @@ import pytest
 import redis
 
 from bench.lora import random_lora
-from cachesvc.processes import ChildProcess
-from cachesvc.settings import Settings
 from cachesvc.waiting import wait_until
+from config.settings import Settings
 from keys import LoraUse
 from keys.names import decode_credits, request_record, worker_inbox
+from supervision.processes import ChildProcess
 from tests.test_lora import upload
 from tests.test_preemption import LONG, decode_entries_for
 from tests.workers_harness import (

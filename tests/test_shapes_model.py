@@ -16,9 +16,9 @@ import redis
 import torch
 
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import ModelSettings, Settings, WorkerSettings, load_settings
-from cachesvc.stack import EmbeddedStack
+from config.settings import ModelSettings, Settings, WorkerSettings, load_settings
 from keys import Reuse, ReuseMode
+from supervision.stack import EmbeddedStack
 from tests.workers_harness import make_spec, reference, run_request, start_worker, wait_done
 from training.classifier import load_classifier
 from training.scenes import (

@@ -10,10 +10,10 @@ import redis
 import torch
 
 from cachesvc.connect import open_cache
-from cachesvc.settings import Settings
 from cachesvc.single_flight import Outcome, SingleFlight
 from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import wait_until
+from config.settings import Settings
 from keys import KeyKind, StoreKey
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.

@@ -19,8 +19,8 @@ from bench.service_process import (
     diffcache_environ,
     wait_gone,
 )
-from cachesvc.processes import free_port
-from cachesvc.settings import Settings
+from config.settings import Settings
+from supervision.processes import free_port
 from tests.redis_databases import EXTERNAL_REDIS, on_database
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.

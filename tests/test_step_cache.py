@@ -13,8 +13,8 @@ import redis
 import torch
 
 from cachesvc.connect import open_cache
-from cachesvc.settings import ApiSettings, Settings
 from cachesvc.waiting import wait_until
+from config.settings import ApiSettings, Settings
 from keys import CfgCache, CfgMode, Fingerprint, StepCache, StepCachePolicy, chain_root
 from tests.workers_harness import (
     make_spec,

@@ -12,13 +12,13 @@ import torch
 from cachesvc.connect import open_cache
 from cachesvc.errors import StoreUnavailableError
 from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints, mounted_bytes
-from cachesvc.processes import port_open
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import Settings, load_settings
-from cachesvc.stack import EmbeddedStack
 from cachesvc.tensor_cache import TensorCache
 from cachesvc.waiting import wait_until
+from config.settings import Settings, load_settings
 from keys import KeyKind, StoreKey
+from supervision.processes import port_open
+from supervision.stack import EmbeddedStack
 from tests.conftest import TEST_MODEL
 from tests.counting import counted
 

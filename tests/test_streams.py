@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from bench.common import NoOp
-from cachesvc.settings import Settings, WorkerSettings
+from config.settings import Settings, WorkerSettings
 from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import consumer_group, dead_letter_stream, request_record, stage_stream
 from tests.redis_databases import STREAMS, emptied, on_database

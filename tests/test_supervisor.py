@@ -14,11 +14,11 @@ import pytest
 import redis
 
 from bench.service_process import alive
-from cachesvc.instance_lock import InstanceLock
-from cachesvc.processes import ChildProcess, StartupError
-from cachesvc.supervisor import Backoff, ChildStatus, Supervisor, publish, read_published
 from cachesvc.waiting import WaitTimeout, wait_until
 from keys.names import supervised_children
+from supervision.instance_lock import InstanceLock
+from supervision.processes import ChildProcess, StartupError
+from supervision.supervisor import Backoff, ChildStatus, Supervisor, publish, read_published
 from tests.test_stack import diffcache_up
 
 FAST = Backoff(initial_s=0.01, cap_s=0.05, healthy_after_s=60, crash_loop_after=3)

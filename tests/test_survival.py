@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from bench.running_service import RunningService
-from cachesvc.processes import free_port
 from cachesvc.waiting import wait_until
 from keys import GenerationSpec
+from supervision.processes import free_port
 from tests.workers_harness import make_spec, reference
 from workers.stages.media import decode_npy
 

@@ -15,8 +15,8 @@ from cachesvc.codec import TensorSpec
 from cachesvc.entry_reader import SESSION_MIN_BYTES
 from cachesvc.errors import StoreUnavailableError
 from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints, replicate_config
-from cachesvc.settings import Settings
 from cachesvc.tensor_cache import TensorCache
+from config.settings import Settings
 from keys import KeyKind, StoreKey
 from tests.counting import counted
 from workers.queue.record_write import tally_fields

@@ -17,10 +17,10 @@ import xxhash
 from pydantic import TypeAdapter
 from pydantic_core import to_json
 
-from cachesvc.adapters import AdapterInfo, AdapterRegistry
-from cachesvc.supervisor import ChildStatus, publish, read_published
 from cachesvc.wire import UnknownVersionError, Wire, WireError
 from keys.names import adapter_index, served_model, served_tokenizer, supervised_children
+from supervision.supervisor import ChildStatus, publish, read_published
+from uploads.adapters import AdapterInfo, AdapterRegistry
 from workers.queue.adapter_stats import (
     WorkerAdapters,
     publish_adapter_stats,

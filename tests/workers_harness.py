@@ -19,9 +19,10 @@ import torch
 
 from cachesvc.connect import open_cache
 from cachesvc.output_files import OutputFiles
-from cachesvc.processes import ChildProcess, free_port
 from cachesvc.redis_client import open_redis
-from cachesvc.settings import (
+from cachesvc.tensor_cache import TensorCache
+from cachesvc.waiting import WaitTimeout, wait_until
+from config.settings import (
     ApiSettings,
     ModelSettings,
     Settings,
@@ -29,11 +30,10 @@ from cachesvc.settings import (
     child_environ,
     load_settings,
 )
-from cachesvc.stack import EmbeddedStack
-from cachesvc.tensor_cache import TensorCache
-from cachesvc.waiting import WaitTimeout, wait_until
 from keys import GenerationSpec, Priority, StepCache, StoreKey
 from keys.names import consumer_group, request_record, stage_stream
+from supervision.processes import ChildProcess, free_port
+from supervision.stack import EmbeddedStack
 from workers.launch import wait_joined, worker_argv
 from workers.queue.messages import Job, Stage
 from workers.queue.records import Records

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 
-from cachesvc.settings import ModelSettings
+from config.settings import ModelSettings
 from training.scenes import scene_at
 from workers.families.step_cache import calibrate_magcache
 from workers.queue.served_model import MODEL_CARD, RequestDefaults, request_defaults

@@ -3,7 +3,7 @@
 import logging
 import sys
 
-from cachesvc.settings import load_settings
+from config.settings import load_settings
 from workers.main import run
 from workers.queue.messages import Stage
 

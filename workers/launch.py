@@ -6,9 +6,9 @@ import os
 import sys
 from collections.abc import Iterator, Mapping
 
-from cachesvc.processes import ChildProcess
 from cachesvc.redis_client import RedisClient
-from cachesvc.settings import ModelSettings, Settings
+from config.settings import ModelSettings, Settings
+from supervision.processes import ChildProcess
 from workers.queue.heartbeats import live_workers
 from workers.queue.messages import Stage
 from workers.queue.runtime import consumer_name

@@ -16,9 +16,9 @@ import torch
 from cachesvc.connect import open_cache
 from cachesvc.output_files import OutputFiles
 from cachesvc.redis_client import RedisClient, open_redis
-from cachesvc.settings import Settings
-from cachesvc.supervisor import EXIT_CANNOT_FIT
 from cachesvc.tensor_cache import TensorCache
+from config.settings import Settings
+from supervision.supervisor import EXIT_CANNOT_FIT
 from workers.families import is_built, resolve
 from workers.families.base import Family, Placement, TextEncoder, Trajectory, tokenizer_json
 from workers.parallel.layout import ParallelLayout

@@ -21,10 +21,10 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from cachesvc.processes import free_port
-from cachesvc.settings import Settings
-from cachesvc.supervisor import EXIT_CANNOT_FIT
+from config.settings import Settings
 from keys import GenerationSpec
+from supervision.processes import free_port
+from supervision.supervisor import EXIT_CANNOT_FIT
 from workers.engine.forward_inputs import ForwardInputs, Local, predict
 from workers.families.base import Denoiser, Placement
 from workers.parallel.layout import ParallelLayout

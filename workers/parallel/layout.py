@@ -12,7 +12,7 @@ from unittest import mock
 
 import torch
 
-from cachesvc.settings import DenoiseParallelSettings
+from config.settings import DenoiseParallelSettings
 
 SETTING = "workers.denoise_parallel"
 

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 
 from cachesvc.redis_client import RedisClient
-from cachesvc.settings import ApiSettings
 from cachesvc.wire import Wire, WireError
+from config.settings import ApiSettings
 from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import admission_limits
 from workers.queue.record_write import RecordWrite

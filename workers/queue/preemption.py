@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from cachesvc.redis_client import RedisClient
-from cachesvc.settings import WorkerSettings
+from config.settings import WorkerSettings
 from keys import Priority
 from workers.queue.messages import Job, Stage
 from workers.queue.runtime import PreemptCheck

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import redis
 
 from cachesvc.redis_client import RedisClient
-from cachesvc.settings import RetentionSettings
+from config.settings import RetentionSettings
 from keys.names import (
     InvalidTenantError,
     check_tenant,

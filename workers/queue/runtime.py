@@ -21,7 +21,7 @@ import redis
 
 from cachesvc.errors import StoreFullError, StoreUnavailableError
 from cachesvc.redis_client import REDIS_ERRORS, RedisClient
-from cachesvc.settings import WorkerSettings
+from config.settings import WorkerSettings
 from keys import GenerationSpec, KeyKind
 from workers.queue.affinity import AdapterRouter
 from workers.queue.heartbeats import Heartbeat

@@ -22,8 +22,8 @@ from pydantic import TypeAdapter
 from redis.client import Pipeline
 
 from cachesvc.redis_client import RedisClient
-from cachesvc.settings import ModelSettings
 from cachesvc.wire import UNVERSIONED, Wire, WireError
+from config.settings import ModelSettings
 from keys import GenerationSpec, StepCachePolicy
 from keys.names import lora_targets, served_model, served_tokenizer
 

@@ -26,8 +26,8 @@ from cachesvc.codec import TensorSpec
 from cachesvc.counters import Event
 from cachesvc.ledger import Ledger
 from cachesvc.output_files import OutputFiles
-from cachesvc.settings import WorkerSettings
 from cachesvc.tensor_cache import TensorCache
+from config.settings import WorkerSettings
 from keys import (
     ChainLink,
     GenerationSpec,

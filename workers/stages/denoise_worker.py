@@ -22,7 +22,7 @@ import torch
 
 from cachesvc.errors import StoreFullError, StoreUnavailableError
 from cachesvc.redis_client import REDIS_ERRORS, RedisClient
-from cachesvc.settings import WorkerSettings
+from config.settings import WorkerSettings
 from workers.engine.core import StepResult
 from workers.engine.run import DenoiseRun
 from workers.engine.timing import release_memory

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from cachesvc.processes import ChildProcess
 from cachesvc.redis_client import RedisClient
 from cachesvc.wire import Wire, WireError
 from keys.names import supervised_children
+from supervision.processes import ChildProcess
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import redis
 
-from cachesvc.processes import ChildProcess, free_port
-from cachesvc.stack import redis_ping, valkey_binary
 from cachesvc.waiting import wait_until
+from supervision.processes import ChildProcess, free_port
+from supervision.stack import redis_ping, valkey_binary
 
 SLOTS = 16384
 HOST = "127.0.0.1"
@@ -38,7 +38,7 @@ class ClusterNode:
 
     def command(self, *args: object) -> Any:
         """One command to this server, answered as redis-py parses it."""
-        return self.client.execute_command(*args)  # type: ignore[no-untyped-call]
+        return self.client.execute_command(*args)
 
     def cluster_state(self) -> str:
         return str(self.command("CLUSTER INFO")["cluster_state"])

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import IO
 
-from cachesvc.processes import StartupError
+from supervision.processes import StartupError
 
 LOCK_FILE = "diffcache.lock"
 

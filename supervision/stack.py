@@ -22,8 +22,8 @@ import redis
 
 from cachesvc.errors import CacheError
 from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints, replicate_config
-from cachesvc.processes import ChildProcess, StartupError, port_open, require_free
-from cachesvc.settings import Settings
+from config.settings import Settings
+from supervision.processes import ChildProcess, StartupError, port_open, require_free
 
 _FIX_INSTALL = "Run `make up` (it installs everything), or `bash scripts/bootstrap.sh`"
 

@@ -1,0 +1,2 @@
+"""Configuration: the one settings object every process reads once, from the environment and
+``diffcache.yaml``, and passes down (``settings``)."""
