@@ -37,8 +37,8 @@ from workers.engine.exact_rows import rows_apart
 from workers.families import family_named
 from workers.families.base import CPU, Denoiser
 from workers.launch import with_worker_counts
-from workers.queue.engine_metrics import read_join_wait
 from workers.queue.messages import Stage
+from workers.queue.metrics.engine import read_join_wait
 from workers.queue.records import Records
 from workers.queue.schema import Field, RequestRecord
 from workers.queue.submit import new_request_id, submit

@@ -36,7 +36,7 @@ from keys import GenerationSpec, LoraUse, OutputFormat, StepCache, StepCachePoli
 from training.scenes import scene_at
 from workers.families import family_named
 from workers.families.base import CPU
-from workers.queue.engine_metrics import read_rows
+from workers.queue.metrics.engine import read_rows
 from workers.queue.records import Records
 from workers.queue.schema import RequestRecord
 from workers.queue.served_model import request_defaults

@@ -20,7 +20,7 @@ from cachesvc.redis_client import RedisClient, open_redis
 from config.settings import Settings
 from keys import GenerationSpec, LoraUse, OutputFormat, StoreKey, adapter_key
 from keys.names import adapter_stats
-from workers.queue.adapter_stats import read_adapter_stats
+from workers.queue.metrics.adapters import read_adapter_stats
 from workers.queue.records import Records
 from workers.queue.submit import new_request_id, submit
 from workers.stages.media import decode_npy

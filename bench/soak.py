@@ -26,8 +26,8 @@ from cachesvc.redis_client import RedisClient, open_redis
 from config.settings import RetentionSettings, Settings
 from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import request_index, stage_stream
-from workers.queue import stage_metrics
 from workers.queue.messages import Stage
+from workers.queue.metrics import stages as stage_metrics
 from workers.queue.retention import Retention, RetentionError, SweepReport
 from workers.queue.submit import new_request_id, submit
 

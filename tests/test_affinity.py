@@ -10,9 +10,9 @@ import redis
 
 from cachesvc.waiting import wait_until
 from keys.names import stage_stream, worker_heartbeats, worker_inbox
-from workers.queue.adapter_stats import WorkerAdapters, publish_adapter_stats
 from workers.queue.affinity import AdapterRouter
 from workers.queue.messages import Job, Stage
+from workers.queue.metrics.adapters import WorkerAdapters, publish_adapter_stats
 from workers.queue.streams import StageQueue
 
 H1, H2, H3 = "1" * 32, "2" * 32, "3" * 32

@@ -15,8 +15,8 @@ from config.settings import Settings, WorkerSettings
 from keys import GenerationSpec, OutputFormat, Priority
 from keys.names import stage_stream
 from tests.redis_databases import BATCHING, emptied, on_database
-from workers.queue import stage_metrics
 from workers.queue.messages import Stage
+from workers.queue.metrics import stages as stage_metrics
 from workers.queue.records import Records
 from workers.queue.runtime import Worker
 from workers.queue.schema import State

@@ -44,9 +44,9 @@ from workers.engine.row_proof import RowProof
 from workers.families import qwen_image, wan, wan_i2v
 from workers.families.base import CPU
 from workers.queue.credits import Credits
-from workers.queue.engine_metrics import read_occupancy, read_rows
 from workers.queue.lifecycle import Lifecycle
 from workers.queue.messages import Stage
+from workers.queue.metrics.engine import read_occupancy, read_rows
 from workers.queue.records import Records
 from workers.queue.runtime import consumer_name
 from workers.queue.schema import PreemptMode, State

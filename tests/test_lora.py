@@ -21,8 +21,8 @@ from keys import LoraUse, adapter_key
 from tests.workers_harness import make_spec, reference, run_request, wait_done
 from workers.families import wan
 from workers.families.base import CPU
-from workers.queue.adapter_stats import read_adapter_stats
 from workers.queue.cluster_view import ClusterView
+from workers.queue.metrics.adapters import read_adapter_stats
 
 pytestmark = pytest.mark.slow
 TENANT = "lora"

@@ -32,8 +32,8 @@ from tests.workers_harness import (
 )
 from workers.families import wan
 from workers.families.base import CPU
-from workers.queue.adapter_stats import read_adapter_stats
 from workers.queue.messages import Job, Stage
+from workers.queue.metrics.adapters import read_adapter_stats
 from workers.queue.schema import State
 from workers.queue.submit import submit
 

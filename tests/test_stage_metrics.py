@@ -8,8 +8,8 @@ import redis
 
 from keys import Priority
 from keys.names import stage_latency
-from workers.queue import stage_metrics
 from workers.queue.messages import Stage
+from workers.queue.metrics import stages as stage_metrics
 
 
 def record(client: redis.Redis, stage: Stage, priority: Priority, seconds: list[float]) -> None:

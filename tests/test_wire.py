@@ -21,12 +21,12 @@ from cachesvc.wire import UnknownVersionError, Wire, WireError
 from keys.names import adapter_index, served_model, served_tokenizer, supervised_children
 from supervision.supervisor import ChildStatus, publish, read_published
 from uploads.adapters import AdapterInfo, AdapterRegistry
-from workers.queue.adapter_stats import (
+from workers.queue.messages import Job, Stage
+from workers.queue.metrics.adapters import (
     WorkerAdapters,
     publish_adapter_stats,
     read_adapter_stats,
 )
-from workers.queue.messages import Job, Stage
 from workers.queue.served_model import (
     RETIRED_TOKENIZER_S,
     FamilyLimits,

@@ -22,10 +22,10 @@ from supervision.supervisor import EXIT_CANNOT_FIT
 from workers.families import is_built, resolve
 from workers.families.base import Family, Placement, TextEncoder, Trajectory, tokenizer_json
 from workers.parallel.layout import ParallelLayout
-from workers.queue.adapter_stats import WorkerAdapters, publish_adapter_stats
 from workers.queue.affinity import AdapterRouter
 from workers.queue.credits import Credits
 from workers.queue.messages import Stage
+from workers.queue.metrics.adapters import WorkerAdapters, publish_adapter_stats
 from workers.queue.preemption import InteractiveWaiting
 from workers.queue.runtime import StageHandler, StageWorker, Worker, consumer_name
 from workers.queue.served_model import (

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 from cachesvc.redis_client import RedisClient
 from keys.names import worker_inbox
-from workers.queue.adapter_stats import read_adapter_stats
 from workers.queue.heartbeats import live_workers
 from workers.queue.messages import Stage
+from workers.queue.metrics.adapters import read_adapter_stats
 
 
 class AdapterRouter:

@@ -11,17 +11,18 @@ from dataclasses import dataclass
 from cachesvc.redis_client import RedisClient
 from keys import Priority
 from keys.names import request_index
-from workers.queue import engine_metrics, stage_metrics
-from workers.queue.adapter_stats import WorkerAdapters, read_adapter_stats
-from workers.queue.engine_metrics import ROW_BOUNDS, Occupancy
 from workers.queue.messages import Stage
+from workers.queue.metrics import engine as engine_metrics
+from workers.queue.metrics import stages as stage_metrics
+from workers.queue.metrics.adapters import WorkerAdapters, read_adapter_stats
+from workers.queue.metrics.engine import ROW_BOUNDS, Occupancy
+from workers.queue.metrics.reuse import read_steps_reused
+from workers.queue.metrics.stages import Histogram
+from workers.queue.metrics.step_cache import read_step_cache
 from workers.queue.queue_server import on_queue_server
 from workers.queue.records import Records
-from workers.queue.reuse_metrics import read_steps_reused
 from workers.queue.schema import RequestRecord
 from workers.queue.served_model import ServedModel, read_lora_targets, read_served
-from workers.queue.stage_metrics import Histogram
-from workers.queue.step_cache_metrics import read_step_cache
 from workers.queue.streams import oldest_waiting, queue_counts
 from workers.queue.watchdog import RescueReason, read_rescued
 

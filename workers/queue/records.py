@@ -22,8 +22,8 @@ from keys.names import (
     stage_latency,
     stage_stream,
 )
-from workers.queue import stage_metrics
 from workers.queue.messages import Job, Stage
+from workers.queue.metrics import stages as stage_metrics
 from workers.queue.record_write import RecordWrite
 from workers.queue.schema import Field, PreemptMode, RequestRecord, State, timestamp
 from workers.queue.script_args import (

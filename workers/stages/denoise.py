@@ -48,11 +48,11 @@ from workers.engine.timing import release_memory
 from workers.families.base import Denoiser, Inpainting
 from workers.queue.credits import Credits
 from workers.queue.messages import IMAGE, LATENTS, MASK, Job, Stage, TensorRef
+from workers.queue.metrics.step_cache import step_cache_fields
 from workers.queue.record_write import RecordWrite, tally_fields
 from workers.queue.runtime import InputLostError, JobContext, Outcome
 from workers.queue.schema import Field, State, checkpoint_field
 from workers.queue.served_model import FamilyLimits, RequestDefaults
-from workers.queue.step_cache_metrics import step_cache_fields
 from workers.queue.streams import Delivery
 from workers.stages.adapters import AdapterStats, LoadedAdapters, row_adapters
 from workers.stages.exact_tier import ExactTier

@@ -26,8 +26,8 @@ from config.settings import WorkerSettings
 from workers.engine.core import StepResult
 from workers.engine.run import DenoiseRun
 from workers.engine.timing import release_memory
-from workers.queue.engine_metrics import EngineMetrics
 from workers.queue.messages import Job
+from workers.queue.metrics.engine import EngineMetrics
 from workers.queue.record_write import RecordWrite
 from workers.queue.runtime import (
     OUTAGE_FIRST_RETRY_S,

@@ -39,8 +39,8 @@ from encoders.text import (
 from keys import GenerationSpec, KeyKind, StoreKey, adapted, output_key
 from workers.families.base import Trajectory
 from workers.queue.messages import IMAGE, MASK, RefName, Role, Stage, TensorRef
+from workers.queue.metrics.reuse import steps_reused
 from workers.queue.record_write import RecordWrite, tally_fields
-from workers.queue.reuse_metrics import steps_reused
 from workers.queue.runtime import JobContext, Outcome
 from workers.queue.schema import Field, State
 from workers.queue.spec_json import spec_to_json

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from cachesvc.redis_client import RedisClient
 from cachesvc.wire import Wire, WireError
 from keys.names import engine_join_wait, engine_occupancy, engine_rows
-from workers.queue import stage_metrics
-from workers.queue.stage_metrics import Histogram
+from workers.queue.metrics import stages as stage_metrics
+from workers.queue.metrics.stages import Histogram
 
 log = logging.getLogger(__name__)
 
