@@ -217,7 +217,8 @@ def _model(served: ServedModel) -> ModelObject:
                            family=served.family,
                            native_size=size(card.native_width, card.native_height),
                            max_size=size(card.max_width, card.max_height),
-                           size_multiple=served.spatial_multiple, prompts=card.prompts,
+                           size_multiple=served.spatial_multiple,
+                           workflows=sorted(served.limits.workflows), prompts=card.prompts,
                            defaults=asdict(served.defaults)))
 
 

@@ -191,6 +191,9 @@ class ModelFacts(BaseModel):
     native_size: str | None = Field(description="the size it was trained at, WxH")
     max_size: str | None = Field(description="the largest it serves (api.enforce_model_max)")
     size_multiple: int = Field(description="width and height are multiples of this")
+    workflows: list[str] = Field(description="what its requests may make of an input image: "
+                                 "text-to-image, text-to-video, image-to-image, inpainting, "
+                                 "instruction-edit, image-to-video")
     prompts: str = Field(description="the kinds of prompt it was trained on")
     defaults: dict[str, int | float] = Field(description="what a request leaves out gets (but "
                                        "an editing model's size: its input image's)")

@@ -1,8 +1,8 @@
 """The denoise engine's batching: 48 requests of the shipped shapes model (different prompts,
 seeds and text lengths) offered at once to the default denoise workers (one per GPU, or per
 core on a CPU) with ``max_batch`` 1, 4 and 8, each on a fresh stack so that no cache serves
-one round from another; then the same 48 through the monolithic ``QwenImagePipeline``, one
-call per request.
+one round from another; then the same 48 through the shapes model's monolithic diffusers
+pipeline, one call per request.
 
 Every output of the batched rounds is compared with the same request's output at max_batch 1
 (run alone by the service) and a sample with the pipeline's (one thread per op, as the workers
@@ -34,7 +34,7 @@ from config.settings import Settings, WorkerSettings
 from keys import GenerationSpec, OutputFormat, Priority, StoreKey
 from training.scenes import free_caption, scene_at
 from workers.engine.exact_rows import rows_apart
-from workers.families import family_named
+from workers.families import preset_family
 from workers.families.base import CPU, Denoiser
 from workers.launch import with_worker_counts
 from workers.queue.messages import Stage
@@ -44,7 +44,7 @@ from workers.queue.schema import Field, RequestRecord
 from workers.queue.submit import new_request_id, submit
 from workers.stages.media import decode_npy
 
-FAMILY = family_named("qwen-image")
+FAMILY = preset_family("shapes")
 NEGATIVE = "blurry"
 BATCHES = (1, 4, 8)
 SAMPLE = 6  # outputs also compared with the pipeline's
@@ -158,8 +158,9 @@ def invariance() -> list[list[object]]:
 
     table = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, preset in (("qwen-image", "shapes"), ("wan", "default")):
-            family = family_named(name)
+        for family, preset in ((preset_family("shapes"), "shapes"),
+                               (preset_family("default"), "default")):
+            name = family.name
             directory = Path(tmp) / name
             family.build(directory, preset, 0)
             model = family.denoiser(directory, CPU)
@@ -225,7 +226,7 @@ def main() -> None:
     rows: list[list[object]] = [[f"diffcache, max_batch {b}", s, len(work) / s,
                                  round_figures["step_ms"]]
                                 for b, (s, _, round_figures) in rounds.items()]
-    rows.append(["QwenImagePipeline, one call each", mono_s, mono_rps, ""])
+    rows.append([f"{FAMILY.pipeline_class}, one call each", mono_s, mono_rps, ""])
     denoisers = with_worker_counts(settings, torch.cuda.device_count()).workers.denoise_workers
     report(f"{len(work)} shapes requests offered at once, {denoisers} denoise worker(s)",
            ["run", "seconds", "requests/s", "step ms (median)"], rows, result)

@@ -16,7 +16,7 @@ from typing import Any
 
 from bench.common import bench_parser, report
 from bench.netns import NodeSpec, network, start_cluster, unavailable
-from workers.families import wan
+from workers.families import preset_family
 
 API_PORT = 8000
 PROMPTS = ["a lighthouse in fog", "a red kite over a field", "a paper boat on a pond",
@@ -66,7 +66,7 @@ def main() -> None:
         raise SystemExit(f"bench.cluster needs network namespaces: {why}")
     with tempfile.TemporaryDirectory(prefix="diffcache-cluster-") as tmp:
         model_dir = Path(tmp) / "model"
-        wan.build(model_dir, "test")
+        preset_family("default").build(model_dir, "test", 0)
         one = run(1, model_dir, Path(tmp) / "one", args)
         two = run(2, model_dir, Path(tmp) / "two", args)
     result = {"bench": "cluster", "requests": args.requests, "nodes": [1, 2],

@@ -34,7 +34,7 @@ from cachesvc.tensor_cache import TensorCache
 from config.settings import Settings
 from keys import GenerationSpec, LoraUse, OutputFormat, StepCache, StepCachePolicy, adapter_key
 from training.scenes import scene_at
-from workers.families import family_named
+from workers.families import preset_family
 from workers.families.base import CPU
 from workers.queue.metrics.engine import read_rows
 from workers.queue.records import Records
@@ -117,7 +117,7 @@ def identical(directory: Path, samples: list[tuple[GenerationSpec, np.ndarray]],
     try:
         for spec, frames in samples:
             if spec.loras not in pipes:
-                pipe: Any = family_named("qwen-image").reference(directory, CPU)
+                pipe: Any = preset_family("shapes").reference(directory, CPU)
                 for lora in spec.loras:
                     pipe.pipe.load_lora_weights(weights[lora.hash],
                                                 adapter_name=adapter_name(lora.hash))

@@ -29,7 +29,7 @@ from config.settings import Settings
 from keys import GenerationSpec, ImageInput, OutputFormat, StoreKey, image_key
 from uploads.images import InputImage, normalise
 from workers.engine.timing import release_memory
-from workers.families import family_named
+from workers.families import DEFAULT_FAMILY, family_named
 from workers.families.base import Family, Placement
 from workers.queue.messages import Stage
 from workers.queue.records import Records
@@ -170,7 +170,8 @@ def main() -> None:
     parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", default="wan", help="a family's name (workers.families)")
+    parser.add_argument("--family", default=DEFAULT_FAMILY,
+                        help="a family's name (workers.families)")
     args = parser.parse_args()
     result, rows = measure(family_named(args.family), args.requests, args.seed)
     report(f"{args.requests} requests, monolithic pipeline vs diffcache",

@@ -4,13 +4,13 @@ and by the monolithic pipelines, one workload per family.
 Edits: ten input images (renders of held-out scenes of the shapes dataset), each edited by six
 prompts that ask for the shape in each other colour, every other image on each of two models
 (a picture is edited on one deployment, so each is encoded by one model). On the shipped
-shapes model, by the scene's caption recoloured: image-to-image (``QwenImageImg2ImgPipeline``,
-strengths 0.6 and 0.8) and inpainting under a mask over the shape's box
-(``QwenImageInpaintPipeline``, strengths 0.8 and 1.0), in turn. On a random Qwen-Image-Edit
-model of the ``default`` preset, by an instruction ("make the circle green"): instruction
-editing (``QwenImageEditPipeline``; its pictures mean nothing, its cost does). Image-to-video:
-four more renders, each animated by five prompts, on a tiny random Wan image-to-video model
-(``WanImageToVideoPipeline``). The report gives the condition-image encodes (the
+shapes model, by the scene's caption recoloured: image-to-image (its family's image-to-image
+pipeline, strengths 0.6 and 0.8) and inpainting under a mask over the shape's box (its
+inpainting pipeline, strengths 0.8 and 1.0), in turn. On a random model of the built-in
+instruction-editing family, ``default`` preset, by an instruction ("make the circle green"):
+instruction editing (its pictures mean nothing, its cost does). Image-to-video: four more
+renders, each animated by five prompts, on a tiny random model of the built-in image-to-video
+family. The report gives the condition-image encodes (the
 ``image_latent`` kind's lookups that missed: the goal is one per image, model and geometry;
 masks are counted apart, ``image_mask``, and so are instructions read with their image,
 ``image_embed``, which are one per instruction by nature), whether a sample of each family's
@@ -39,10 +39,10 @@ from keys import GenerationSpec, ImageInput, KeyKind, OutputFormat, image_key
 from training.classifier import load_classifier
 from training.scenes import ATTRIBUTES, Colour, Scene, scene_at
 from uploads.images import InputImage, normalise, normalise_mask
-from workers.families import family_of
+from workers.families import built_in_for, family_of
 from workers.queue.records import Records
 from workers.queue.schema import KindField, RequestRecord
-from workers.queue.served_model import request_defaults
+from workers.queue.served_model import Workflow, request_defaults
 from workers.queue.submit import new_request_id, submit
 from workers.stages.media import encode_frames
 
@@ -270,12 +270,12 @@ def main() -> None:
         edits = workload(settings, cache, args.images, SHAPES_MODEL)
         edited = serve(settings, cache, edits, args.sample)
         cache.close()
-    with model_stack(family="qwen-image-edit") as settings:
+    with model_stack(family=built_in_for(Workflow.INSTRUCTION_EDIT).name) as settings:
         cache = open_cache(settings)
         instructions = workload(settings, cache, args.images, EDITING_MODEL)
         instructed = serve(settings, cache, instructions, args.sample)
         cache.close()
-    with model_stack(family="wan-i2v") as settings:
+    with model_stack(family=built_in_for(Workflow.IMAGE_TO_VIDEO).name) as settings:
         cache = open_cache(settings)
         clips = animations(settings, cache, args.animated)
         animated = serve(settings, cache, clips, args.sample)
@@ -292,9 +292,11 @@ def main() -> None:
               "throughput_ratio": round(baseline_s / diffcache_s, 4)}
     rows: list[list[object]] = []
     for name, pipeline, served, count in [
-            ("edits", "QwenImageImg2ImgPipeline, QwenImageInpaintPipeline", edited, len(edits)),
-            ("instruction edits", "QwenImageEditPipeline", instructed, len(instructions)),
-            ("image-to-video", "WanImageToVideoPipeline", animated, len(clips))]:
+            ("edits", "image-to-image and inpainting pipelines", edited, len(edits)),
+            ("instruction edits", built_in_for(Workflow.INSTRUCTION_EDIT).pipeline_class,
+             instructed, len(instructions)),
+            ("image-to-video", built_in_for(Workflow.IMAGE_TO_VIDEO).pipeline_class, animated,
+             len(clips))]:
         rows += [[f"{name}: baseline ({pipeline}), one after another", served.baseline_s,
                   count / served.baseline_s, "", "", ""],
                  [f"{name}: diffcache (3 stage workers), all submitted at once",

@@ -1,13 +1,13 @@
 """A denoise worker over two ranks against one (gloo, one thread per op each: the machine's
 two cores), through the engine's executor as a group's rank 0 runs it:
 
-- video: one request of the default Wan model, its conditional and unconditional rows a
-  forward a step, each forward's sequence split by Ulysses (diffusers' context parallelism);
-  the figure is its latency on 1 rank over 2.
-- rows: a batch of 8 requests of the default Qwen-Image model, texts of three lengths, their
-  8 conditional and 8 unconditional rows two forwards a step (as ``max_batch`` 8 cuts them),
-  each forward's rows shared out over the ranks; the figure is requests a second on 2 ranks
-  over 1.
+- video: one request of the built-in text-to-video family's default model, its conditional
+  and unconditional rows a forward a step, each forward's sequence split by Ulysses
+  (diffusers' context parallelism); the figure is its latency on 1 rank over 2.
+- rows: a batch of 8 requests of the text-to-image family's default model, texts of three
+  lengths, their 8 conditional and 8 unconditional rows two forwards a step (as ``max_batch``
+  8 cuts them), each forward's rows shared out over the ranks; the figure is requests a
+  second on 2 ranks over 1.
 
 Each run is computed again as the pipeline calls the transformer (each row alone, the
 transformer split alike) and compared: ``identical`` is whether every run's latents are those,
@@ -33,11 +33,12 @@ from keys import GenerationSpec
 from supervision.processes import free_port
 from workers.engine.executor import Executor
 from workers.engine.guidance import Row
-from workers.families import family_named
+from workers.families import built_in_for, family_named
 from workers.families.base import CPU, Denoiser
 from workers.parallel.group import SplitForwards, run_forwards
 from workers.parallel.layout import ParallelLayout
 from workers.parallel.wire import Wire
+from workers.queue.served_model import Workflow
 
 # A step's rows, [conditional rows, unconditional rows], to their outputs in that order.
 Forward = Callable[[list[Row], list[Row]], torch.Tensor]
@@ -150,9 +151,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     w, h, frames = (int(n) for n in args.video.split("x"))
-    video = Case("wan", ParallelLayout(ulysses=2), (spec(w, h, frames, args.steps, 7),), (0,))
+    video = Case(built_in_for(Workflow.TEXT_TO_VIDEO).name, ParallelLayout(ulysses=2),
+                 (spec(w, h, frames, args.steps, 7),), (0,))
     w, h = (int(n) for n in args.image.split("x"))
-    images = Case("qwen-image", ParallelLayout(rows=2),
+    images = Case(built_in_for(Workflow.TEXT_TO_IMAGE).name, ParallelLayout(rows=2),
                   tuple(spec(w, h, 1, args.steps, seed) for seed in range(8)),
                   tuple(12 + seed % 3 for seed in range(8)))
     with tempfile.TemporaryDirectory() as scratch:

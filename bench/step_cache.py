@@ -7,7 +7,7 @@ all requests, exact over policy, with the default denoise workers each running o
 at a time unless ``--max-batch`` says more: what each request's denoising took, which grows
 with the runs an engine holds at once), the throughput speedup (the seconds to serve every
 request, all submitted at once, exact over policy), the size of a checkpoint against the exact run's
-at the same step, whether a sample of outputs equals ``QwenImagePipeline`` with the same hook
+at the same step, whether a sample of outputs equals the shapes model's pipeline with the same hook
 enabled, and whether each of them, resumed from a checkpoint half-way, gives the same output
 again.
 """
@@ -32,7 +32,7 @@ from config.settings import Settings, WorkerSettings
 from keys import CfgCache, StepCache, StepCachePolicy, StoreKey
 from training.classifier import load_classifier
 from training.scenes import scene_at
-from workers.families import family_named
+from workers.families import preset_family
 from workers.families.base import CPU
 from workers.queue.messages import Stage
 from workers.queue.records import Records
@@ -94,7 +94,7 @@ def main() -> None:
         settings = base.model_copy(update={"workers": workers_settings})
         records = Records(open_redis(settings))
         cache = open_cache(settings)
-        pipe = family_named("qwen-image").reference(settings.model_dir, CPU)
+        pipe = preset_family("shapes").reference(settings.model_dir, CPU)
         with tempfile.TemporaryDirectory() as logs, workers(settings, Path(logs)):
             for name, step_cache in caches.items():
                 specs = [dataclasses.replace(s, step_cache=step_cache)

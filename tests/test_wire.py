@@ -31,10 +31,14 @@ from workers.queue.served_model import (
     RETIRED_TOKENIZER_S,
     FamilyLimits,
     ServedModel,
+    Workflow,
     publish_served,
     read_served,
     read_tokenizer,
 )
+
+# A text-to-image family's limits, as Qwen-Image's with a 507-token prompt.
+IMAGES = FamilyLimits(False, 1, 16, 507, frozenset({Workflow.TEXT_TO_IMAGE}))
 
 
 def newer(raw: bytes) -> bytes:
@@ -47,7 +51,7 @@ def test_published_facts_round_trip_and_a_newer_version_is_passed_over(
         redis_client: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
     status = ChildStatus("worker-encode-0", "worker-encode", 7, True, 0, None, "", False)
     stats = WorkerAdapters("denoise-1", 2, 1, 0.5, ("a" * 32,), ("a" * 32,))
-    model = ServedModel("qwen-image", "shapes", FamilyLimits(False, 1, 16, 507))
+    model = ServedModel("qwen-image", "shapes", IMAGES)
     try:
         publish(redis_client, [status])
         publish_adapter_stats(redis_client, stats)
@@ -87,7 +91,7 @@ def test_an_adapter_named_before_the_envelope_still_reads(redis_client: redis.Re
 def test_a_model_published_before_the_envelope_still_reads(redis_client: redis.Redis) -> None:
     """A rolling upgrade: an old worker published the served model bare; a new API still
     admits against it rather than answering 503."""
-    model = ServedModel("qwen-image", "shapes", FamilyLimits(False, 1, 16, 507),
+    model = ServedModel("qwen-image", "shapes", IMAGES,
                         tokenizer="c" * 32)
     redis_client.set(served_model(), TypeAdapter(ServedModel).dump_json(model))
     try:
@@ -99,7 +103,7 @@ def test_a_model_published_before_the_envelope_still_reads(redis_client: redis.R
 def test_the_tokenizer_of_a_model_no_longer_served_expires(redis_client: redis.Redis) -> None:
     """A model change retires the old tokenizer (kept an hour for admissions in flight); the
     new one, and an old one served again, stay."""
-    model = ServedModel("qwen-image", "shapes", FamilyLimits(False, 1, 16, 507))
+    model = ServedModel("qwen-image", "shapes", IMAGES)
     first, second = '{"tokenizer": "first"}', '{"tokenizer": "second"}'
     digests = [served_tokenizer(xxhash.xxh3_128_hexdigest(t.encode())) for t in (first, second)]
     try:
@@ -155,7 +159,7 @@ def test_two_models_published_together_retire_only_the_tokenizer_not_served(
     """Worker A reads the entry (its own model), worker B publishes model B meanwhile and
     retires A's tokenizer, then A writes: A's model is the one left published, so its
     tokenizer must be the one kept, and B's the one retired."""
-    a = ServedModel("qwen-image", "a", FamilyLimits(False, 1, 16, 507))
+    a = ServedModel("qwen-image", "a", IMAGES)
     b = replace(a, name="b")
     tok_a, tok_b = '{"tokenizer": "a"}', '{"tokenizer": "b"}'
     keys = [served_tokenizer(xxhash.xxh3_128_hexdigest(t.encode())) for t in (tok_a, tok_b)]

@@ -1,5 +1,6 @@
-"""Train the shapes model: Qwen-Image's own classes (its VAE, its DiT, a frozen random
-Qwen2.5-VL text encoder) on the synthetic scenes, then save a normal diffusers folder.
+"""Train the shapes model: the classes of the family its preset belongs to (its VAE, its DiT,
+a frozen random text encoder, each as ``model_index.json`` names it) on the synthetic scenes,
+then save a normal diffusers folder. The family says how (``Family.trainable``).
 
 Two phases: the VAE learns to reconstruct scenes, then the DiT learns flow matching on the
 VAE's normalised latents, conditioned on the frozen encoder's embeddings of the captions
@@ -20,7 +21,8 @@ from training import checkpoint
 from training.checkpoint import PlanError, Position, check_plan
 from training.phases import Budget, Phase, Run, warmup_cosine
 from training.scenes import RESOLUTION, Scene, scene_at, to_tensor, training_caption, vocabulary
-from workers.families import qwen_image
+from workers.families import preset_family
+from workers.families.base import CPU, Trainable
 from workers.queue.served_model import MODEL_CARD, ModelCard, RequestDefaults
 
 # What a request to the trained model gets for the fields it leaves out: the size it learned,
@@ -37,13 +39,27 @@ SHAPES_CARD = ModelCard(
             "red circle on the left on a blue background\"; size and position are optional",
     vocabulary=vocabulary())
 
+# The family the shapes preset is built as, which says how to train one of its models.
+FAMILY = preset_family("shapes")
+if FAMILY.trainable is None:
+    raise RuntimeError(f"the {FAMILY.name} family says nothing of training (Family.trainable)")
+TRAINING: Trainable = FAMILY.trainable
+
+
+def component_class(directory: Path, component: str) -> Any:
+    """The diffusers class the folder's ``model_index.json`` names for ``component``."""
+    import diffusers
+
+    _, class_name = json.loads((directory / "model_index.json").read_text())[component]
+    return getattr(diffusers, class_name)
+
 
 @dataclass(frozen=True, slots=True)
 class TrainPlan:
     """Everything that decides the weights a run ends with."""
 
     seed: int = 0
-    architecture: str = "shapes"  # a preset of workers.families.qwen_image.PRESETS
+    architecture: str = "shapes"  # a preset of the shapes model's family
     vae_steps: int = 1000
     vae_batch: int = 16
     vae_lr: float = 2e-3
@@ -54,15 +70,15 @@ class TrainPlan:
     uncond_share: float = 0.1  # captions replaced by "" (the default negative prompt)
 
     def __post_init__(self) -> None:
-        if self.architecture not in qwen_image.PRESETS:
-            raise PlanError(f"architecture must be one of {sorted(qwen_image.PRESETS)}, "
+        if self.architecture not in FAMILY.presets:
+            raise PlanError(f"architecture must be one of {sorted(FAMILY.presets)}, "
                             f"not {self.architecture!r}")
 
 
 def write_untrained(plan: TrainPlan, directory: Path) -> None:
     """The starting pipeline. Its text encoder is stored in float16 and trained against in
     that precision, so shipping every component in float16 changes no embedding."""
-    pipe = qwen_image.untrained_pipeline(qwen_image.PRESETS[plan.architecture], plan.seed)
+    pipe = TRAINING.untrained(plan.architecture, plan.seed)
     pipe.text_encoder.half()
     # The posterior starts with a std of 1, which drowns the latents in noise; with a KL this
     # small, Adam would take thousands of steps to shrink it. Starting at e^-3 (measured:
@@ -77,13 +93,11 @@ class ShapesTraining:
     """The models, the frozen encoder and the two losses of one run."""
 
     def __init__(self, plan: TrainPlan, untrained: Path) -> None:
-        from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-
         self.plan = plan
-        self.text = qwen_image.QwenTextEncoder(untrained)
-        self.vae: Any = AutoencoderKLQwenImage.from_pretrained(
+        self.text: Any = FAMILY.text_encoder(untrained, CPU)
+        self.vae: Any = component_class(untrained, "vae").from_pretrained(
             untrained / "vae", dtype=torch.float32).train()
-        self.transformer: Any = QwenImageTransformer2DModel.from_pretrained(
+        self.transformer: Any = component_class(untrained, "transformer").from_pretrained(
             untrained / "transformer", dtype=torch.float32).train()
         self.generator = torch.Generator().manual_seed(plan.seed)
         self.embeddings: dict[str, torch.Tensor] = {}
@@ -118,7 +132,7 @@ class ShapesTraining:
         """Scenes to the DiT's packed latents: normalised per channel, then packed into 2x2
         patches exactly as the pipeline packs its noise."""
         z = torch.stack([self.raw_latent(scene) for scene in scenes])
-        return qwen_image.pack_latents(
+        return TRAINING.pack_latents(
             (z - self.mean.view(1, -1, 1, 1)) / self.std.view(1, -1, 1, 1))
 
     def measure_latents(self, scenes: int = 1024) -> dict[str, list[float]]:
@@ -209,9 +223,9 @@ def write_model(model: ShapesTraining, untrained: Path, out: Path,
                 stats: dict[str, Any]) -> None:
     """The trained components in the untrained pipeline, every weight in float16 (the
     project ships at most 20 MB), saved with ``save_pretrained``."""
-    from diffusers import QwenImagePipeline
+    from diffusers import DiffusionPipeline
 
-    pipe: Any = QwenImagePipeline.from_pretrained(untrained, dtype=torch.float16)
+    pipe: Any = DiffusionPipeline.from_pretrained(untrained, dtype=torch.float16)
     pipe.vae.load_state_dict(model.vae.state_dict())
     pipe.vae.register_to_config(**stats)
     pipe.transformer.load_state_dict(model.transformer.state_dict())

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from workers.families import qwen_image, qwen_image_edit, wan, wan_i2v
 from workers.families.base import Family
+from workers.queue.served_model import Workflow
 
 FAMILIES: dict[str, Family] = {}
 DEFAULT_FAMILY = wan.FAMILY.name  # what a random preset builds when the settings name no family
@@ -33,6 +34,17 @@ def register(family: Family) -> Family:
 
 BUILT_IN = tuple(register(f) for f in (wan.FAMILY, wan_i2v.FAMILY, qwen_image.FAMILY,
                                          qwen_image_edit.FAMILY))
+
+
+def built_in_for(workflow: Workflow) -> Family:
+    """The built-in family that serves ``workflow`` (the first, where several do): how a
+    benchmark picks the model it measures without naming a family."""
+    return next(f for f in BUILT_IN if workflow in f.limits.workflows)
+
+
+def preset_family(preset: str) -> Family:
+    """The family a built-in preset is built as (``shapes``: the trained model's)."""
+    return family_named(family_to_build("auto", preset))
 
 
 def is_built(directory: Path) -> bool:

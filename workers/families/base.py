@@ -37,7 +37,7 @@ from workers.families.scheduler_state import SchedulerFields
 from workers.queue.served_model import FamilyLimits, ModelGeometry
 
 __all__ = ["CPU", "Decoder", "Denoiser", "Family", "ImageModel", "Inpainting", "Placement",
-           "PlacementError", "Reference", "TextEncoder", "Tokens", "Trajectory",
+           "PlacementError", "Reference", "TextEncoder", "Tokens", "Trainable", "Trajectory",
            "component_fingerprint", "to_uint8"]
 
 
@@ -217,6 +217,16 @@ class Reference(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class Trainable:
+    """What training a model of a family needs beyond its loaders (``training/``)."""
+
+    # A pipeline of a preset's sizes with random weights drawn from the seed, not saved.
+    untrained: Callable[[str, int], Any]
+    # VAE latents (B, C, H, W) to the DiT's tokens, as the family's pipeline packs its noise.
+    pack_latents: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
 class Family:
     """One model family: its name, the diffusers pipeline class its folders name in
     ``model_index.json``, how to build a tiny one, and a loader per stage."""
@@ -241,6 +251,8 @@ class Family:
     # The VAE encode of input images, for a family that takes them (``limits`` says which
     # workflow: image-to-image or image-to-video); None for one that takes text only.
     image_encoder: Callable[[Path, Placement], ImageModel] | None = None
+    # How to train one of its models from scratch; None for a family nothing here trains.
+    trainable: Trainable | None = None
 
 
 def component_config(directory: Path, component: str) -> dict[str, Any]:

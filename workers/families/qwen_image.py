@@ -29,6 +29,7 @@ from workers.families.base import (
     Family,
     Placement,
     Tokens,
+    Trainable,
     check_condition,
     component_config,
     component_fingerprint,
@@ -39,7 +40,7 @@ from workers.families.base import (
 )
 from workers.families.scheduler_state import SchedulerFields
 from workers.families.step_cache import hook_config, hooks_enabled
-from workers.queue.served_model import FamilyLimits, ModelGeometry, model_card
+from workers.queue.served_model import FamilyLimits, ModelGeometry, Workflow, model_card
 
 # QwenImagePipeline's prompt template; its first DROP_IDX tokens (the system prompt) are
 # dropped from the text encoder's hidden states.
@@ -147,7 +148,7 @@ def build(directory: Path, preset_name: str, seed: int = 0) -> None:
     if preset_name == "shapes":
         install_trained(directory)
     else:
-        untrained_pipeline(PRESETS[preset_name], seed).save_pretrained(directory)
+        untrained(preset_name, seed).save_pretrained(directory)
 
 
 def install_trained(directory: Path) -> None:
@@ -164,6 +165,11 @@ def pack_latents(latents: torch.Tensor) -> torch.Tensor:
     b, c, h, w = latents.shape
     packed = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
     return packed.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def untrained(preset_name: str, seed: int) -> Any:
+    """``untrained_pipeline`` of a preset named (``Trainable.untrained``)."""
+    return untrained_pipeline(PRESETS[preset_name], seed)
 
 
 def untrained_pipeline(preset: QwenPreset, seed: int) -> Any:
@@ -614,11 +620,13 @@ def geometry(directory: Path) -> ModelGeometry:
 # What a request may ask of this family: the text encoder keeps 512 tokens after the template's
 # system prefix, which ends in five tokens of its own.
 LIMITS = FamilyLimits(video=False, frame_multiple=1, spatial_multiple=16,
-                      max_prompt_tokens=507, image_to_image=True, inpainting=True)
+                      max_prompt_tokens=507, workflows=frozenset({
+                          Workflow.TEXT_TO_IMAGE, Workflow.IMAGE_TO_IMAGE, Workflow.INPAINTING}))
 
 
 FAMILY = Family(name="qwen-image", pipeline_class="QwenImagePipeline",
                 limits=LIMITS, presets=tuple(PRESETS), build=build,
                 text_encoder=QwenTextEncoder, trajectory=QwenTrajectory,
                 denoiser=QwenDenoiser, decoder=QwenDecoder, reference=QwenReference,
-                geometry=geometry, image_encoder=QwenImageEncoder)
+                geometry=geometry, image_encoder=QwenImageEncoder,
+                trainable=Trainable(untrained, pack_latents))

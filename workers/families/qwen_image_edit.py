@@ -39,7 +39,13 @@ from workers.families.base import (
     vae_encode_fingerprint,
 )
 from workers.families.step_cache import hook_config, hooks_enabled
-from workers.queue.served_model import MODEL_CARD, FamilyLimits, model_card, size_at_area
+from workers.queue.served_model import (
+    MODEL_CARD,
+    FamilyLimits,
+    Workflow,
+    model_card,
+    size_at_area,
+)
 
 # QwenImageEditPipeline's prompt template: the image's tokens sit in the user's turn, and the
 # first EDIT_DROP_IDX tokens (all before them) are dropped from the hidden states.
@@ -349,7 +355,8 @@ class EditReference:
 # The pipeline cuts no instruction; Qwen-Image's limit keeps the text's part of the sequence
 # as long as a text-to-image prompt's at most.
 LIMITS = FamilyLimits(video=False, frame_multiple=1, spatial_multiple=16,
-                      max_prompt_tokens=qwen_image.LIMITS.max_prompt_tokens, image_edit=True,
+                      max_prompt_tokens=qwen_image.LIMITS.max_prompt_tokens,
+                      workflows=frozenset({Workflow.INSTRUCTION_EDIT}),
                       condition_area=CONDITION_AREA, reserved_texts=VISION_TOKENS)
 
 

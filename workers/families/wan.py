@@ -34,7 +34,7 @@ from workers.families.base import (
 )
 from workers.families.scheduler_state import SchedulerFields
 from workers.families.step_cache import hook_config, hooks_enabled
-from workers.queue.served_model import FamilyLimits, ModelGeometry, model_card
+from workers.queue.served_model import FamilyLimits, ModelGeometry, Workflow, model_card
 
 MAX_SEQUENCE_LENGTH = 512  # what WanPipeline.__call__ uses (encode_prompt defaults to 226)
 PRESET_FILE = "diffcache-preset.json"
@@ -436,7 +436,7 @@ def geometry(directory: Path) -> ModelGeometry:
 # What a request may ask of this family: the text encoder keeps 512 tokens, with the EOS the
 # tokenizer appends.
 LIMITS = FamilyLimits(video=True, frame_multiple=4, spatial_multiple=16,
-                      max_prompt_tokens=511)
+                      max_prompt_tokens=511, workflows=frozenset({Workflow.TEXT_TO_VIDEO}))
 
 
 FAMILY = Family(name="wan", pipeline_class="WanPipeline", limits=LIMITS,

@@ -23,7 +23,7 @@ from PIL import Image
 from keys import Fingerprint, GenerationSpec
 from workers.families import wan
 from workers.families.base import CPU, Family, Placement, vae_encode_fingerprint
-from workers.queue.served_model import FamilyLimits
+from workers.queue.served_model import FamilyLimits, Workflow
 
 
 def build(directory: Path, preset_name: str, seed: int = 0) -> None:
@@ -150,7 +150,8 @@ class WanI2VReference(wan.WanReference):
 
 # A request to this model must give an image, which conditions every step.
 LIMITS = FamilyLimits(video=True, frame_multiple=4, spatial_multiple=16,
-                      max_prompt_tokens=wan.LIMITS.max_prompt_tokens, image_to_video=True)
+                      max_prompt_tokens=wan.LIMITS.max_prompt_tokens,
+                      workflows=frozenset({Workflow.IMAGE_TO_VIDEO}))
 
 
 FAMILY = Family(name="wan-i2v", pipeline_class="WanImageToVideoPipeline", limits=LIMITS,

@@ -15,6 +15,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from enum import StrEnum
 from pathlib import Path
 
 import xxhash
@@ -37,6 +38,17 @@ def size_at_area(width: int, height: int, area: int) -> tuple[int, int]:
     return round(side / 32) * 32, round(side / ratio / 32) * 32
 
 
+class Workflow(StrEnum):
+    """What a family's requests may make of their inputs, as the family declares them."""
+
+    TEXT_TO_IMAGE = "text-to-image"
+    TEXT_TO_VIDEO = "text-to-video"
+    IMAGE_TO_IMAGE = "image-to-image"  # starts from an input image, noised by ``strength``
+    INPAINTING = "inpainting"  # image-to-image under a mask
+    INSTRUCTION_EDIT = "instruction-edit"  # every step takes the image; one picture out
+    IMAGE_TO_VIDEO = "image-to-video"  # every step takes the image; a video out
+
+
 @dataclass(frozen=True, slots=True)
 class FamilyLimits:
     """What a request to this family may ask for, beyond the deployment's own limits; each
@@ -46,12 +58,9 @@ class FamilyLimits:
     frame_multiple: int  # num_frames must be frame_multiple * k + 1 (video families)
     spatial_multiple: int  # width and height: VAE factor times DiT patch size
     max_prompt_tokens: int  # what the text encoder keeps of a prompt, less what it adds
-    image_to_image: bool = False  # whether a request may start from an input image
-    image_to_video: bool = False  # whether a request must give an image, which every step takes
-    inpainting: bool = False  # whether an image-to-image request may give a mask
-    # Whether a request must give an image, which every step takes, and the output is one
-    # picture (instruction editing); ``image_to_video`` is the same for a video.
-    image_edit: bool = False
+    # What its requests may do with an input image: admission reads every rule of inputs
+    # (needed, refused, noised by strength, masked) from these.
+    workflows: frozenset[Workflow]
     # An editing family's: the pixels its pipeline brings the condition image to (and so its
     # output's default size); a model card's ``condition_area`` lowers it for tiny models.
     condition_area: int | None = None
@@ -62,6 +71,26 @@ class FamilyLimits:
     # where the model's card ships calibrated ratios: ``ServedModel.step_caches``).
     step_caches: frozenset[StepCachePolicy] = frozenset(
         {StepCachePolicy.FIRST_BLOCK, StepCachePolicy.TAYLORSEER})
+
+    @property
+    def image_to_image(self) -> bool:
+        """Whether a request may start from an input image."""
+        return Workflow.IMAGE_TO_IMAGE in self.workflows
+
+    @property
+    def inpainting(self) -> bool:
+        """Whether an image-to-image request may give a mask."""
+        return Workflow.INPAINTING in self.workflows
+
+    @property
+    def image_edit(self) -> bool:
+        """Whether a request must give an image, which every step takes, for one picture."""
+        return Workflow.INSTRUCTION_EDIT in self.workflows
+
+    @property
+    def image_to_video(self) -> bool:
+        """Whether a request must give an image, which every step takes, for a video."""
+        return Workflow.IMAGE_TO_VIDEO in self.workflows
 
     @property
     def image_conditions(self) -> bool:
