@@ -248,3 +248,42 @@ def lora_body(text: str) -> dict[str, str | float]:
     except ValueError:
         raise typer.BadParameter(f"{text!r}: the scale after ':' must be a number",
                                  param_hint="--lora") from None
+
+
+def step_cache_body(text: str) -> dict[str, str | float]:
+    """``--step-cache POLICY`` or ``POLICY:NAME=VALUE,...`` (``first_block:threshold=0.2``)
+    as the API's ``step_cache``; the API checks the policy and its parameters."""
+    policy, _, given = text.partition(":")
+    body: dict[str, str | float] = {"policy": policy}
+    for pair in filter(None, given.split(",")):
+        name, _, value = pair.partition("=")
+        body[name] = _number(value, text, "--step-cache", f"the value of {name!r}")
+    return body
+
+
+def cfg_cache_body(text: str) -> dict[str, str | float]:
+    """``--cfg-cache MODE`` or ``interval:N`` as the API's ``cfg_cache``."""
+    mode, _, interval = text.partition(":")
+    if not interval:
+        return {"mode": mode}
+    return {"mode": mode, "interval": _number(interval, text, "--cfg-cache", "the interval")}
+
+
+def schedule_body(texts: list[str]) -> list[dict[str, str | float]]:
+    """Each ``--schedule UNTIL_STEP:PROMPT`` as a segment of the API's ``schedule``."""
+    segments: list[dict[str, str | float]] = []
+    for text in texts:
+        until, _, prompt = text.partition(":")
+        segments.append({"until_step": _number(until, text, "--schedule", "UNTIL_STEP"),
+                         "prompt": prompt})
+    return segments
+
+
+def _number(value: str, text: str, option: str, what: str) -> float:
+    """``value`` as the number the API reads (an integer where it is one)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: {what} must be a number",
+                                 param_hint=option) from None
+    return int(number) if number.is_integer() else number

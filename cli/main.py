@@ -268,7 +268,7 @@ def _api_base() -> str:
 
 @app.command()
 def generate(
-    prompt: str,
+    prompt: str | None = typer.Argument(None, help="what to make (or give --schedule)"),
     out: str = typer.Option(..., help="file to write the output to"),
     negative_prompt: str = "",
     seed: int | None = None,
@@ -282,9 +282,16 @@ def generate(
     priority: str = typer.Option("interactive", help="interactive or batch"),
     reuse: str | None = typer.Option(None, help="exact or approximate: may start from a "
                                      "similar earlier request's checkpoint (and says so)"),
-    step_cache: str | None = typer.Option(None, help="a step-cache policy at its defaults: "
-                                          "first_block, taylorseer or magcache (faster, and "
-                                          "no longer the exact output)"),
+    step_cache: str | None = typer.Option(None, help="a step-cache policy: first_block, "
+                                          "taylorseer or magcache, with parameters as "
+                                          "first_block:threshold=0.2 (faster, and no longer "
+                                          "the exact output)"),
+    cfg_cache: str | None = typer.Option(None, help="exact (default), off, or interval:N "
+                                         "(the unconditional branch computed every N steps: "
+                                         "faster, approximate)"),
+    schedule: list[str] = typer.Option([], help="a prompt schedule in place of PROMPT: "
+                                       "UNTIL_STEP:PROMPT, one per segment, in order; the "
+                                       "last ends at the request's steps"),
     lora: list[str] = typer.Option([], help="a LoRA adapter, NAME or NAME:SCALE (uploaded "
                                    "with POST /v1/adapters); repeat for several"),
     image: Path | None = typer.Option(None, exists=True, dir_okay=False, readable=True,
@@ -307,7 +314,14 @@ def generate(
     triangle on a plain background, as in "a small red circle on the left on a blue
     background"; other sizes and words run, with a warning. GET /v1/models says what the
     served model knows."""
-    from cli.client import call_and_follow, format_for, lora_body
+    from cli.client import (
+        call_and_follow,
+        cfg_cache_body,
+        format_for,
+        lora_body,
+        schedule_body,
+        step_cache_body,
+    )
 
     body = {k: v for k, v in {
         "prompt": prompt, "negative_prompt": negative_prompt, "seed": seed,
@@ -315,7 +329,9 @@ def generate(
         "num_frames": num_frames, "num_inference_steps": steps,
         "guidance_scale": guidance_scale, "priority": priority,
         "reuse": None if reuse is None else {"mode": reuse},
-        "step_cache": None if step_cache is None else {"policy": step_cache},
+        "step_cache": None if step_cache is None else step_cache_body(step_cache),
+        "cfg_cache": None if cfg_cache is None else cfg_cache_body(cfg_cache),
+        "schedule": schedule_body(schedule) or None,
         "loras": [lora_body(text) for text in lora] or None,
         "strength": strength}.items() if v is not None}
     files = {field: path for field, path in (("image", image), ("mask", mask)) if path}

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from typer.testing import CliRunner
 
 from cachesvc.waiting import wait_until
 from cli.main import app
 from config.settings import ApiSettings, Settings
+from keys import CfgCache, CfgMode, StepCachePolicy
 from tests.workers_harness import serve_api
+from workers.queue.records import Records
 from workers.stages.media import decode_npy
 
 # Starts worker processes, a browser or a whole service: left out of the fast subset.
@@ -19,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_generate_status_preempt_and_resume(worker_settings: Settings, pool: object,
-                                            tmp_path: Path) -> None:
+                                            client: redis.Redis, tmp_path: Path) -> None:
     runner = CliRunner()
     with serve_api(worker_settings, ApiSettings()) as url:
         env = {"DIFFCACHE_API__PORT": url.rsplit(":", 1)[1], "DIFFCACHE_DATA_DIR": str(tmp_path)}
@@ -35,6 +39,21 @@ def test_generate_status_preempt_and_resume(worker_settings: Settings, pool: obj
                       "--priority", "batch")
         assert "cache hits" in printed
         assert decode_npy(first.read_bytes()).shape[0] == 5
+        # Every field the API takes: a schedule in place of the prompt, the CFG and step
+        # caches with their parameters, as the record keeps them.
+        scheduled = run("generate", "--schedule", "2:a red kite", "--schedule", "4:a blue kite",
+                        "--cfg-cache", "interval:2", "--step-cache", "first_block:threshold=0.2",
+                        "--out", str(tmp_path / "scheduled.npy"), "--steps", "4",
+                        "--num-frames", "5")
+        request_id = re.search(r"for request (\S+);", scheduled)
+        assert request_id, scheduled
+        record = Records(client).get(worker_settings.default_tenant, request_id[1])
+        assert record is not None
+        assert [(s.until_step, s.prompt) for s in record.spec.schedule] == [
+            (2, "a red kite"), (4, "a blue kite")]
+        assert record.spec.cfg_cache == CfgCache(CfgMode.INTERVAL, 2)
+        assert record.spec.step_cache.policy is StepCachePolicy.FIRST_BLOCK
+        assert dict(record.spec.step_cache.params)["threshold"] == 0.2
         board = run("status")
         assert "denoise" in board and "batch" in board and "interactive" in board
 
