@@ -61,6 +61,8 @@ VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 # The pixels the pipeline brings every condition image to, whatever the output's size (a
 # literal in its ``__call__``); tiny test models take less, and their reference patches it.
 CONDITION_AREA = 1024 * 1024
+# What its ``calculate_dimensions`` rounds each side of that image to.
+CONDITION_MULTIPLE = 32
 # The presets whose card lowers it: the test one, so that a test's forward is not 4,096
 # tokens longer; the default one to its outputs' 96x96, so that, as on the real model at 1 MP,
 # the condition is as long as the output.
@@ -141,7 +143,7 @@ def condition_size(image: Image.Image, area: int = CONDITION_AREA) -> tuple[int,
     """(width, height) the pipeline brings ``image`` to, for the VAE and the vision tower
     alike: its aspect at about ``area`` pixels, each side rounded to a multiple of 32 (its
     ``calculate_dimensions``)."""
-    return size_at_area(image.width, image.height, area)
+    return size_at_area(image.width, image.height, area, CONDITION_MULTIPLE)
 
 
 class EditTextEncoder:
@@ -281,7 +283,7 @@ class EditDenoiser(qwen_image.QwenDenoiser, EditTrajectory):
     def condition_shape(self, spec: GenerationSpec) -> tuple[int, ...]:
         """An image of the output's aspect (the warm-up's stand-in: a request's own grid is
         its image's)."""
-        width, height = size_at_area(spec.width, spec.height, self.area)
+        width, height = size_at_area(spec.width, spec.height, self.area, CONDITION_MULTIPLE)
         f = self.vae_scale_factor
         return (1, self.transformer.config.in_channels // 4, 1, height // f, width // f)
 
@@ -357,7 +359,8 @@ class EditReference:
 LIMITS = FamilyLimits(video=False, frame_multiple=1, spatial_multiple=16,
                       max_prompt_tokens=qwen_image.LIMITS.max_prompt_tokens,
                       workflows=frozenset({Workflow.INSTRUCTION_EDIT}),
-                      condition_area=CONDITION_AREA, reserved_texts=VISION_TOKENS)
+                      condition_area=CONDITION_AREA, condition_multiple=CONDITION_MULTIPLE,
+                      reserved_texts=VISION_TOKENS)
 
 
 FAMILY = Family(name="qwen-image-edit", pipeline_class="QwenImageEditPipeline",

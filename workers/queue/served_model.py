@@ -30,12 +30,13 @@ from keys.names import lora_targets, served_model, served_tokenizer
 
 log = logging.getLogger(__name__)
 
-def size_at_area(width: int, height: int, area: int) -> tuple[int, int]:
+def size_at_area(width: int, height: int, area: int, multiple: int) -> tuple[int, int]:
     """An image of ``width`` x ``height`` in its aspect at about ``area`` pixels, each side
-    rounded to a multiple of 32: how an editing pipeline sizes its condition image."""
+    rounded to a multiple of ``multiple``: how an editing family sizes its condition image
+    (``FamilyLimits.condition_area`` and ``condition_multiple`` say by what)."""
     ratio = width / height
     side = math.sqrt(area * ratio)
-    return round(side / 32) * 32, round(side / ratio / 32) * 32
+    return round(side / multiple) * multiple, round(side / ratio / multiple) * multiple
 
 
 class Workflow(StrEnum):
@@ -64,6 +65,8 @@ class FamilyLimits:
     # An editing family's: the pixels its pipeline brings the condition image to (and so its
     # output's default size); a model card's ``condition_area`` lowers it for tiny models.
     condition_area: int | None = None
+    # An editing family's: what its pipeline rounds each side of the condition image to.
+    condition_multiple: int = 32
     # What no prompt may hold: the markers of the template the family puts prompts in (an
     # editing model's image tokens), which would give the image's place twice.
     reserved_texts: tuple[str, ...] = ()
@@ -190,6 +193,8 @@ class ModelCard:
     # Instruction editing: the pixels the condition image is brought to; None, the pipeline's
     # megapixel (only tiny test models take less, their reference patched to match).
     condition_area: int | None = None
+    # An editing family's: what its pipeline rounds each side of the condition image to.
+    condition_multiple: int = 32
 
     def warnings(self, spec: GenerationSpec) -> list[str]:
         """What a request asks for outside what the model was trained on: it runs, and
@@ -278,7 +283,8 @@ class ServedModel:
         if self.limits.condition_area is None:
             return None
         return size_at_area(width, height,
-                            self.card.condition_area or self.limits.condition_area)
+                            self.card.condition_area or self.limits.condition_area,
+                            self.limits.condition_multiple)
 
     def cost(self, spec: GenerationSpec) -> int:
         geometry = self.geometry or ModelGeometry(self.limits.spatial_multiple,
