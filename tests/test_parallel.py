@@ -1,8 +1,9 @@
 """A denoise worker over two ranks (gloo, one thread each, CPU, float32): with its sequence
 split, its outputs are bit-identical to the diffusers pipeline split alike
 (``ContextParallelConfig`` on two ranks), alone and batched; with its rows split, to the
-pipeline on one device. A rank killed mid-request costs time, never the request; a split the
-model cannot take is refused at start-up, naming the setting."""
+pipeline on one device. A rank killed mid-request costs time, never the request; a request
+parked on a group resumes there; a split the model cannot take is refused at start-up,
+naming the setting."""
 
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ from workers.families.base import CPU, Placement
 from workers.parallel.group import SplitForwards
 from workers.parallel.layout import ParallelLayout, ParallelLayoutError
 from workers.parallel.wire import Wire
+from workers.queue.lifecycle import Lifecycle
 from workers.queue.messages import Stage
-from workers.queue.schema import State
+from workers.queue.records import Records
+from workers.queue.schema import PreemptMode, State
 from workers.queue.submit import submit
 from workers.stages.trajectory import checkpoint_every
 
@@ -205,6 +208,34 @@ def test_a_rank_killed_mid_request_costs_time_never_the_request(
         "denoise-parallel-again"))
     record = wait_done(group.client, spec)
     assert record.state is State.DONE
+    assert np.array_equal(read_frames(group.settings, record), want)
+
+
+def test_a_request_parked_on_a_group_resumes_there_bit_identically(
+        group: ModelService, model_dir: Path, tmp_path: Path) -> None:
+    """Preemption on a group: parked at a step boundary (rank 0 checkpoints, every rank
+    stays in step), then resumed from that checkpoint on the same group's split forwards."""
+    spec = make_spec(prompt="a heron by a still lake", seed=13, num_inference_steps=16)
+    want = split_pipeline(model_dir, [spec], ULYSSES_2, tmp_path)[0]
+    submit(group.client, spec)
+    rank_0, running = stop_owner_when(
+        group.client, spec, Stage.DENOISE, group.pool[Stage.DENOISE],
+        lambda f: f.get("state") == State.DENOISING.value and int(f.get("step", 0)) >= 3)
+    try:  # asked while rank 0 is stopped mid-job (its other rank waits in a collective)
+        assert Lifecycle(group.client).ask_preempt(spec.tenant, spec.request_id,
+                                                   PreemptMode.PARK)
+    finally:
+        assert rank_0.pid is not None
+        os.kill(rank_0.pid, signal.SIGCONT)
+    parked = wait_for(group.client, spec, State.PREEMPTED)
+    assert int(parked["checkpoint_step"]) >= int(running["step"]) >= 3
+    stopped = Records(group.client).get(spec.tenant, spec.request_id)
+    assert stopped is not None
+    Lifecycle(group.client).resume(stopped)
+    record = wait_done(group.client, spec)
+    assert record.state is State.DONE and rank_0.alive()
+    assert record.counter("resumed_from") >= int(parked["checkpoint_step"])
+    assert record.counter("preemptions") == 1
     assert np.array_equal(read_frames(group.settings, record), want)
 
 
