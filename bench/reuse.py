@@ -57,6 +57,7 @@ from keys import (
     ReuseMode,
 )
 from training.classifier import load_classifier
+from workers.queue.messages import Stage
 from workers.queue.records import Records
 from workers.queue.schema import RequestRecord, State
 from workers.queue.served_model import RequestDefaults, request_defaults
@@ -214,15 +215,20 @@ def main() -> None:
         print_table("Hits the reused steps made wrong",
                     ["kind", "prompt", "source's prompt", "similarity", "steps reused"],
                     made_wrong)
-    rows, acc, forwards, seconds = [], {}, {}, {}
+    rows, acc, forwards, seconds, stages = [], {}, {}, {}, {}
     for mode, (elapsed, done, outputs, prompts) in runs.items():
         acc[mode] = float(correct(classifier, outputs, [p.scene for p in prompts]).mean())
         forwards[mode] = sum(r.counter("forwards") for r in done)
         seconds[mode] = elapsed
+        # Where a request's time goes: the encode stage holds the search and its checks.
+        stages[mode] = {stage.value: round(float(np.mean([r.stage_seconds().get(stage, 0.0)
+                                                           for r in done])), 4)
+                        for stage in Stage}
         reused = [r for r in done if r.approximate is not None]
         rows.append([mode, len(done), forwards[mode], len(done) / elapsed, acc[mode],
                      len(reused) / len(done), sum(r.approximate.step for r in reused
-                                                  if r.approximate is not None)])
+                                                  if r.approximate is not None),
+                     *stages[mode].values()])
     print_table("Per kind of prompt (approximate mode)",
                 ["kind", "requests", "hits", "steps reused", "reuse-induced wrong",
                  "wrong vs own seed"],
@@ -231,7 +237,7 @@ def main() -> None:
            f"each its own seed) on the shapes model, per reuse mode (min_similarity "
            f"{args.min_similarity}, max_skip {args.max_skip})",
            ["mode", "requests", "forwards", "requests/s", "accuracy", "hit rate",
-            "steps reused"], rows,
+            "steps reused", *(f"{stage.value} s/request" for stage in Stage)], rows,
            {"bench": "reuse", "requests": len(approx_records),
             "forwards_saved": round(1 - forwards["approximate"] / forwards["exact"], 4),
             "throughput_ratio": round(seconds["exact"] / seconds["approximate"], 3),
@@ -243,7 +249,8 @@ def main() -> None:
             "by_kind": {kind: {"hits": row["hits"],
                                "reuse_induced_wrong": row["reuse_induced_wrong"]}
                         for kind, row in sorted(by_kind.items())},
-            "identical_rewrites": identical and bool(sample)})
+            "identical_rewrites": identical and bool(sample),
+            "stage_s_per_request": stages})
 
 
 if __name__ == "__main__":

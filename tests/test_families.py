@@ -25,8 +25,10 @@ from workers.families.base import (
 )
 from workers.queue.served_model import (
     MODEL_CARD,
+    FamilyLimits,
     ModelCardError,
     RequestDefaults,
+    Workflow,
     request_defaults,
 )
 
@@ -142,3 +144,13 @@ def test_request_defaults_come_from_the_model_card_under_explicit_settings(
     (tmp_path / MODEL_CARD).write_text(json.dumps({"request_defaults": {"depth": 3}}))
     with pytest.raises(ModelCardError, match=r"diffcache\.json"):
         request_defaults(ModelSettings(), tmp_path)
+
+
+def test_a_family_declares_only_workflows_its_output_can_take() -> None:
+    with pytest.raises(ValueError, match="workflows"):
+        FamilyLimits(True, 4, 16, 511, frozenset({Workflow.TEXT_TO_IMAGE}))
+    with pytest.raises(ValueError, match="workflows"):
+        FamilyLimits(False, 1, 16, 507, frozenset())
+    with pytest.raises(ValueError, match="inpainting"):
+        FamilyLimits(False, 1, 16, 507, frozenset({Workflow.TEXT_TO_IMAGE, Workflow.INPAINTING}))
+    assert all(f.limits.workflows for f in BUILT_IN)

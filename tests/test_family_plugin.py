@@ -32,7 +32,10 @@ def test_a_plug_in_is_named_by_its_import_path(qwen_model_dir: Path, tmp_path: P
     assert resolve(PLUG_IN, tmp_path, "test") is FAMILY  # a folder still to be built
     for path, why in [(f"{__name__}:MISSING", "no importable attribute"),
                       ("no_such_module:FAMILY", "no importable attribute"),
-                      (f"{__name__}:PLUG_IN", "is a str, not a")]:
+                      (f"{__name__}:PLUG_IN", "is a str, not a"),
+                      (":FAMILY", "is not package.module:ATTRIBUTE"),
+                      (".relative:FAMILY", "is not package.module:ATTRIBUTE"),
+                      (f"{__name__}:BADLY_NAMED", "must be lower-case")]:
         with pytest.raises(UnknownFamilyError, match=why):
             family_named(path)
     with pytest.raises(UnknownFamilyError, match="registered already"):
@@ -40,6 +43,7 @@ def test_a_plug_in_is_named_by_its_import_path(qwen_model_dir: Path, tmp_path: P
 
 
 IMPOSTOR = dataclasses.replace(qwen_image.FAMILY, name="plug-image", presets=("shapes",))
+BADLY_NAMED = dataclasses.replace(qwen_image.FAMILY, name="plug/image")
 
 
 @pytest.mark.slow  # a stack and three workers: about a minute

@@ -69,7 +69,7 @@ def test_published_facts_round_trip_and_a_newer_version_is_passed_over(
             assert read_published(redis_client) == []
             assert read_served(redis_client) is None
         assert "child status: version 2 is not one this release reads" in caplog.text
-        assert "served model: version 2" in caplog.text
+        assert "served model: version 3" in caplog.text
     finally:
         redis_client.delete(supervised_children(), served_model())
 
@@ -88,12 +88,28 @@ def test_an_adapter_named_before_the_envelope_still_reads(redis_client: redis.Re
         redis_client.delete(adapter_index("acme"))
 
 
-def test_a_model_published_before_the_envelope_still_reads(redis_client: redis.Redis) -> None:
-    """A rolling upgrade: an old worker published the served model bare; a new API still
-    admits against it rather than answering 503."""
-    model = ServedModel("qwen-image", "shapes", IMAGES,
+@pytest.mark.parametrize("envelope", [False, True], ids=["bare", "version-1"])
+@pytest.mark.parametrize(("video", "flags", "workflows"), [
+    (False, {"image_to_image": True, "inpainting": True},
+     {Workflow.TEXT_TO_IMAGE, Workflow.IMAGE_TO_IMAGE, Workflow.INPAINTING}),
+    (False, {"image_edit": True}, {Workflow.INSTRUCTION_EDIT}),
+    (True, {}, {Workflow.TEXT_TO_VIDEO}),
+    (True, {"image_to_video": True}, {Workflow.IMAGE_TO_VIDEO})])
+def test_a_model_published_by_an_older_release_still_reads(
+        redis_client: redis.Redis, envelope: bool, video: bool, flags: dict[str, bool],
+        workflows: set[Workflow]) -> None:
+    """A rolling upgrade: an old worker published the served model bare (before the
+    envelope) or as version 1, its limits' workflows as four booleans; a new API still
+    admits against it, with the same rules, rather than answering 503."""
+    model = ServedModel("family", "folder", replace(IMAGES, video=video,
+                                                    workflows=frozenset(workflows)),
                         tokenizer="c" * 32)
-    redis_client.set(served_model(), TypeAdapter(ServedModel).dump_json(model))
+    old = json.loads(TypeAdapter(ServedModel).dump_json(model))
+    del old["limits"]["workflows"]
+    old["limits"] |= {"image_to_image": False, "image_to_video": False, "inpainting": False,
+                      "image_edit": False, **flags}
+    written = {"kind": "served model", "v": 1, "value": old} if envelope else old
+    redis_client.set(served_model(), json.dumps(written))
     try:
         assert read_served(redis_client) == model
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from pathlib import Path
 
 from workers.families import qwen_image, qwen_image_edit, wan, wan_i2v
@@ -20,10 +21,17 @@ class UnknownFamilyError(ValueError):
     """A model folder or setting names a family this build does not serve."""
 
 
+# A family's name is the first part of a model's id (``family/folder``) and a metrics label.
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
 def register(family: Family) -> Family:
     """Serve ``family`` under its name: how a family defined outside this package (a
     plug-in, which ``model.family`` names as ``package.module:ATTRIBUTE``) joins the built-in
     ones. A name is one family's: registering another under it is an error."""
+    if not _NAME.match(family.name):
+        raise UnknownFamilyError(f"model family name {family.name!r} must be lower-case "
+                                 "letters, digits, '.', '_' or '-'")
     taken = FAMILIES.get(family.name)
     if taken is not None and taken is not family:
         raise UnknownFamilyError(f"model family {family.name!r} is registered already "
@@ -43,7 +51,10 @@ def built_in_for(workflow: Workflow) -> Family:
 
 
 def preset_family(preset: str) -> Family:
-    """The family a built-in preset is built as (``shapes``: the trained model's)."""
+    """The family a folder of a built-in preset is built as when the settings name none
+    (``shapes``: the trained model's; ``default``: the default family's)."""
+    if not any(preset in f.presets for f in BUILT_IN):
+        raise UnknownFamilyError(f"no built-in family has a preset {preset!r}")
     return family_named(family_to_build("auto", preset))
 
 
@@ -67,11 +78,13 @@ def family_named(name: str) -> Family:
 
 def _plug_in(path: str) -> Family:
     module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute or module_name.startswith("."):
+        raise UnknownFamilyError(f"model family {path!r} is not package.module:ATTRIBUTE")
     try:
         found = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:  # whatever the plug-in's import raises: one line, not a trace
         raise UnknownFamilyError(f"model family {path!r} names no importable attribute: "
-                                 f"{exc}") from None
+                                 f"{type(exc).__name__}: {exc}") from None
     if not isinstance(found, Family):
         raise UnknownFamilyError(f"model family {path!r} is a {type(found).__name__}, not a "
                                  "workers.families.base.Family")
@@ -114,8 +127,10 @@ def resolve(setting: str, directory: Path, preset: str) -> Family:
         return family_of(directory) if is_built(directory) else family_named(
             family_to_build(setting, preset))
     family = family_named(setting)
-    if is_built(directory) and pipeline_class_of(directory) != family.pipeline_class:
-        found = family_of(directory)
-        raise UnknownFamilyError(f"model.family is {setting!r} but {directory} holds a "
-                                 f"{found.name} model ({found.pipeline_class})")
+    held = pipeline_class_of(directory) if is_built(directory) else family.pipeline_class
+    if held != family.pipeline_class:
+        owner = next((f.name for f in BUILT_IN if f.pipeline_class == held), None)
+        what = f"a {owner} model ({held})" if owner else f"a {held} model"
+        raise UnknownFamilyError(f"model.family is {setting!r} but {directory} holds {what}, "
+                                 f"not the family's {family.pipeline_class}")
     return family

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import xxhash
 from pydantic import TypeAdapter
@@ -74,6 +75,16 @@ class FamilyLimits:
     # where the model's card ships calibrated ratios: ``ServedModel.step_caches``).
     step_caches: frozenset[StepCachePolicy] = frozenset(
         {StepCachePolicy.FIRST_BLOCK, StepCachePolicy.TAYLORSEER})
+
+    def __post_init__(self) -> None:
+        makes = ({Workflow.TEXT_TO_VIDEO, Workflow.IMAGE_TO_VIDEO} if self.video else
+                 {Workflow.TEXT_TO_IMAGE, Workflow.IMAGE_TO_IMAGE, Workflow.INPAINTING,
+                  Workflow.INSTRUCTION_EDIT})
+        if not self.workflows or not self.workflows <= makes:
+            raise ValueError(f"a {'video' if self.video else 'image'} family's workflows are "
+                             f"some of {sorted(makes)}, not {sorted(self.workflows)}")
+        if self.inpainting and not self.image_to_image:
+            raise ValueError("inpainting is a kind of image-to-image: declare both")
 
     @property
     def image_to_image(self) -> bool:
@@ -193,8 +204,6 @@ class ModelCard:
     # Instruction editing: the pixels the condition image is brought to; None, the pipeline's
     # megapixel (only tiny test models take less, their reference patched to match).
     condition_area: int | None = None
-    # An editing family's: what its pipeline rounds each side of the condition image to.
-    condition_multiple: int = 32
 
     def warnings(self, spec: GenerationSpec) -> list[str]:
         """What a request asks for outside what the model was trained on: it runs, and
@@ -292,10 +301,31 @@ class ServedModel:
         return geometry.cost(spec)
 
 
-# A worker of the release before the envelope wrote the same fields bare: during a rolling
-# upgrade a new API still admits against what an old worker published.
-_SERVED: Wire[ServedModel] = Wire("served model", ServedModel, older={
-    UNVERSIONED: TypeAdapter(ServedModel).validate_python})
+def _with_workflows(value: Any) -> ServedModel:
+    """A served model as a worker of a release before workflows published it (version 1, or
+    bare before the envelope): its limits said with four booleans what a family's requests
+    may do with an input image, which name the same workflows."""
+    limits = dict(value["limits"])
+    flags = {name: bool(limits.pop(name, False)) for name in
+             ("image_to_image", "image_to_video", "inpainting", "image_edit")}
+    if flags["image_to_video"]:
+        flows = {Workflow.IMAGE_TO_VIDEO}
+    elif flags["image_edit"]:
+        flows = {Workflow.INSTRUCTION_EDIT}
+    else:
+        flows = {Workflow.TEXT_TO_VIDEO if limits["video"] else Workflow.TEXT_TO_IMAGE}
+    flows |= {Workflow.IMAGE_TO_IMAGE} if flags["image_to_image"] else set()
+    flows |= {Workflow.INPAINTING} if flags["inpainting"] else set()
+    limits["workflows"] = sorted(flows)
+    return _READ_SERVED({**value, "limits": limits})
+
+
+_READ_SERVED = TypeAdapter(ServedModel).validate_python
+# During a rolling upgrade a new API still admits against what an old worker published, in
+# either older shape. (An old API reads this version as no model served: 503 until its own
+# release arrives, never a model admitted under limits it misread.)
+_SERVED: Wire[ServedModel] = Wire("served model", ServedModel, version=2, older={
+    1: _with_workflows, UNVERSIONED: _with_workflows})
 
 
 RETIRED_TOKENIZER_S = 3600  # how long the tokenizer of a model no longer served is kept
