@@ -103,12 +103,13 @@ def _wxh(size: tuple[int, int] | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RequestAdmission:
-    """Reads request bodies for one deployment: its API limits (``api``), the queue's checks
-    of sizes, texts and cost (``limits``), and the tenant's uploads a request may name (None
-    at a door that takes none, ``diffcache submit``: a body naming one is refused there)."""
+    """Reads request bodies for one deployment: the queue's checks of sizes, texts and cost
+    under the limits and tenant defaults the API published (``queue``), the bounds on an
+    image the API decodes (``api``), and the tenant's uploads a request may name (None at a
+    door that takes none, ``diffcache submit``: a body naming one is refused there)."""
 
     api: ApiSettings
-    limits: Admission
+    queue: Admission
     images: ImageStore | None = None
     adapters: AdapterRegistry | None = None
 
@@ -129,7 +130,7 @@ class RequestAdmission:
         sized_by_image = (served.limits.image_edit and body.image is not None
                           and (body.width is None or body.height is None))
         if not sized_by_image:
-            self.limits.check(asked, served)
+            self.queue.check(asked, served)
         given = self.image_for(tenant, body, served, asked.steps, uploads, sized_by_image)
         if sized_by_image:
             assert given.size is not None  # read, as asked
@@ -152,14 +153,14 @@ class RequestAdmission:
             cfg_cache=cfg_cache_from(body.cfg_cache),
             loras=self.loras_for(tenant, body.loras, served),
             step_cache=step_cache_from(
-                body.step_cache, self.api.step_cache_defaults.get(tenant,
-                                                                         StepCachePolicy.OFF),
+                body.step_cache,
+                self.queue.limits.step_cache_defaults.get(tenant, StepCachePolicy.OFF),
                 served.step_caches, served.family, served.split_refusal,
                 part_way=bool(image and image.strength is not None
                               and start_step(asked.steps, image.strength) > 0)),
-            reuse=reuse_from(body.reuse, self.api.reuse_defaults.get(
+            reuse=reuse_from(body.reuse, self.queue.limits.reuse_defaults.get(
                 tenant, ReuseMode.EXACT), fixed), image=image)
-        return Admitted(self.limits.within_cost(spec, served), given.to_keep)
+        return Admitted(self.queue.within_cost(spec, served), given.to_keep)
 
     def _admitted_at_image_size(self, asked: Asked, body: GenerateBody, served: ServedModel,
                                 image: tuple[int, int]) -> Asked:
@@ -172,7 +173,7 @@ class RequestAdmission:
         asked = replace(asked, width=body.width or default[0],
                         height=body.height or default[1])
         try:
-            self.limits.check(asked, served)
+            self.queue.check(asked, served)
         except FieldError as refused:
             if refused.field not in by_image:
                 raise
@@ -247,7 +248,7 @@ class RequestAdmission:
         Refused where the served model's forwards split over ranks (``split_refusal``)."""
         if loras and served.split_refusal:
             raise FieldError("loras", served.split_refusal)
-        limit = self.api.max_loras
+        limit = self.queue.limits.max_loras
         if len(loras) > limit:
             raise FieldError("loras", f"{len(loras)} adapters; at most {limit} "
                              "(api.max_loras)")
@@ -277,7 +278,7 @@ class RequestAdmission:
         """A new request from ``spec``'s checkpoint at ``from_step`` with ``overrides``
         (edit and resume), its texts checked as a new request's are."""
         return branched_spec(spec, new_request_id(), from_step, overrides,
-                             self.limits.text_limits(served))
+                             self.queue.text_limits(served))
 
     def decoded_image(self, data: bytes, field: str = "image") -> InputImage:
         """An image file decoded and normalised, within the API's limits (a ``field`` mask

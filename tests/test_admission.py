@@ -17,14 +17,17 @@ import pytest
 import redis
 from rich.console import Console
 
-from cli.client import Ask, submit_and_wait
+from admission.request import RequestAdmission
+from cli.client import Ask, admitted, submit_and_wait
 from config.settings import ApiSettings, ModelSettings, Settings
+from keys import StepCachePolicy
 from keys.names import active_requests
 from tests.redis_databases import ADMISSION, emptied, on_database
 from tests.test_api_hardening import error_body
 from tests.workers_harness import publish_as_workers, serve_api
 from workers.families import qwen_image
-from workers.queue.admission import Admission
+from workers.queue.admission import Admission, Limits, published_limits
+from workers.queue.client import QueueClient
 
 PROMPT = "a lighthouse at dusk"
 
@@ -152,3 +155,19 @@ def test_before_any_worker_has_published_a_request_is_told_to_retry(
     said = refusal(settings, Ask(PROMPT), tmp_path)
     assert "no worker has said which model it serves" in said
     assert client.zcard(active_requests()) == 0
+
+
+def test_the_cli_admits_under_the_tenant_defaults_the_api_published(
+        workerless_stack: Settings, model_dir: Path, tmp_path: Path) -> None:
+    """A tenant's default step cache is the API's setting: ``diffcache submit`` on a machine
+    whose own settings name none still applies it, as the API would."""
+    settings, client = served_without_folder(workerless_stack, model_dir, tmp_path)
+    api = ApiSettings(step_cache_defaults={"default": StepCachePolicy.FIRST_BLOCK})
+    with front_doors(settings, api) as (http, cli):
+        assert http.get("/v1/models").status_code == 200  # the API has published its limits
+        queue = QueueClient(client, published_limits(client) or Limits.of(cli.api))
+        spec = admitted(queue, RequestAdmission(cli.api, queue.admission),
+                        Ask(PROMPT, width=32, height=32, num_frames=1, steps=1), "default",
+                        str(tmp_path / "out.npy"))
+    assert spec.step_cache.policy is StepCachePolicy.FIRST_BLOCK
+    assert client.zcard(active_requests()) == 1

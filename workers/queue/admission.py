@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cachesvc.redis_client import RedisClient
 from cachesvc.wire import Wire, WireError
 from config.settings import ApiSettings
-from keys import GenerationSpec, OutputFormat, Priority
+from keys import GenerationSpec, OutputFormat, Priority, ReuseMode, StepCachePolicy
 from keys.names import admission_limits
 from workers.queue.record_write import RecordWrite
 from workers.queue.schema import WARNINGS, Field
@@ -74,6 +75,12 @@ class Limits:
     interactive_max_cost: int
     max_queue_depth: int
     max_jobs_per_tenant: int
+    # What a request that names none gets, per tenant, and how many adapters it may name:
+    # published too, so that ``diffcache submit`` on another machine admits as the API does.
+    # (Defaults: what a release before these fields published.)
+    max_loras: int = 4
+    step_cache_defaults: Mapping[str, StepCachePolicy] = dataclasses.field(default_factory=dict)
+    reuse_defaults: Mapping[str, ReuseMode] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, api: ApiSettings) -> Limits:
@@ -229,6 +236,10 @@ class Admission:
         self._limits = limits
         self._bounds = Bounds(limits.max_queue_depth, limits.max_jobs_per_tenant)
         self._tokens = TokenCounters(client)
+
+    @property
+    def limits(self) -> Limits:
+        return self._limits
 
     def served(self) -> ServedModel:
         """The model the workers serve; NotPublishedError before any has said."""
