@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from enum import StrEnum
 
 from cachesvc.redis_client import RedisClient
 from keys import Priority
 from keys.names import stage_latency
-from workers.queue.messages import Stage
 
 # Upper bounds growing by 2^(1/4) from 10 ms past 60 s (52 buckets), so a quantile read by
 # interpolating inside its bucket is within about 9 % of the true value across that range.
@@ -53,7 +53,9 @@ class Histogram:
         return None
 
 
-def read(client: RedisClient, stage: Stage, priority: Priority) -> Histogram:
+def read(client: RedisClient, stage: StrEnum, priority: Priority) -> Histogram:
+    """The histogram of ``stage`` (a ``workers.queue.messages.Stage``: named by its value, so
+    that the queue's metrics import nothing of the queue) at ``priority``."""
     return read_hash(client, stage_latency(stage.value, priority.value))
 
 
