@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from encoders.text import MeanPooled, prompt_vector
 from keys import (
@@ -92,8 +93,10 @@ def test_the_prompts_effect_leaves_out_what_every_prompt_shares(qwen_model_dir: 
 
 
 def test_a_repeated_agreement_check_reuses_the_sources_side(qwen_model_dir: Path) -> None:
-    """The check against one source's checkpoint gives the same cosine as computed whole,
-    and a second request checked against it costs the denoiser one prediction, not three."""
+    """The check against one source's checkpoint gives the cosine of lone predictions (its
+    three share a forward, padded texts under a mask),
+    a first check costs the denoiser one forward of its three rows, and a second request
+    checked against it one forward of one row."""
     family = family_of(qwen_model_dir)
     text = family.text_encoder(qwen_model_dir, CPU)
     denoiser = family.denoiser(qwen_model_dir, CPU)
@@ -106,21 +109,24 @@ def test_a_repeated_agreement_check_reuses_the_sources_side(qwen_model_dir: Path
         PromptSegment("a red fox", "", 4),))
     latents, _ = denoiser.initial_latents(source)
     checkpoint = StoreKey(tenant="t", kind=KeyKind.CHECKPOINT, ident="0" * 64)
-    predictions = []
+    forwards: list[int] = []  # the rows of each
     original = denoiser.predict
 
-    def counted(*args: object, **kwargs: object) -> object:
-        predictions.append(1)
-        return original(*args, **kwargs)
+    def counted(latents: torch.Tensor, *args: object, **kwargs: object) -> object:
+        forwards.append(latents.shape[0])
+        return original(latents, *args, **kwargs)
 
     denoiser.predict = counted  # type: ignore[method-assign]
-    for prompt, calls in (("a red fox in snow", 3), ("a blue whale", 1)):
-        predictions.clear()
+    for prompt, rows in (("a red fox in snow", [3]), ("a blue whale", [1])):
         mine = embedded[prompt]
         whole = view.agreement(latents, 2, mine, embedded["a red fox"], source)
-        predictions.clear()
+        lone = [view.predictions_at(latents, 2, [e], source)[0]
+                for e in (blank, embedded["a red fox"], mine)]
+        a, b = ((p - lone[0]).flatten().double() for p in lone[1:])
+        assert whole == pytest.approx(float(a @ b / (a.norm() * b.norm())), abs=1e-6)
+        forwards.clear()
         assert agreement.holds(checkpoint, latents, 2, mine, source, source) == (whole >= 0.5)
-        assert len(predictions) == calls
+        assert forwards == rows
 
 
 def test_the_text_mean_is_the_encoders_embedding_averaged(qwen_model_dir: Path) -> None:

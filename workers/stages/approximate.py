@@ -78,9 +78,10 @@ class Agreement:
     from shared noise ranks prompts; this reads the trajectory itself, where a changed shape
     or colour the reused steps already drew shows.
 
-    The source's side of a check (two of its three predictions) is the same for every request
-    checked against that checkpoint, and a popular prompt's rewordings all are: it is kept,
-    up to ``KEPT_BYTES``, so a repeated check costs one prediction."""
+    A check's three predictions (the empty prompt's, the source's, this request's) share one
+    forward. The source's side of it (the first two) is the same for every request checked
+    against that checkpoint, and a popular prompt's rewordings all are: it is kept, up to
+    ``KEPT_BYTES``, so a repeated check costs one prediction."""
 
     KEPT_BYTES = 64 << 20
 
@@ -97,24 +98,22 @@ class Agreement:
     def holds(self, checkpoint: StoreKey, latents: torch.Tensor, step: int,
               mine: torch.Tensor, source: GenerationSpec, spec: GenerationSpec) -> bool:
         """Whether the prompts agree at ``source``'s checkpoint (its key, and its latents at
-        ``step``)."""
-        theirs = self._source_side(checkpoint, latents, step, source)
-        return self.view.agreement_with(theirs, latents, step, mine, spec) >= self.least
-
-    def _source_side(self, key: StoreKey, latents: torch.Tensor, step: int,
-                     source: GenerationSpec) -> EffectAt:
-        kept = self._kept.get(key)
+        ``step``); ``spec`` (this request's) shares its geometry, steps and scheduler."""
+        kept = self._kept.get(checkpoint)
         if kept is not None:
-            self._kept.move_to_end(key)
-            return kept
-        embedding = self.embed(source.tenant, source.schedule[0].prompt)
-        kept = self.view.effect_at(latents, step, embedding, source)
+            self._kept.move_to_end(checkpoint)
+            return self.view.agreement_with(kept, latents, step, mine, spec) >= self.least
+        theirs = self.embed(source.tenant, source.schedule[0].prompt)
+        kept, agreement = self.view.check(latents, step, theirs, mine, spec)
+        self._keep(checkpoint, kept)
+        return agreement >= self.least
+
+    def _keep(self, key: StoreKey, kept: EffectAt) -> None:
         self._kept[key] = kept
         self._kept_bytes += kept.nbytes
         while self._kept_bytes > self.KEPT_BYTES and len(self._kept) > 1:
             _, dropped = self._kept.popitem(last=False)
             self._kept_bytes -= dropped.nbytes
-        return kept
 
 
 class ApproximateReuse:

@@ -15,6 +15,7 @@ from torch.nn import functional
 
 from encoders.text import MeanPooled, PromptView, unit
 from keys import GenerationSpec
+from workers.engine.exact_rows import pad_texts
 from workers.families.base import Denoiser
 
 # The model card's ``reuse_vector`` values.
@@ -110,32 +111,43 @@ class PromptEffect(FirstStep):
         empty prompt's). A reused trajectory switches prompts there; where the new prompt
         pulls elsewhere (another shape, colour or place), what the reused steps drew already
         decides against it."""
-        return self.agreement_with(self.effect_at(latents, step, theirs, spec), latents, step,
-                                   mine, spec)
+        return self.check(latents, step, theirs, mine, spec)[1]
 
     @torch.no_grad()
-    def effect_at(self, latents: torch.Tensor, step: int, embedding: torch.Tensor,
-                  spec: GenerationSpec) -> EffectAt:
-        """One prompt's effect on the prediction at ``step``, where the trajectory stands at
-        ``latents``: the source's side of ``agreement``, which every request checked against
-        the same checkpoint shares."""
-        d = self.denoiser
-        t = d.scheduler(spec).timesteps[step].reshape(1)
-        latents = latents.to(d.device)
-        blank = d.predict(latents, t, self.blank().to(d.device), spec)
-        effect = (d.predict(latents, t, embedding.to(d.device), spec) - blank).flatten()
-        return EffectAt(blank, effect.double())
+    def check(self, latents: torch.Tensor, step: int, theirs: torch.Tensor,
+              mine: torch.Tensor, spec: GenerationSpec) -> tuple[EffectAt, float]:
+        """``agreement``, with the source's side of it (``theirs``' effect), which every
+        request checked against the same checkpoint shares: the three predictions in one
+        forward."""
+        blank, source, own = self.predictions_at(latents, step, [self.blank(), theirs, mine],
+                                                 spec)
+        kept = EffectAt(blank, (source - blank).flatten().double())
+        return kept, _cosine((own - blank).flatten().double(), kept.effect)
 
     @torch.no_grad()
     def agreement_with(self, theirs: EffectAt, latents: torch.Tensor, step: int,
                        mine: torch.Tensor, spec: GenerationSpec) -> float:
-        """``agreement`` with the source's side already known."""
+        """``agreement`` with the source's side already known: one prediction."""
+        (own,) = self.predictions_at(latents, step, [mine], spec)
+        return _cosine((own - theirs.blank).flatten().double(), theirs.effect)
+
+    def predictions_at(self, latents: torch.Tensor, step: int,
+                       embeddings: list[torch.Tensor], spec: GenerationSpec
+                       ) -> list[torch.Tensor]:
+        """The prediction at ``step`` from ``latents`` under each embedding. One forward where
+        the texts can share one (one length, or a family that pads texts under a mask): a row
+        of a batch costs a fraction of a lone forward, and the encode worker's checks run on
+        the cores the denoise workers use. The rows may differ from lone ones in the last bit;
+        a cosine compared with a threshold does not see it."""
         d = self.denoiser
         t = d.scheduler(spec).timesteps[step].reshape(1)
-        a = (d.predict(latents.to(d.device), t, mine.to(d.device), spec)
-             - theirs.blank).flatten().double()
-        b = theirs.effect
-        return float(a @ b / (a.norm() * b.norm()).clamp_min(1e-30))
+        latents = latents.to(d.device)
+        texts = [e.to(d.device) for e in embeddings]
+        if not d.pads_text and len({e.shape[1] for e in texts}) > 1:
+            return [d.predict(latents, t, e, spec) for e in texts]
+        embeds, mask = pad_texts(texts)
+        rows = latents.expand(len(texts), *latents.shape[1:])
+        return list(d.predict(rows, t, embeds, spec, text_mask=mask).split(1))
 
     def _blank_prediction(self, spec: GenerationSpec) -> torch.Tensor:
         # One per geometry a worker meets (the bucket's shape, steps and first step).
@@ -144,6 +156,10 @@ class PromptEffect(FirstStep):
         if geometry not in self._blank_predictions:
             self._blank_predictions[geometry] = self.prediction(self.blank(), spec)
         return self._blank_predictions[geometry]
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(a @ b / (a.norm() * b.norm()).clamp_min(1e-30))
 
 
 @functools.cache
