@@ -60,13 +60,15 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
               for m in minutes]
     queues = [{"stage": q.stage.value, "priority": q.priority.value, "waiting": q.waiting,
                "in_flight": q.in_flight} for q in view.queues()]
-    # Lifetime reuse per tenant and kind: lookups, hits and the compute they saved.
+    # Lifetime reuse per tenant and kind: lookups, hits, the compute they saved, and what the
+    # cache wrote and refused to write (write admission).
     reuse = []
     for tenant in known:
         lifetime = read_totals(svc.redis, tenant)
         reuse += [{"tenant": tenant, "kind": kind.value,
                    **{e: lifetime.get(f"{kind.value}.{e}", 0.0)
-                      for e in ("lookups", "hits", "compute_seconds_saved")}}
+                      for e in ("lookups", "hits", "compute_seconds_saved",
+                                "bytes_written", "writes_refused")}}
                   for kind in KINDS]
     latency: dict[str, dict[str, dict[str, float | None]]] = {}
     for stage in Stage:

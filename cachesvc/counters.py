@@ -40,6 +40,7 @@ class Event(StrEnum):
     EXPIRED = "expired"
     STORE_UNAVAILABLE = "store_unavailable"
     SINGLE_FLIGHT_WAITS = "single_flight_waits"
+    WRITES_REFUSED = "writes_refused"  # by write admission: a kind that is not read back
 
 
 _PROM = {

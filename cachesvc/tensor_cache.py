@@ -32,6 +32,7 @@ from cachesvc.redis_client import RedisClient
 from cachesvc.single_flight import Outcome, SingleFlight
 from cachesvc.store_backend import StoreBackend
 from cachesvc.ttl_index import TtlIndex
+from cachesvc.write_admission import WriteAdmission
 from config.settings import CacheSettings, StoreSettings
 from keys import StoreKey
 from keys.names import flight_lock
@@ -64,6 +65,7 @@ class TensorCache:
         self._reader = EntryReader(self._store, self._pool, self.counters)
         self._writer = EntryWriter(self._store, self._pool, self._policies, self.ttl_index,
                                    self.counters)
+        self.admission = WriteAdmission(client, settings, self.counters)
 
     def close(self) -> None:
         """Flush counters and release registered memory and the store connection."""
@@ -89,12 +91,15 @@ class TensorCache:
             yield slot
 
     def put_from(self, key: StoreKey, slot: TensorSlot, *, cost_s: float = 0.0) -> None:
-        """Store the entry laid out in ``slot``; ``cost_s`` is what computing it took."""
-        self._writer.put_from(key, slot, cost_s)
+        """Store the entry laid out in ``slot``; ``cost_s`` is what computing it took. Every
+        write goes through ``admission``, which may refuse a kind that is not read back."""
+        if self.admission.admit([key])[0]:
+            self._writer.put_from(key, slot, cost_s)
 
     def put(self, key: StoreKey, tensor: torch.Tensor, *, cost_s: float = 0.0) -> None:
         """Store a copy of ``tensor``. Content-keyed writes are idempotent: the first one wins."""
-        self._writer.put(key, tensor, cost_s)
+        if self.admission.admit([key])[0]:
+            self._writer.put(key, tensor, cost_s)
 
     def batch_put(self, items: Sequence[tuple[StoreKey, torch.Tensor]], *,
                   cost_s: float | Sequence[float] = 0.0) -> None:
@@ -106,7 +111,12 @@ class TensorCache:
         costs = [cost_s] * len(items) if isinstance(cost_s, float | int) else list(cost_s)
         if len(costs) != len(items):
             raise ValueError(f"batch_put of {len(items)} entries given {len(costs)} costs")
-        self._writer.put_many(items, costs)
+        taken = self.admission.admit([key for key, _ in items])
+        if not all(taken):
+            items = [item for item, take in zip(items, taken, strict=True) if take]
+            costs = [cost for cost, take in zip(costs, taken, strict=True) if take]
+        if items:
+            self._writer.put_many(items, costs)
 
     # Reading ----------------------------------------------------------------------------------
 

@@ -84,6 +84,14 @@ class CacheSettings(_Section):
     durable_outputs: bool = True
     stats_flush_s: float = Field(1.0, gt=0)
     sweep_interval_s: float = Field(30.0, gt=0)
+    # Write admission (``cachesvc.write_admission``): a CFG feature of a tenant whose CFG
+    # lookups, over the last ``admission_window_s``, number at least ``admission_min_lookups``
+    # and hit less than ``admission_min_hit_rate`` of the time is written only on its key's
+    # second write, or for one key in ``admission_sample``. A hit rate of 0 writes them all.
+    admission_window_s: int = Field(600, ge=60, description="whole minutes are read")
+    admission_min_lookups: int = Field(1000, ge=1)
+    admission_min_hit_rate: float = Field(0.01, ge=0.0, le=1.0)
+    admission_sample: int = Field(20, ge=1)
 
 
 class RetentionSettings(_Section):

@@ -117,6 +117,12 @@ def ttl_index(tenant: str) -> str:
     return f"{KEY_VERSION}:{check_tenant(tenant)}:ttl-index"
 
 
+def write_seen(key: StoreKey) -> str:
+    """String: a write of ``key`` that the cache refused (``cachesvc.write_admission``), kept
+    for the admission window so that the key's next write is taken."""
+    return f"{key}:seen"
+
+
 def stats_bucket(tenant: str, minute: int) -> str:
     """Hash: counters of ``tenant`` for one unix minute, field ``<kind>.<counter>``."""
     return f"{KEY_VERSION}:{check_tenant(tenant)}:stats:{minute}"

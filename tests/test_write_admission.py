@@ -1,0 +1,116 @@
+"""Write admission against the real store and Redis: a kind whose lookups find nothing stops
+being written, but for a key written twice or sampled, and is written whole again once its
+keys are read back; other kinds are always written."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+import torch
+
+from cachesvc.counters import read_totals
+from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints
+from cachesvc.tensor_cache import TensorCache
+from cachesvc.write_admission import VERDICT_S, WriteAdmission
+from config.settings import CacheSettings, Settings
+from keys import KeyKind, StoreKey
+
+TENANT = "admission"
+
+
+class Clock:
+    """Wall time, moved on by hand past a verdict's life (counters stay in real minutes)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+    def next_verdict(self) -> None:
+        self.offset += VERDICT_S
+
+
+@pytest.fixture
+def judged(stack_settings: Settings, cache: TensorCache, redis_client: redis.Redis
+           ) -> Iterator[tuple[TensorCache, Clock, CacheSettings]]:
+    """A cache that judges CFG writes after 20 lookups hitting less than a fifth of the time,
+    sampling one key in a thousand, on the clock it returns."""
+    settings = stack_settings.cache.model_copy(update={
+        "admission_min_lookups": 20, "admission_min_hit_rate": 0.2, "admission_sample": 1000})
+    judging = TensorCache(MooncakeStore.connect(StoreEndpoints.configured(stack_settings.store),
+                                                stack_settings.store),
+                          redis_client, settings, stack_settings.store)
+    clock = Clock()
+    judging.admission = WriteAdmission(redis_client, settings, judging.counters, clock)
+    try:
+        yield judging, clock, settings
+    finally:
+        judging.close()
+
+
+def cfg_key(sampled: bool = False, sample: int = 1000) -> StoreKey:
+    """A new CFG key, one that the admission samples or one it does not."""
+    while True:
+        key = StoreKey(TENANT, KeyKind.CFG, uuid.uuid4().hex)
+        if WriteAdmission.sampled(key, sample) == sampled:
+            return key
+
+
+def test_a_kind_never_read_back_stops_being_written_and_resumes_once_reused(
+        judged: tuple[TensorCache, Clock, CacheSettings], redis_client: redis.Redis) -> None:
+    cache, clock, _ = judged
+    # Random seeds: every CFG feature's key is new, looked up, missed, computed and written.
+    for _ in range(20):
+        key = cfg_key()
+        assert cache.get(key) is None
+        cache.put(key, torch.ones(4))
+        assert cache.exists(key)  # too few lookups yet to judge
+    cache.counters.flush()
+    clock.next_verdict()
+    once = cfg_key()
+    assert cache.get(once) is None
+    cache.put(once, torch.ones(4))
+    assert not cache.exists(once)  # 21 lookups, no hit: refused
+    output = StoreKey(TENANT, KeyKind.OUTPUT, uuid.uuid4().hex)
+    cache.put(output, torch.ones(4))
+    assert cache.exists(output)  # outputs are always written
+    cache.put(once, torch.ones(4))
+    assert cache.exists(once)  # its second write is taken: a key that recurs is kept
+    sampled = cfg_key(sampled=True)
+    cache.put(sampled, torch.ones(4))
+    assert cache.exists(sampled)  # and one new key in a thousand, so reuse can show
+    # The keys recur (seeded repeats): the lookups hit, and the kind is written whole again.
+    for _ in range(10):
+        assert cache.get(once) is not None
+    cache.counters.flush()
+    clock.next_verdict()
+    verdict = cache.admission.verdict(TENANT, KeyKind.CFG)
+    assert (verdict.lookups, verdict.hits, verdict.cold) == (31, 10, False)
+    fresh = cfg_key()
+    cache.put(fresh, torch.ones(4))
+    assert cache.exists(fresh)
+    cache.counters.flush()
+    assert read_totals(redis_client, TENANT)["cfg.writes_refused"] == 1
+
+
+def test_a_batch_write_takes_what_is_admitted_and_every_worker_decides_alike(
+        judged: tuple[TensorCache, Clock, CacheSettings], redis_client: redis.Redis) -> None:
+    cache, clock, settings = judged
+    for _ in range(20):
+        assert cache.get(cfg_key()) is None
+    cache.counters.flush()
+    clock.next_verdict()
+    new, sampled = cfg_key(), cfg_key(sampled=True)
+    embedding = StoreKey(TENANT, KeyKind.EMBEDDING, uuid.uuid4().hex)
+    cache.batch_put([(new, torch.ones(2)), (sampled, torch.ones(2)), (embedding, torch.ones(2))],
+                    cost_s=[0.1, 0.2, 0.3])
+    assert [cache.exists(k) for k in (new, sampled, embedding)] == [False, True, True]
+    # Another worker's admission reads the same counters and the refused key's mark.
+    other = WriteAdmission(redis_client, settings, cache.counters, clock)
+    assert other.verdict(TENANT, KeyKind.CFG).cold
+    assert other.admit([new, cfg_key()]) == [True, False]
