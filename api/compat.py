@@ -80,7 +80,7 @@ def images(body: ImagesBody, who: Tenant, svc: Svc, request: Request,
            x_stainless_retry_count: Annotated[int | None, Header(ge=0)] = None
            ) -> dict[str, object]:
     """OpenAI-compatible and synchronous: answers when the image is ready. ``model``, when
-    given, must name the served model (its folder, family, or ``family/folder``).
+    given, must name the served model (its name, family, or ``family/name``).
 
     A call abandoned before its image is ready (the client went away, or the wait passed
     ``api.sync_timeout_s``) cancels its request unless ``keep`` is set. A retry of the call

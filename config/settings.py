@@ -134,6 +134,10 @@ class ModelSettings(_Section):
     # family's pipelines run it so (its module says which).
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     dir: Path | None = Field(None, description="default: <data_dir>/model")
+    # What clients call the model: a request's ``model`` and ``GET /v1/models``'
+    # ``family/name``. Unset, the preset's name where the folder is the built-in one
+    # (``<data_dir>/model``, filled from the preset), else the folder's name.
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     preset: Literal["shapes", "default", "test"] = Field(
         "shapes", description="the built-in model: shapes (trained, shipped with the project), "
         "or a random one sized for timing (default) or for tests (test)")
@@ -382,6 +386,14 @@ class Settings(BaseSettings):
     @property
     def model_dir(self) -> Path:
         return self.model.dir or self.data_dir / "model"
+
+    @property
+    def model_name(self) -> str:
+        """The served model's name (``model.name``), as clients give it."""
+        if self.model.name is not None:
+            return self.model.name
+        built_in = self.model_dir.resolve() == (self.data_dir / "model").resolve()
+        return self.model.preset if built_in else self.model_dir.resolve().name
 
     @property
     def outputs_dir(self) -> Path:

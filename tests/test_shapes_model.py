@@ -82,9 +82,22 @@ def test_the_workers_publish_the_models_request_defaults(
         shapes_settings: Settings, shapes_client: redis.Redis, shapes_pool: None) -> None:
     served = read_served(shapes_client)
     assert served is not None and served.family == "qwen-image"
+    assert served.name == "shapes"  # the built-in folder is named for its preset, not "model"
     assert served.defaults == request_defaults(shapes_settings.model, shapes_settings.model_dir)
     assert (served.defaults.width, served.defaults.height, served.defaults.num_frames) == \
         (32, 32, 1)
+
+
+def test_the_model_is_named_by_the_setting_or_the_preset_or_its_folder(tmp_path: Path) -> None:
+    def named(**model: object) -> str:
+        return load_settings(data_dir=str(tmp_path), model=model).model_name
+
+    assert named() == named(dir=str(tmp_path / "model")) == "shapes"
+    assert named(preset="test") == "test"
+    assert named(dir=str(tmp_path / "wan-1.3b")) == "wan-1.3b"
+    assert named(dir=str(tmp_path / "wan-1.3b"), name="wan-small") == "wan-small"
+    with pytest.raises(ValueError, match=r"model\.name"):
+        named(name="a/b")
 
 
 def test_the_example_prompt_is_served_bit_identically_in_its_colours(

@@ -59,7 +59,7 @@ def publish_model(client: RedisClient, settings: Settings, family: Family) -> No
     admission checks every request against it, wherever it runs."""
     directory = settings.model_dir
     layout = ParallelLayout.of(settings.workers.denoise_parallel)
-    publish_served(client, ServedModel(family.name, directory.resolve().name, family.limits,
+    publish_served(client, ServedModel(family.name, settings.model_name, family.limits,
                                        request_defaults(settings.model, directory),
                                        family.geometry(directory), model_card(directory),
                                        denoise_ranks=layout.ranks,

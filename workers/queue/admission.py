@@ -217,7 +217,7 @@ def _check_sampling(asked: Asked) -> None:
 
 
 def model_ids(model: ServedModel) -> tuple[str, ...]:
-    """The names a client may give the served model: ``family/folder`` first."""
+    """The names a client may give the served model: ``family/name`` first."""
     return (f"{model.family}/{model.name}", model.name, model.family)
 
 
