@@ -91,7 +91,7 @@ class RequestStatus(BaseModel):
                               "or for image-to-image where its strength starts the trajectory")
     checkpoints: list[int] = Field(description="steps with a checkpoint to branch from")
     preemptions: int
-    model: dict[str, str] | None = Field(description="the family and model folder that serve "
+    model: dict[str, str] | None = Field(description="the family and model name that serve "
                                          "the request")
     recomputed: dict[str, int] = Field(description="kind -> times an entry of that kind was "
                                        "lost from the cache and made again")

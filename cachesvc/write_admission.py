@@ -1,8 +1,6 @@
-"""Which computed entries the cache writes. A CFG feature is keyed by the latents it was computed
-on, so under random seeds no key recurs: a tenant whose CFG lookups have lately found almost
-nothing has its CFG features written only on a key's second write (or for one key in
-``admission_sample``), and all of them again once its lookups hit. Decided per tenant from the
-per-minute counters every process flushes, so the workers of a cluster decide alike."""
+"""Which computed entries the cache writes: a CFG feature of a tenant whose CFG lookups lately
+found almost nothing (random seeds: no key recurs) is written only on its key's second write,
+or sampled. Judged from the per-minute counters every process flushes, so workers agree."""
 
 from __future__ import annotations
 
@@ -52,11 +50,14 @@ class WriteAdmission:
         self._verdicts: dict[tuple[str, KeyKind], Verdict] = {}
 
     def admit(self, keys: Sequence[StoreKey]) -> list[bool]:
-        """Whether each of ``keys`` is written. A refused key is remembered for the window, so
-        its next write is taken: a key that recurs is read back from its third use on. On a
-        Redis error every write is taken (a cache that writes too much only costs memory)."""
+        """Whether each of ``keys`` is written. A refused key is remembered for the window (a
+        Redis string of about 100 bytes per refused write), so its next write is taken: a key
+        that recurs is read back from its third use on. On a Redis error every write is taken
+        (a cache that writes too much only costs memory)."""
+        sample = self.settings.admission_sample
         judged = [i for i, key in enumerate(keys)
-                  if key.kind in JUDGED and self.verdict(key.tenant, key.kind).cold]
+                  if key.kind in JUDGED and not self.sampled(key, sample)
+                  and self.verdict(key.tenant, key.kind).cold]
         taken = [True] * len(keys)
         if not judged:
             return taken
@@ -70,7 +71,7 @@ class WriteAdmission:
             return taken
         refused: Counter[tuple[str, KeyKind]] = Counter()
         for i, new in zip(judged, first, strict=True):
-            if new and not self.sampled(keys[i], self.settings.admission_sample):
+            if new:
                 taken[i] = False
                 refused[(keys[i].tenant, keys[i].kind)] += 1
         for (tenant, kind), n in refused.items():

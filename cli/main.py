@@ -204,6 +204,7 @@ def model_init(
     """Install the trained shapes model, or build a tiny random model of a family, with
     save_pretrained."""
     from workers.families import UnknownFamilyError, family_named, family_to_build, is_built
+    from workers.main import build_model
 
     settings = _settings(model={k: v for k, v in {"dir": dir, "preset": preset,
                                                    "family": family}.items() if v})
@@ -219,7 +220,7 @@ def model_init(
     except UnknownFamilyError as exc:
         errors.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
-    chosen.build(settings.model_dir, settings.model.preset, settings.model.build_seed)
+    build_model(settings, chosen)
     console.print(f"built the {settings.model.preset} {chosen.name} model in "
                   f"{settings.model_dir}")
 
@@ -239,7 +240,7 @@ def submit(
     guidance_scale: float | None = None,
     priority: Priority = Priority.INTERACTIVE,
     model: str | None = typer.Option(None, help="refuse unless this names the served model "
-                                     "(family, folder or family/folder)"),
+                                     "(family, name or family/name)"),
     tenant: str | None = None,
     timeout: float = typer.Option(3600.0, min=0, help="seconds to wait for the output before "
                                   "giving up (the request keeps running)"),

@@ -187,9 +187,11 @@ class ServiceTree:
         """What the served model was trained on, so a first prompt asks for what it knows."""
         if not self.roles.node:
             return
+        from workers.main import model_name
+
         card = model_card(self.settings.model_dir)
         if card.native_width:
-            self.console.print(f"model           {self.settings.model_dir.name}, trained at "
+            self.console.print(f"model           {model_name(self.settings)}, trained at "
                                f"{card.native_width}x{card.native_height} (at most "
                                f"{card.max_width}x{card.max_height}) on {card.prompts}",
                                highlight=False, markup=False)

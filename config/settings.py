@@ -88,7 +88,8 @@ class CacheSettings(_Section):
     # lookups, over the last ``admission_window_s``, number at least ``admission_min_lookups``
     # and hit less than ``admission_min_hit_rate`` of the time is written only on its key's
     # second write, or for one key in ``admission_sample``. A hit rate of 0 writes them all.
-    admission_window_s: int = Field(600, ge=60, description="whole minutes are read")
+    admission_window_s: int = Field(600, ge=60, multiple_of=60,
+                                    description="read from per-minute counters")
     admission_min_lookups: int = Field(1000, ge=1)
     admission_min_hit_rate: float = Field(0.01, ge=0.0, le=1.0)
     admission_sample: int = Field(20, ge=1)
@@ -135,8 +136,8 @@ class ModelSettings(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     dir: Path | None = Field(None, description="default: <data_dir>/model")
     # What clients call the model: a request's ``model`` and ``GET /v1/models``'
-    # ``family/name``. Unset, the preset's name where the folder is the built-in one
-    # (``<data_dir>/model``, filled from the preset), else the folder's name.
+    # ``family/name``. Unset: for the built-in folder (``<data_dir>/model``) the preset it
+    # was built from, else the folder's name (``workers.main.model_name``).
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     preset: Literal["shapes", "default", "test"] = Field(
         "shapes", description="the built-in model: shapes (trained, shipped with the project), "
@@ -376,6 +377,15 @@ class Settings(BaseSettings):
     api: ApiSettings = ApiSettings()
 
     @model_validator(mode="after")
+    def _admission_window_is_kept(self) -> Settings:
+        if self.cache.admission_window_s > self.retention.stats_bucket_s:
+            raise ValueError(f"cache.admission_window_s ({self.cache.admission_window_s}) is "
+                             f"above retention.stats_bucket_s "
+                             f"({self.retention.stats_bucket_s}): write admission reads the "
+                             "per-minute counters of its window")
+        return self
+
+    @model_validator(mode="after")
     def _adapters_fit_a_worker(self) -> Settings:
         if self.api.max_loras > self.workers.lora_slots:
             raise ValueError(f"api.max_loras ({self.api.max_loras}) is above "
@@ -386,14 +396,6 @@ class Settings(BaseSettings):
     @property
     def model_dir(self) -> Path:
         return self.model.dir or self.data_dir / "model"
-
-    @property
-    def model_name(self) -> str:
-        """The served model's name (``model.name``), as clients give it."""
-        if self.model.name is not None:
-            return self.model.name
-        built_in = self.model_dir.resolve() == (self.data_dir / "model").resolve()
-        return self.model.preset if built_in else self.model_dir.resolve().name
 
     @property
     def outputs_dir(self) -> Path:

@@ -123,7 +123,7 @@ def test_a_repeated_agreement_check_reuses_the_sources_side(qwen_model_dir: Path
         lone = [view.predictions_at(latents, 2, [e], source)[0]
                 for e in (blank, embedded["a red fox"], mine)]
         a, b = ((p - lone[0]).flatten().double() for p in lone[1:])
-        assert whole == pytest.approx(float(a @ b / (a.norm() * b.norm())), abs=1e-6)
+        assert whole == pytest.approx(float(a @ b / (a.norm() * b.norm())), abs=1e-4)
         forwards.clear()
         assert agreement.holds(checkpoint, latents, 2, mine, source, source) == (whole >= 0.5)
         assert forwards == rows

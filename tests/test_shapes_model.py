@@ -32,7 +32,7 @@ from training.scenes import (
     scene_at,
 )
 from workers.families import family_named, family_of, qwen_image
-from workers.main import ensure_model
+from workers.main import build_model, ensure_model, model_name
 from workers.queue.messages import Stage
 from workers.queue.served_model import read_served, request_defaults
 
@@ -90,12 +90,16 @@ def test_the_workers_publish_the_models_request_defaults(
 
 def test_the_model_is_named_by_the_setting_or_the_preset_or_its_folder(tmp_path: Path) -> None:
     def named(**model: object) -> str:
-        return load_settings(data_dir=str(tmp_path), model=model).model_name
+        return model_name(load_settings(data_dir=str(tmp_path), model=model))
 
     assert named() == named(dir=str(tmp_path / "model")) == "shapes"
     assert named(preset="test") == "test"
     assert named(dir=str(tmp_path / "wan-1.3b")) == "wan-1.3b"
     assert named(dir=str(tmp_path / "wan-1.3b"), name="wan-small") == "wan-small"
+    # The built-in folder keeps the name of the preset it was built from.
+    build_model(load_settings(data_dir=str(tmp_path), model={"preset": "test"}),
+                family_named("qwen-image"))
+    assert named() == named(preset="shapes") == "test"
     with pytest.raises(ValueError, match=r"model\.name"):
         named(name="a/b")
 

@@ -84,6 +84,7 @@ def test_an_external_redis_is_used_instead_of_our_own(tmp_path: Path,
 @pytest.mark.parametrize("name, value, expected", [
     ("DIFFCACHE_STORE__SEGMEN_MIB", "64", "unknown setting DIFFCACHE_STORE__SEGMEN_MIB"),
     ("DIFFCACHE_STORE__SEGMENT_MIB", "1", "setting store.segment_mib"),
+    ("DIFFCACHE_CACHE__ADMISSION_WINDOW_S", "90", "setting cache.admission_window_s"),
 ])
 def test_bad_settings_are_named(tmp_path: Path, name: str, value: str, expected: str) -> None:
     environ = diffcache_environ(**{name: value})

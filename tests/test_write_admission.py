@@ -15,6 +15,7 @@ import torch
 from cachesvc.counters import read_totals
 from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints
 from cachesvc.tensor_cache import TensorCache
+from cachesvc.waiting import wait_until
 from cachesvc.write_admission import VERDICT_S, WriteAdmission
 from config.settings import CacheSettings, Settings
 from keys import KeyKind, StoreKey
@@ -61,17 +62,24 @@ def cfg_key(sampled: bool = False, sample: int = 1000) -> StoreKey:
             return key
 
 
+def counted(cache: TensorCache, clock: Clock, client: redis.Redis, lookups: int) -> None:
+    """Once the tenant's counters in Redis show ``lookups`` CFG lookups, a verdict later."""
+    cache.counters.flush()
+    wait_until(lambda: read_totals(client, TENANT).get("cfg.lookups", 0) >= lookups,
+               timeout_s=30, interval_s=0.05, what=f"{lookups} CFG lookups counted")
+    clock.next_verdict()
+
+
 def test_a_kind_never_read_back_stops_being_written_and_resumes_once_reused(
         judged: tuple[TensorCache, Clock, CacheSettings], redis_client: redis.Redis) -> None:
     cache, clock, _ = judged
-    # Random seeds: every CFG feature's key is new, looked up, missed, computed and written.
+    first = cfg_key()
+    cache.put(first, torch.ones(4))
+    assert cache.exists(first)  # no lookups yet to judge by
+    # Random seeds: every CFG feature's key is new, and its lookup misses.
     for _ in range(20):
-        key = cfg_key()
-        assert cache.get(key) is None
-        cache.put(key, torch.ones(4))
-        assert cache.exists(key)  # too few lookups yet to judge
-    cache.counters.flush()
-    clock.next_verdict()
+        assert cache.get(cfg_key()) is None
+    counted(cache, clock, redis_client, 20)
     once = cfg_key()
     assert cache.get(once) is None
     cache.put(once, torch.ones(4))
@@ -87,15 +95,15 @@ def test_a_kind_never_read_back_stops_being_written_and_resumes_once_reused(
     # The keys recur (seeded repeats): the lookups hit, and the kind is written whole again.
     for _ in range(10):
         assert cache.get(once) is not None
-    cache.counters.flush()
-    clock.next_verdict()
+    counted(cache, clock, redis_client, 31)
     verdict = cache.admission.verdict(TENANT, KeyKind.CFG)
     assert (verdict.lookups, verdict.hits, verdict.cold) == (31, 10, False)
     fresh = cfg_key()
     cache.put(fresh, torch.ones(4))
     assert cache.exists(fresh)
     cache.counters.flush()
-    assert read_totals(redis_client, TENANT)["cfg.writes_refused"] == 1
+    wait_until(lambda: read_totals(redis_client, TENANT).get("cfg.writes_refused") == 1,
+               timeout_s=30, interval_s=0.05, what="the one refused write counted")
 
 
 def test_a_batch_write_takes_what_is_admitted_and_every_worker_decides_alike(
@@ -103,8 +111,7 @@ def test_a_batch_write_takes_what_is_admitted_and_every_worker_decides_alike(
     cache, clock, settings = judged
     for _ in range(20):
         assert cache.get(cfg_key()) is None
-    cache.counters.flush()
-    clock.next_verdict()
+    counted(cache, clock, redis_client, 20)
     new, sampled = cfg_key(), cfg_key(sampled=True)
     embedding = StoreKey(TENANT, KeyKind.EMBEDDING, uuid.uuid4().hex)
     cache.batch_put([(new, torch.ones(2)), (sampled, torch.ones(2)), (embedding, torch.ones(2))],

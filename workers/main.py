@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+PRESET_FILE = "diffcache-preset"  # in a folder built from a preset: its name
+
 
 def ensure_model(settings: Settings) -> Family:
     """The family to serve; its built-in model (the trained one, or a tiny random one) is
@@ -50,8 +52,27 @@ def ensure_model(settings: Settings) -> Family:
     if not is_built(settings.model_dir):
         log.info("building the %s %s model in %s", settings.model.preset, family.name,
                  settings.model_dir)
-        family.build(settings.model_dir, settings.model.preset, settings.model.build_seed)
+        build_model(settings, family)
     return family
+
+
+def build_model(settings: Settings, family: Family) -> None:
+    """Build the preset's model in ``model.dir``, saying in it which preset it was."""
+    family.build(settings.model_dir, settings.model.preset, settings.model.build_seed)
+    (settings.model_dir / PRESET_FILE).write_text(settings.model.preset)
+
+
+def model_name(settings: Settings) -> str:
+    """What clients call the served model: ``model.name``; else, for the built-in folder
+    (``<data_dir>/model``), the preset it was built from (a later change of the setting does
+    not rebuild it); else the folder's name."""
+    if settings.model.name is not None:
+        return settings.model.name
+    folder = settings.model_dir.resolve()
+    if folder != (settings.data_dir / "model").resolve():
+        return folder.name
+    built = folder / PRESET_FILE
+    return built.read_text().strip() if built.is_file() else settings.model.preset
 
 
 def publish_model(client: RedisClient, settings: Settings, family: Family) -> None:
@@ -59,7 +80,7 @@ def publish_model(client: RedisClient, settings: Settings, family: Family) -> No
     admission checks every request against it, wherever it runs."""
     directory = settings.model_dir
     layout = ParallelLayout.of(settings.workers.denoise_parallel)
-    publish_served(client, ServedModel(family.name, settings.model_name, family.limits,
+    publish_served(client, ServedModel(family.name, model_name(settings), family.limits,
                                        request_defaults(settings.model, directory),
                                        family.geometry(directory), model_card(directory),
                                        denoise_ranks=layout.ranks,

@@ -21,7 +21,7 @@ class UnknownFamilyError(ValueError):
     """A model folder or setting names a family this build does not serve."""
 
 
-# A family's name is the first part of a model's id (``family/folder``) and a metrics label.
+# A family's name is the first part of a model's id (``family/name``) and a metrics label.
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 

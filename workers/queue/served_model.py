@@ -245,7 +245,7 @@ def model_card(directory: Path) -> ModelCard:
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     family: str
-    name: str  # what clients call it (``Settings.model_name``)
+    name: str  # what clients call it (``workers.main.model_name``)
     limits: FamilyLimits
     defaults: RequestDefaults = RequestDefaults()
     # Read by the workers from the folder itself; None where it is not known, when the

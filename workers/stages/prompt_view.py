@@ -121,7 +121,8 @@ class PromptEffect(FirstStep):
         forward."""
         blank, source, own = self.predictions_at(latents, step, [self.blank(), theirs, mine],
                                                  spec)
-        kept = EffectAt(blank, (source - blank).flatten().double())
+        # A row of the forward's output is a view of all three: the kept side owns its own.
+        kept = EffectAt(blank.clone(), (source - blank).flatten().double())
         return kept, _cosine((own - blank).flatten().double(), kept.effect)
 
     @torch.no_grad()
@@ -131,6 +132,7 @@ class PromptEffect(FirstStep):
         (own,) = self.predictions_at(latents, step, [mine], spec)
         return _cosine((own - theirs.blank).flatten().double(), theirs.effect)
 
+    @torch.no_grad()
     def predictions_at(self, latents: torch.Tensor, step: int,
                        embeddings: list[torch.Tensor], spec: GenerationSpec
                        ) -> list[torch.Tensor]:
