@@ -395,7 +395,12 @@ class Settings(BaseSettings):
 
     @property
     def model_dir(self) -> Path:
-        return self.model.dir or self.data_dir / "model"
+        return self.model.dir or self.built_in_model_dir
+
+    @property
+    def built_in_model_dir(self) -> Path:
+        """Where ``model.dir`` points by default: the folder built from ``model.preset``."""
+        return self.data_dir / "model"
 
     @property
     def outputs_dir(self) -> Path:

@@ -69,7 +69,7 @@ def model_name(settings: Settings) -> str:
     if settings.model.name is not None:
         return settings.model.name
     folder = settings.model_dir.resolve()
-    if folder != (settings.data_dir / "model").resolve():
+    if folder != settings.built_in_model_dir.resolve():
         return folder.name
     built = folder / PRESET_FILE
     return built.read_text().strip() if built.is_file() else settings.model.preset
