@@ -18,6 +18,7 @@ from fastapi.responses import HTMLResponse
 from api.deps import Svc, Viewer
 from api.service import Service, status_of
 from cachesvc.counters import read_buckets, read_totals, tenants
+from cachesvc.value_index import held
 from keys import KeyKind, Priority
 from supervision.supervisor import read_published
 from workers.queue.cluster_view import EngineView
@@ -60,16 +61,21 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
               for m in minutes]
     queues = [{"stage": q.stage.value, "priority": q.priority.value, "waiting": q.waiting,
                "in_flight": q.in_flight} for q in view.queues()]
-    # Lifetime reuse per tenant and kind: lookups, hits, the compute they saved, and what the
-    # cache wrote and refused to write (write admission).
-    reuse = []
+    # Lifetime reuse per tenant and kind: lookups, hits, the compute they saved, what the
+    # cache wrote and refused to write (write admission), what it holds now and what left it
+    # (the value sweeper's evictions, and entries it found the store had dropped).
+    reuse, shares = [], []
+    capacity = svc.settings.cache_capacity_bytes
     for tenant in known:
         lifetime = read_totals(svc.redis, tenant)
-        reuse += [{"tenant": tenant, "kind": kind.value,
+        now_held = held(svc.redis, tenant)
+        reuse += [{"tenant": tenant, "kind": kind.value, "bytes_held": now_held.get(kind, 0),
                    **{e: lifetime.get(f"{kind.value}.{e}", 0.0)
-                      for e in ("lookups", "hits", "compute_seconds_saved",
-                                "bytes_written", "writes_refused")}}
+                      for e in ("lookups", "hits", "compute_seconds_saved", "bytes_written",
+                                "writes_refused", "evictions", "found_gone")}}
                   for kind in KINDS]
+        shares.append({"tenant": tenant, "bytes_held": sum(now_held.values()),
+                       "share": sum(now_held.values()) / capacity})
     latency: dict[str, dict[str, dict[str, float | None]]] = {}
     for stage in Stage:
         for priority in Priority:
@@ -88,7 +94,8 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
             "rescued": [{"stage": stage.value, "reason": reason.value, "count": count}
                         for (stage, reason), count in sorted(view.rescued().items())],
             "model": asdict(model) if (model := view.served()) else None,
-            "reuse": reuse, "recent": recent[:RECENT]}
+            "reuse": reuse, "shares": shares, "max_share": svc.settings.cache.max_share,
+            "recent": recent[:RECENT]}
 
 
 def engine_view(engine: EngineView) -> dict[str, Any]:

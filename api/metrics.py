@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from cachesvc.counters import Event, read_totals, tenants
+from cachesvc.value_index import held
 from config.settings import ApiSettings
 from keys import Priority
 from supervision.supervisor import ChildStatus, read_published
@@ -55,6 +56,9 @@ class Metric:
 CACHE = {event: Metric(f"diffcache_cache_{event.value}", CounterMetricFamily,
                        f"Cache {event.value.replace('_', ' ')}, all processes",
                        ("kind", "tenant")) for event in Event}
+HELD = Metric("diffcache_cache_bytes_held", GaugeMetricFamily,
+              "Bytes the cache's recorded entries hold (the value sweeper keeps them below "
+              "cache.evict_above of the capacity)", ("kind", "tenant"))
 STEP_CACHE = Metric("diffcache_step_cache_forwards", CounterMetricFamily,
                     "Denoiser forwards run under a step-cache policy: computed in full, or "
                     "skipped (a rule stood in for part of them)", ("tenant", "policy", "outcome"))
@@ -99,7 +103,7 @@ OCCUPANCY = Metric("diffcache_engine_occupancy", GaugeMetricFamily,
                    "workers.ride_along while step caches skip rows)",
                    ("worker",))
 # Every metric ``/metrics`` shows, in the order it shows them.
-METRICS = (*CACHE.values(), STEP_CACHE, STEPS_REUSED, DEPTH, IN_FLIGHT, OLDEST, STAGE_SECONDS,
+METRICS = (*CACHE.values(), HELD, STEP_CACHE, STEPS_REUSED, DEPTH, IN_FLIGHT, OLDEST, STAGE_SECONDS,
            RESCUED, RESTARTS, UP, LOOPING, LORA_LOADS, LORA_SWAPS, LORA_SECONDS, LORA_HELD,
            ROWS, JOIN_WAIT, OCCUPANCY, SERVED)
 
@@ -114,7 +118,10 @@ class ClusterCollector(Collector):
                                   HistogramMetricFamily]:
         families = {event: CACHE[event].family() for event in Event}
         step_cache, steps_reused = STEP_CACHE.family(), STEPS_REUSED.family()
+        bytes_held = HELD.family()
         for tenant in tenants(self._redis):
+            for held_kind, nbytes in held(self._redis, tenant).items():
+                bytes_held.add_metric([held_kind.value, self._label(tenant)], nbytes)
             totals = read_totals(self._redis, tenant)
             for field, value in totals.items():
                 kind, _, event = field.partition(".")
@@ -124,6 +131,7 @@ class ClusterCollector(Collector):
                 step_cache.add_metric([self._label(tenant), policy, outcome], forwards)
             steps_reused.add_metric([self._label(tenant)], self._view.steps_reused(totals))
         yield from families.values()
+        yield bytes_held
         yield step_cache
         yield steps_reused
 

@@ -35,12 +35,12 @@ WARM_UP_ROUNDS = 4
 
 
 def one_round(cache: TensorCache, slot: TensorSlot, payload: torch.Tensor, config: object,
-              i: int) -> dict[tuple[str, str], float]:
+              i: int, kind: KeyKind) -> dict[tuple[str, str], float]:
     """Seconds each call took, by (op, variant), on fresh keys; each put after ``payload`` is
     written into the slot."""
     buf, size, store = slot.buffer, slot.spec.entry_bytes, cache.store
     names = {v: f"v1:bench:scratch:{v}{i}" for v in ("raw", "raw_again", "session")}
-    key = StoreKey("bench", KeyKind.SCRATCH, f"c{i}")
+    key = StoreKey("bench", kind, f"c{i}")
 
     def session_put() -> None:
         store.begin_put(names["session"], size, config)
@@ -80,6 +80,9 @@ def main() -> None:
     parser = bench_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=2 * len(ORDERS),
                         help=f"timed runs per size; a multiple of {len(ORDERS)} balances orders")
+    parser.add_argument("--kind", type=KeyKind, default=KeyKind.SCRATCH,
+                        help="the cache's entries' kind: one the value index records "
+                        "(e.g. output) times its record too")
     args = parser.parse_args()
 
     rows: list[list[object]] = []
@@ -98,7 +101,8 @@ def main() -> None:
                 slot.tensor.copy_(payload)
                 cache.put_from(StoreKey("bench", KeyKind.SCRATCH, "seed"), slot)
                 for i in range(args.repeats + WARM_UP_ROUNDS):
-                    for name, dt in one_round(cache, slot, payload, config, i).items():
+                    for name, dt in one_round(cache, slot, payload, config, i,
+                                                    args.kind).items():
                         if i >= WARM_UP_ROUNDS:
                             times[name].append(dt)
             med = {k: median(v) for k, v in times.items()}

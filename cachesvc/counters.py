@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -41,6 +41,10 @@ class Event(StrEnum):
     STORE_UNAVAILABLE = "store_unavailable"
     SINGLE_FLIGHT_WAITS = "single_flight_waits"
     WRITES_REFUSED = "writes_refused"  # by write admission: a kind that is not read back
+    EVICTIONS = "evictions"  # removed by the value sweeper (``cachesvc.value_sweep``)
+    # Recorded entries the sweeper found gone from the store: Mooncake's own eviction, or a
+    # storage node lost.
+    FOUND_GONE = "found_gone"
 
 
 _PROM = {
@@ -62,6 +66,7 @@ class CacheCounters:
         self._pending: dict[tuple[str, int], dict[str, float]] = defaultdict(
             lambda: defaultdict(float))
         self._children: dict[tuple[str, KeyKind, Event], _Child] = {}
+        self._also_flushed: list[Callable[[], None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if redis_client is not None:
@@ -90,6 +95,11 @@ class CacheCounters:
             for name, amount in fields.items():
                 pending[name] += amount
 
+    def also_flush(self, flush: Callable[[], None]) -> None:
+        """Run ``flush`` first at every flush: the thread that takes counts to Redis takes
+        other queued records there too (``cachesvc.value_index``)."""
+        self._also_flushed.append(flush)
+
     def _prometheus(self, tenant: str, kind: KeyKind, event: Event) -> _Child:
         child = self._children.get((tenant, kind, event))
         if child is None:
@@ -101,6 +111,8 @@ class CacheCounters:
         """Write pending increments to Redis; on failure they stay pending for the next try."""
         if self._redis is None:
             return
+        for also in self._also_flushed:
+            also()
         with self._lock:
             pending, self._pending = self._pending, defaultdict(lambda: defaultdict(float))
         if not pending:

@@ -19,6 +19,7 @@ from cachesvc.entry_io import seal, send
 from cachesvc.policy import KindPolicy
 from cachesvc.tensor_view import typed_view
 from cachesvc.ttl_index import TtlIndex, now_ms
+from cachesvc.value_index import ValueIndex
 from keys import KeyKind, StoreKey
 
 # Threads for the TTL index writes (a Redis round trip each) that run while entries are sent.
@@ -27,16 +28,18 @@ IO_THREADS = 2
 
 class EntryWriter:
     """Sealed writes to ``store`` from ``pool``'s registered buffers, with each kind's expiry
-    and replication from ``policies``; ``counters`` count the payload bytes written."""
+    and replication from ``policies``; ``counters`` count the payload bytes written, and
+    ``values`` record each entry's size and cost."""
 
     def __init__(self, store: CountedStore, pool: BufferPool,
                  policies: Mapping[KeyKind, KindPolicy], ttl_index: TtlIndex,
-                 counters: QueuedCounters) -> None:
+                 counters: QueuedCounters, values: ValueIndex) -> None:
         self._store = store
         self._pool = pool
         self._policies = policies
         self._ttl_index = ttl_index
         self._counters = counters
+        self._values = values
         self._configs = {pin: store.store.put_config(soft_pin=pin) for pin in (False, True)}
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="cache-io")
 
@@ -54,7 +57,7 @@ class EntryWriter:
         expires_at_ms = self._expiry(key)
         indexed = self._index_ttl([key], expires_at_ms)
         self._store.write(key, lambda: self._send(key, slot, int(cost_s * 1e6), expires_at_ms))
-        self._after_write([(key, slot.spec.payload_bytes)], indexed)
+        self._after_write([(key, slot.spec, cost_s)], indexed)
 
     def put(self, key: StoreKey, tensor: torch.Tensor, cost_s: float) -> None:
         """Store a copy of ``tensor``."""
@@ -93,8 +96,7 @@ class EntryWriter:
             self._store.write(keys[0], lambda: raw.batch_put_from(
                 [str(k) for k in keys], [buf.ptr + o for o in offsets[:-1]],
                 [s.entry_bytes for s in specs], config))
-        self._after_write([(k, s.payload_bytes) for k, s in zip(keys, specs, strict=True)],
-                          indexed)
+        self._after_write(list(zip(keys, specs, costs, strict=True)), indexed)
 
     def _config(self, key: StoreKey) -> object:
         return self._configs[self._policies[key.kind].soft_pin]
@@ -110,14 +112,16 @@ class EntryWriter:
             return None
         return self._io.submit(self._ttl_index.add, keys, expires_at_ms)
 
-    def _after_write(self, written: Sequence[tuple[StoreKey, int]],
+    def _after_write(self, written: Sequence[tuple[StoreKey, TensorSpec, float]],
                      indexed: Future[None] | None) -> None:
-        """Wait for the TTL index write; count each entry's payload bytes under its tenant."""
+        """Wait for the TTL index write; count each entry's payload bytes under its tenant and
+        queue its value record."""
         if indexed is not None:
             indexed.result()
-        for key, payload_bytes in written:
+        for key, spec, cost_s in written:
             self._counters.queue(key.tenant, key.kind,
-                                 {Event.BYTES_WRITTEN: float(payload_bytes)})
+                                 {Event.BYTES_WRITTEN: float(spec.payload_bytes)})
+            self._values.written(key, spec.entry_bytes, cost_s)
 
     def _send(self, key: StoreKey, slot: TensorSlot, cost_us: int, expires_at_ms: int) -> None:
         """Seal and send the entry laid out in ``slot``."""

@@ -19,6 +19,7 @@ from cachesvc.errors import (
     StoreOperationError,
     StoreUnavailableError,
 )
+from cachesvc.store_backend import Eviction
 from config.settings import StoreSettings
 
 OK = 0
@@ -190,6 +191,15 @@ class MooncakeStore:
             return False
         check_code(code, op="remove", key=key)
         return True
+
+    def evict(self, key: str) -> Eviction:
+        code = self._client.remove(key, False)
+        if code == OBJECT_NOT_FOUND:
+            return Eviction.ABSENT
+        if code == OBJECT_HAS_LEASE:
+            return Eviction.LEASED
+        check_code(code, op="evict", key=key)
+        return Eviction.REMOVED
 
     def remove_all(self) -> None:
         """Remove every entry: for tests and for operators resetting a stack."""

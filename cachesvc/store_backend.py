@@ -4,7 +4,16 @@ cache above (reader, writer, byte entries, TTL sweep) is typed against this alon
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Protocol
+
+
+class Eviction(Enum):
+    """What a removal that respects readers did."""
+
+    REMOVED = "removed"
+    ABSENT = "absent"  # already gone: evicted by the store, expired, or never written
+    LEASED = "leased"  # a reader holds the entry's lease: kept
 
 
 class StoreBackend(Protocol):
@@ -35,6 +44,10 @@ class StoreBackend(Protocol):
     def exists(self, key: str) -> bool: ...
 
     def remove(self, key: str) -> bool: ...
+
+    def evict(self, key: str) -> Eviction:
+        """Remove ``key`` unless a read holds its lease (``store.lease_ttl_ms``)."""
+        ...
 
     def remove_all(self) -> None: ...
 

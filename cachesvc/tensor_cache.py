@@ -32,6 +32,7 @@ from cachesvc.redis_client import RedisClient
 from cachesvc.single_flight import Outcome, SingleFlight
 from cachesvc.store_backend import StoreBackend
 from cachesvc.ttl_index import TtlIndex
+from cachesvc.value_index import VALUED, ValueIndex, forget
 from cachesvc.write_admission import WriteAdmission
 from config.settings import CacheSettings, StoreSettings
 from keys import StoreKey
@@ -57,6 +58,9 @@ class TensorCache:
                                        bucket_retention_s=stats_bucket_s)
         self.ttl_index = TtlIndex(client)
         self._policies = policies(settings)
+        self._redis = client
+        self.values = ValueIndex(client)
+        self.counters.also_flush(self.values.flush)
         self._pool = BufferPool(store, store_settings.buffer_slab_mib << 20,
                                 store_settings.buffer_slabs)
         self._flight = SingleFlight(client, lease_s=settings.single_flight_lease_s,
@@ -64,7 +68,7 @@ class TensorCache:
         self._store = CountedStore(store, self.counters)
         self._reader = EntryReader(self._store, self._pool, self.counters)
         self._writer = EntryWriter(self._store, self._pool, self._policies, self.ttl_index,
-                                   self.counters)
+                                   self.counters, self.values)
         self.admission = WriteAdmission(client, settings, self.counters)
 
     def close(self) -> None:
@@ -208,7 +212,10 @@ class TensorCache:
         return self._store.batch_exists(keys)
 
     def remove(self, key: StoreKey) -> bool:
-        return self._store.remove(key)
+        removed = self._store.remove(key)
+        if key.kind in VALUED:
+            forget(self._redis, [key])
+        return removed
 
     def get_or_compute(self, key: StoreKey, compute: Callable[[], torch.Tensor],
                        ledger: Ledger | None = None) -> Cached:
@@ -249,6 +256,7 @@ class TensorCache:
         if entry is None:
             events = {Event.LOOKUPS: 1.0, Event.MISSES: 1.0}
         else:
+            self.values.read(key)
             events = {
                 Event.LOOKUPS: 1.0,
                 Event.HITS: 1.0,

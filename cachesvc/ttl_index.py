@@ -11,6 +11,7 @@ import time
 
 from cachesvc.redis_client import RedisClient
 from cachesvc.store_backend import StoreBackend
+from cachesvc.value_index import forget
 from keys import StoreKey
 from keys.names import tenants_registry, ttl_index
 
@@ -48,6 +49,7 @@ class TtlIndex:
                         removed += 1
                 if expired:
                     self._redis.zrem(index, *expired)
+                    forget(self._redis, [StoreKey.parse(k.decode()) for k in expired])
                 if len(expired) < page:
                     break
         if removed:

@@ -23,11 +23,13 @@ import httpx
 import redis
 from rich.console import Console
 
+from cachesvc.counters import CacheCounters
 from cachesvc.errors import CacheError
 from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints
 from cachesvc.output_files import OutputFiles
 from cachesvc.redis_client import RedisClient, open_redis
 from cachesvc.ttl_index import TtlIndex
+from cachesvc.value_sweep import ValueSweeper
 from cli.console import LogEcho
 from config.settings import Settings, child_environ
 from supervision.instance_lock import InstanceLock
@@ -252,28 +254,38 @@ class ServiceTree:
 
 
 def sweep_until(stop: threading.Event, settings: Settings) -> None:
-    """Remove expired cache entries, output files and old Redis state until ``stop`` is set.
-    Every pass survives the store or Redis restarting under it."""
+    """Keep the cache within its memory by value (every ``cache.evict_interval_s``) and remove
+    expired entries, output files and old Redis state (every ``cache.sweep_interval_s``) until
+    ``stop`` is set. Every pass survives the store or Redis restarting under it."""
     from workers.queue.retention import Retention, RetentionError
     from workers.queue.watchdog import Watchdog
 
     client = open_redis(settings)
     index = TtlIndex(client)
+    counters = CacheCounters(client, settings.cache.stats_flush_s)
     retention = Retention(client, settings.retention)
     watchdog = Watchdog(client, settings.workers.orphan_bound_s,
                         settings.workers.live_within_s)
     files = OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
     kept = OutputFiles(settings.checkpoints_dir, settings.cache.checkpoint_ttl_s)
     store: MooncakeStore | None = None
-    while not stop.wait(settings.cache.sweep_interval_s):
+    next_full = time.monotonic() + settings.cache.sweep_interval_s
+    while not stop.wait(settings.cache.evict_interval_s):
+        full = time.monotonic() >= next_full
         try:
             store = store or MooncakeStore.connect(StoreEndpoints.configured(settings.store),
                                                    settings.store)
-            index.sweep(store)
+            ValueSweeper(client, store, counters, settings.cache_capacity_bytes,
+                         settings.cache).sweep()
+            if full:
+                index.sweep(store)
         except CacheError as exc:
             log.warning("cache sweep failed (%s); retrying next interval", exc)
         except redis.RedisError as exc:
             log.warning("cache sweep could not read Redis (%s); retrying", exc)
+        if not full:
+            continue
+        next_full = time.monotonic() + settings.cache.sweep_interval_s
         try:
             while retention.sweep().backlog and not stop.is_set():
                 pass  # more finished records than one pass takes: keep up with the load
@@ -285,6 +297,7 @@ def sweep_until(stop: threading.Event, settings: Settings) -> None:
             log.warning("the watchdog could not read Redis (%s); retrying next interval", exc)
         files.sweep()
         kept.sweep()
+    counters.close()
     if store is not None:
         store.close()
 

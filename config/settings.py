@@ -84,6 +84,8 @@ class CacheSettings(_Section):
     durable_outputs: bool = True
     stats_flush_s: float = Field(1.0, gt=0)
     sweep_interval_s: float = Field(30.0, gt=0)
+    evict_interval_s: float = Field(2.0, gt=0, description="how often the value sweeper "
+                                    "compares the bytes held with cache.evict_above")
     # Write admission (``cachesvc.write_admission``): a CFG feature of a tenant whose CFG
     # lookups, over the last ``admission_window_s``, number at least ``admission_min_lookups``
     # and hit less than ``admission_min_hit_rate`` of the time is written only on its key's
@@ -93,6 +95,23 @@ class CacheSettings(_Section):
     admission_min_lookups: int = Field(1000, ge=1)
     admission_min_hit_rate: float = Field(0.01, ge=0.0, le=1.0)
     admission_sample: int = Field(20, ge=1)
+    # Eviction by value (``cachesvc.value_sweep``): once the entries the cache indexes hold
+    # more than ``evict_above`` of ``capacity_mib``, each sweep removes those worth least per
+    # byte until they hold ``evict_to``, starting with the tenants over ``max_share``. The
+    # watermark sits below Mooncake's own (0.95), so that its LRU rarely acts.
+    capacity_mib: int | None = Field(None, ge=1, description="the store's memory over every "
+                                     "storage node; unset: store.segment_mib (one node)")
+    evict_above: float = Field(0.85, gt=0.0, le=1.0)
+    evict_to: float = Field(0.75, gt=0.0, le=1.0)
+    max_share: float = Field(0.5, gt=0.0, le=1.0, description="of capacity_mib, a tenant's "
+                             "bytes beyond which its own entries are evicted first")
+
+    @model_validator(mode="after")
+    def _evict_to_below_above(self) -> CacheSettings:
+        if self.evict_to > self.evict_above:
+            raise ValueError(f"cache.evict_to ({self.evict_to}) must not exceed "
+                             f"cache.evict_above ({self.evict_above})")
+        return self
 
 
 class RetentionSettings(_Section):
@@ -396,6 +415,11 @@ class Settings(BaseSettings):
     @property
     def model_dir(self) -> Path:
         return self.model.dir or self.built_in_model_dir
+
+    @property
+    def cache_capacity_bytes(self) -> int:
+        """The store memory the value sweeper keeps the cache's entries within."""
+        return (self.cache.capacity_mib or self.store.segment_mib) << 20
 
     @property
     def built_in_model_dir(self) -> Path:

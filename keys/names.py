@@ -117,6 +117,21 @@ def ttl_index(tenant: str) -> str:
     return f"{KEY_VERSION}:{check_tenant(tenant)}:ttl-index"
 
 
+def value_keys(tenant: str) -> tuple[str, str, str]:
+    """What ``tenant``'s cached entries are worth (``cachesvc.value_index``), in one slot (a
+    script updates the three together): a hash of each entry's record (store key -> "kind
+    size cost reads"), a sorted set of store keys by eviction priority, and a hash of the
+    bytes held per kind."""
+    prefix = f"{KEY_VERSION}:{check_tenant(tenant)}:value:{{{tenant}}}"
+    return f"{prefix}:entries", f"{prefix}:priority", f"{prefix}:held"
+
+
+def value_clock() -> str:
+    """String: the eviction clock, the priority of the last entry the sweeper removed; a new
+    or read entry's priority starts from it (GreedyDual's inflation)."""
+    return f"{KEY_VERSION}:{SYSTEM_NAMESPACE}:value-clock"
+
+
 def write_seen(key: StoreKey) -> str:
     """String: a write of ``key`` that the cache refused (``cachesvc.write_admission``), kept
     for the admission window so that the key's next write is taken."""

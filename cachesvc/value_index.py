@@ -1,0 +1,186 @@
+"""What each cached entry is worth: its size, the compute it saves and its reads, kept per
+tenant in Redis, with its GreedyDual-Size-Frequency priority (clock + reads * cost / size),
+which the sweeper (``cachesvc.value_sweep``) evicts by, lowest first.
+
+Writes and reads are queued on the hot path and recorded by the counters' flush thread (one
+script call per tenant per flush), so a put or a hit never waits on Redis for its value.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+
+from cachesvc.redis_client import RedisClient
+from keys import KeyKind, StoreKey
+from keys.names import value_clock, value_keys
+
+log = logging.getLogger(__name__)
+
+# The kinds the sweeper may evict: computed entries that lineage recomputes when lost. Not
+# latents in flight between stages, uploads (adapters, images: nothing could make them again)
+# or test entries.
+VALUED = frozenset({KeyKind.EMBEDDING, KeyKind.CFG, KeyKind.CHECKPOINT, KeyKind.OUTPUT,
+                    KeyKind.IMAGE_LATENT, KeyKind.IMAGE_EMBEDDING, KeyKind.IMAGE_MASK})
+# Priorities are compute seconds per MiB held, times the reads an entry has had plus one.
+PER_BYTES = 1 << 20
+# Writes kept for the next flush while Redis is unreachable; beyond it the oldest are dropped
+# (an unindexed entry is left to Mooncake's own LRU).
+MAX_PENDING = 100_000
+
+_RECORD = "local kind, size, cost, reads = string.match(rec, '(%S+) (%S+) (%S+) (%S+)')\n"
+
+# KEYS: entries, priority, held. ARGV: clock, then key, kind, size, cost per entry. A key
+# already recorded keeps its record (content-keyed writes: the first one wins).
+_WRITE = f"""
+local clock = tonumber(ARGV[1])
+local added = 0
+for i = 2, #ARGV, 4 do
+  local size = tonumber(ARGV[i + 2])
+  local rec = ARGV[i + 1] .. ' ' .. ARGV[i + 2] .. ' ' .. ARGV[i + 3] .. ' 0'
+  if redis.call('HSETNX', KEYS[1], ARGV[i], rec) == 1 then
+    local cost = tonumber(ARGV[i + 3])
+    redis.call('ZADD', KEYS[2], clock + cost * {PER_BYTES} / math.max(size, 1), ARGV[i])
+    redis.call('HINCRBY', KEYS[3], ARGV[i + 1], size)
+    added = added + 1
+  end
+end
+return added
+"""
+
+# ARGV: clock, then key, reads per entry read. An entry not recorded is left alone.
+_READ = f"""
+local clock = tonumber(ARGV[1])
+for i = 2, #ARGV, 2 do
+  local rec = redis.call('HGET', KEYS[1], ARGV[i])
+  if rec then
+    {_RECORD}
+    reads = tonumber(reads) + tonumber(ARGV[i + 1])
+    redis.call('HSET', KEYS[1], ARGV[i], kind .. ' ' .. size .. ' ' .. cost .. ' ' .. reads)
+    local per_byte = tonumber(cost) * {PER_BYTES} / math.max(tonumber(size), 1)
+    redis.call('ZADD', KEYS[2], clock + (1 + reads) * per_byte, ARGV[i])
+  end
+end
+return 0
+"""
+
+# ARGV: keys. Returns each one's recorded size (0 where none was recorded).
+_FORGET = f"""
+local freed = {{}}
+for i = 1, #ARGV do
+  local rec = redis.call('HGET', KEYS[1], ARGV[i])
+  freed[i] = 0
+  if rec then
+    {_RECORD}
+    redis.call('HDEL', KEYS[1], ARGV[i])
+    redis.call('HINCRBY', KEYS[3], kind, -tonumber(size))
+    freed[i] = tonumber(size)
+  end
+  redis.call('ZREM', KEYS[2], ARGV[i])
+end
+return freed
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class EntryValue:
+    """One entry's record: what it holds, what it cost, how often it was read."""
+
+    kind: KeyKind
+    size: int
+    cost_s: float
+    reads: int
+
+    @classmethod
+    def parse(cls, raw: bytes) -> EntryValue:
+        kind, size, cost, reads = raw.decode().split()
+        return cls(KeyKind(kind), int(size), float(cost), int(reads))
+
+
+class ValueIndex:
+    """The value records of every entry this process writes and reads."""
+
+    def __init__(self, client: RedisClient) -> None:
+        self._redis = client
+        self._write_script = client.register_script(_WRITE)
+        self._read_script = client.register_script(_READ)
+        self._lock = threading.Lock()
+        self._written: deque[tuple[StoreKey, int, float]] = deque(maxlen=MAX_PENDING)
+        self._reads: Counter[StoreKey] = Counter()
+
+    def written(self, key: StoreKey, size: int, cost_s: float) -> None:
+        """An entry of ``size`` bytes that took ``cost_s`` to compute was written."""
+        if key.kind in VALUED:
+            self._written.append((key, size, cost_s))
+
+    def read(self, key: StoreKey) -> None:
+        """An entry was read by a lookup that hit (a reuse; not a hand-off between stages)."""
+        if key.kind in VALUED:
+            with self._lock:
+                self._reads[key] += 1
+
+    def flush(self) -> None:
+        """Record the queued writes, then the queued reads. Writes stay queued while Redis is
+        unreachable; reads are dropped then (an entry's priority only lags)."""
+        written: list[tuple[StoreKey, int, float]] = []
+        while self._written:
+            written.append(self._written.popleft())
+        with self._lock:
+            reads, self._reads = self._reads, Counter()
+        if not written and not reads:
+            return
+        try:
+            clock = read_clock(self._redis)
+            by_tenant: dict[str, list[str | int | float]] = defaultdict(list)
+            for key, size, cost_s in written:
+                by_tenant[key.tenant] += [str(key), key.kind.value, size, f"{cost_s:.6g}"]
+            for tenant, args in by_tenant.items():
+                self._write_script(keys=value_keys(tenant), args=[clock, *args])
+            read_args: dict[str, list[str | int | float]] = defaultdict(list)
+            for key, n in reads.items():
+                read_args[key.tenant] += [str(key), n]
+            for tenant, args in read_args.items():
+                self._read_script(keys=value_keys(tenant), args=[clock, *args])
+        except redis.RedisError:
+            log.warning("could not record cache entry values; keeping the writes for the next "
+                        "try", exc_info=True)
+            self._written.extendleft(reversed(written))
+
+
+def read_clock(client: RedisClient) -> float:
+    raw = client.get(value_clock())
+    return float(raw) if raw else 0.0
+
+
+def forget(client: RedisClient, keys: Sequence[StoreKey]) -> list[int]:
+    """Drop the records of ``keys`` (removed or gone from the store); each one's recorded
+    size, 0 where it had none."""
+    by_tenant: dict[str, list[int]] = defaultdict(list)
+    for i, key in enumerate(keys):
+        by_tenant[key.tenant].append(i)
+    freed = [0] * len(keys)
+    script = client.register_script(_FORGET)
+    for tenant, positions in by_tenant.items():
+        sizes = script(keys=value_keys(tenant), args=[str(keys[i]) for i in positions])
+        for i, size in zip(positions, sizes, strict=True):
+            freed[i] = int(size)
+    return freed
+
+
+def held(client: RedisClient, tenant: str) -> dict[KeyKind, int]:
+    """The bytes ``tenant``'s recorded entries hold, per kind."""
+    raw: dict[bytes, bytes] = client.hgetall(value_keys(tenant)[2])  # type: ignore[assignment]
+    return {KeyKind(k.decode()): int(v) for k, v in raw.items() if int(v) > 0}
+
+
+def records(client: RedisClient, tenant: str, keys: Sequence[StoreKey]
+            ) -> list[EntryValue | None]:
+    """The records of ``keys`` of ``tenant``, None where one has none."""
+    raw: list[bytes | None] = client.hmget(  # type: ignore[assignment]
+        value_keys(tenant)[0], [str(k) for k in keys])
+    return [None if r is None else EntryValue.parse(r) for r in raw]

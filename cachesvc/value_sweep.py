@@ -1,0 +1,116 @@
+"""Eviction by value per byte: once the recorded entries (``cachesvc.value_index``) hold more
+than ``cache.evict_above`` of the store's capacity, remove those of lowest priority until they
+hold ``cache.evict_to``, taking first from tenants beyond ``cache.max_share``.
+
+An entry a reader holds the lease of is kept (Mooncake refuses the removal), and an entry
+found already gone is forgotten and counted: that is Mooncake's own eviction at work.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from cachesvc.counters import CacheCounters, Event, tenants
+from cachesvc.redis_client import RedisClient
+from cachesvc.store_backend import Eviction, StoreBackend
+from cachesvc.value_index import forget, held, read_clock
+from config.settings import CacheSettings
+from keys import StoreKey
+from keys.names import value_clock, value_keys
+
+log = logging.getLogger(__name__)
+
+# Candidates read from a tenant's priority set at a time.
+PAGE = 256
+
+
+@dataclass(frozen=True, slots=True)
+class SweepReport:
+    """One sweep: the bytes recorded before and after, and what became of the candidates."""
+
+    held_before: int
+    held_after: int
+    evicted: int = 0  # removed by the policy
+    found_gone: int = 0  # already gone from the store: Mooncake evicted them, or a node died
+    leased: int = 0  # kept: a read held them
+
+
+@dataclass(slots=True)
+class _Tenant:
+    """A tenant's bytes and its next candidates, lowest priority first."""
+
+    held: int
+    candidates: list[tuple[str, float]] = field(default_factory=list)
+    skipped: int = 0  # leased entries still at the head of its priority set
+    exhausted: bool = False
+
+
+class ValueSweeper:
+    """Keeps the cache's recorded entries within their share of ``capacity_bytes``."""
+
+    def __init__(self, client: RedisClient, store: StoreBackend, counters: CacheCounters,
+                 capacity_bytes: int, settings: CacheSettings) -> None:
+        self._redis = client
+        self._store = store
+        self._counters = counters
+        self.capacity = capacity_bytes
+        self.settings = settings
+
+    def sweep(self) -> SweepReport:
+        """One pass over every tenant's recorded entries."""
+        state = {t: _Tenant(sum(held(self._redis, t).values())) for t in tenants(self._redis)}
+        before = sum(s.held for s in state.values())
+        if before <= self.capacity * self.settings.evict_above:
+            return SweepReport(before, before)
+        target = self.capacity * self.settings.evict_to
+        clock = read_clock(self._redis)
+        counts = {outcome: 0 for outcome in Eviction}
+        total = before
+        while total > target:
+            tenant = self._victim(state)
+            if tenant is None:
+                break  # nothing left that may be removed
+            key, priority = state[tenant].candidates.pop(0)
+            outcome = self._store.evict(key)
+            counts[outcome] += 1
+            if outcome is Eviction.LEASED:
+                state[tenant].skipped += 1
+                continue
+            store_key = StoreKey.parse(key)
+            size = forget(self._redis, [store_key])[0]
+            state[tenant].held -= size
+            total -= size
+            if outcome is Eviction.REMOVED:
+                clock = max(clock, priority)
+                self._counters.add(tenant, store_key.kind, Event.EVICTIONS)
+            else:
+                self._counters.add(tenant, store_key.kind, Event.FOUND_GONE)
+        self._redis.set(value_clock(), repr(clock))
+        log.info("value sweep: %d bytes recorded, %d now; %d evicted, %d found gone, %d leased",
+                 before, total, counts[Eviction.REMOVED], counts[Eviction.ABSENT],
+                 counts[Eviction.LEASED])
+        return SweepReport(before, total, counts[Eviction.REMOVED], counts[Eviction.ABSENT],
+                           counts[Eviction.LEASED])
+
+    def _victim(self, state: dict[str, _Tenant]) -> str | None:
+        """The tenant to take the next entry from: the one furthest beyond its share, else
+        the one whose lowest priority is lowest (GreedyDual's global order)."""
+        share = self.capacity * self.settings.max_share
+        live = [t for t, s in state.items() if self._refill(t, s)]
+        over = [t for t in live if state[t].held > share]
+        if over:
+            return max(over, key=lambda t: state[t].held)
+        if not live:
+            return None
+        return min(live, key=lambda t: state[t].candidates[0][1])
+
+    def _refill(self, tenant: str, s: _Tenant) -> bool:
+        """Whether ``tenant`` has a candidate, reading its next page if it ran out."""
+        if not s.candidates and not s.exhausted:
+            start = s.skipped  # the leased ones stay at the head of the set
+            page: list[tuple[bytes, float]] = self._redis.zrange(  # type: ignore[assignment]
+                value_keys(tenant)[1], start, start + PAGE - 1, withscores=True)
+            s.candidates = [(k.decode(), score) for k, score in page]
+            s.exhausted = not page
+        return bool(s.candidates)

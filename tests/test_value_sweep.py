@@ -1,0 +1,133 @@
+"""Eviction by value against the real store and Redis: the entries worth least per byte go
+first, a read's lease keeps its entry, a tenant beyond its share loses its own entries first,
+and an entry the store dropped by itself is forgotten and counted."""
+
+from __future__ import annotations
+
+import time
+
+import pydantic
+import pytest
+import redis
+import torch
+
+from cachesvc.counters import read_totals
+from cachesvc.tensor_cache import TensorCache
+from cachesvc.value_index import held, records
+from cachesvc.value_sweep import ValueSweeper
+from config.settings import CacheSettings, Settings
+from keys import KeyKind, StoreKey
+from keys.names import ttl_index
+
+FLOATS = 1024  # each entry: 4 KiB of payload and its header
+
+
+def write(cache: TensorCache, tenant: str, name: str, cost_s: float) -> StoreKey:
+    key = StoreKey(tenant, KeyKind.OUTPUT, name)
+    cache.put(key, torch.zeros(FLOATS), cost_s=cost_s)
+    return key
+
+
+def sweeper(cache: TensorCache, client: redis.Redis, settings: Settings,
+            keys: list[StoreKey], fill: float, **cache_settings: float) -> ValueSweeper:
+    """A sweeper whose capacity ``keys``' entries fill to ``fill``, once their values are
+    recorded."""
+    cache.counters.flush()
+    sizes = [r.size for r in records(client, keys[0].tenant, keys) if r is not None]
+    assert len(sizes) == len(keys)  # every entry recorded
+    total = sizes[0] * len(keys)
+    return ValueSweeper(client, cache.store, cache.counters, int(total / fill),
+                        settings.cache.model_copy(update=cache_settings))
+
+
+def present(cache: TensorCache, keys: list[StoreKey]) -> list[bool]:
+    return cache.batch_exists(keys)
+
+
+def test_the_entries_worth_least_per_byte_go_first(
+        cache: TensorCache, redis_client: redis.Redis, stack_settings: Settings) -> None:
+    cheap, dear, read = (write(cache, "value", name, cost) for name, cost in
+                         (("cheap", 0.1), ("dear", 1.0), ("read", 0.1)))
+    for _ in range(5):
+        assert cache.get(read) is not None  # reads raise its priority above ``cheap``'s
+    keys = [cheap, dear, read]
+    # 3 entries at 0.9 of capacity, above 0.85: down to 0.75 takes one entry.
+    report = sweeper(cache, redis_client, stack_settings, keys, 0.9).sweep()
+    assert present(cache, keys) == [False, True, True]
+    assert (report.evicted, report.found_gone, report.leased) == (1, 0, 0)
+    assert report.held_after == report.held_before * 2 // 3
+    assert records(redis_client, "value", keys)[0] is None  # forgotten with its entry
+    assert records(redis_client, "value", [read])[0].reads == 5  # type: ignore[union-attr]
+    assert held(redis_client, "value") == {KeyKind.OUTPUT: report.held_after}
+    cache.counters.flush()
+    assert read_totals(redis_client, "value")["output.evictions"] == 1
+
+
+def test_below_the_watermark_nothing_is_removed(
+        cache: TensorCache, redis_client: redis.Redis, stack_settings: Settings) -> None:
+    keys = [write(cache, "value", f"e{i}", 0.1) for i in range(3)]
+    report = sweeper(cache, redis_client, stack_settings, keys, 0.8).sweep()
+    assert report.evicted == 0 and all(present(cache, keys))
+
+
+def test_an_entry_under_a_read_is_never_removed(
+        cache: TensorCache, redis_client: redis.Redis, stack_settings: Settings) -> None:
+    reading, other = write(cache, "value", "reading", 0.1), write(cache, "value", "other", 1.0)
+    sweep = sweeper(cache, redis_client, stack_settings, [reading, other], 0.95)
+    started = time.monotonic()
+    assert cache.store.begin_get(str(reading))  # a read in progress holds the entry's lease
+    try:
+        report = sweep.sweep()
+    finally:
+        cache.store.end_get(str(reading))
+    lease_s = stack_settings.store.lease_ttl_ms / 1000
+    assert time.monotonic() - started < lease_s, "the sweep outlasted the read's lease"
+    # The least valuable entry is kept while it is read; the next one goes instead.
+    assert present(cache, [reading, other]) == [True, False]
+    assert (report.evicted, report.leased) == (1, 1)
+    assert records(redis_client, "value", [reading])[0] is not None
+
+
+def test_a_tenant_beyond_its_share_evicts_its_own_entries_first(
+        cache: TensorCache, redis_client: redis.Redis, stack_settings: Settings) -> None:
+    # ``burst`` holds six entries of high value, ``quiet`` two worth little; together 0.9 of
+    # the capacity, ``burst`` 0.675 of it, beyond its half share.
+    burst = [write(cache, "burst", f"b{i}", 10.0) for i in range(6)]
+    quiet = [write(cache, "quiet", f"q{i}", 0.01) for i in range(2)]
+    cache.counters.flush()
+    size = records(redis_client, "burst", burst[:1])[0].size  # type: ignore[union-attr]
+    sweep = ValueSweeper(redis_client, cache.store, cache.counters, int(8 * size / 0.9),
+                         stack_settings.cache.model_copy(update={"max_share": 0.5}))
+    report = sweep.sweep()
+    assert all(present(cache, quiet))  # worth less per byte, yet kept: within its share
+    assert sum(present(cache, burst)) == 4
+    assert report.evicted == 2
+
+
+def test_an_entry_the_store_dropped_is_forgotten_and_counted(
+        cache: TensorCache, redis_client: redis.Redis, stack_settings: Settings) -> None:
+    keys = [write(cache, "value", f"e{i}", 0.1 * (i + 1)) for i in range(3)]
+    sweep = sweeper(cache, redis_client, stack_settings, keys, 0.9)
+    assert cache.store.remove(str(keys[0]))  # as Mooncake's LRU would, behind the index
+    report = sweep.sweep()
+    assert (report.evicted, report.found_gone) == (0, 1)
+    assert present(cache, keys) == [False, True, True]
+    assert records(redis_client, "value", keys[:1]) == [None]
+    cache.counters.flush()
+    assert read_totals(redis_client, "value")["output.found_gone"] == 1
+
+
+def test_an_expired_entry_is_forgotten_by_the_ttl_sweep(
+        cache: TensorCache, redis_client: redis.Redis) -> None:
+    key = StoreKey("value", KeyKind.CFG, "soon")
+    cache.put(key, torch.zeros(FLOATS), cost_s=0.1)
+    cache.counters.flush()
+    assert held(redis_client, "value")[KeyKind.CFG] > 0
+    redis_client.zadd(ttl_index("value"), {str(key): 1})  # its expiry, long past
+    cache.ttl_index.sweep(cache.store)
+    assert not cache.exists(key) and held(redis_client, "value") == {}
+
+
+def test_the_eviction_band_is_checked() -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"cache\.evict_to"):
+        CacheSettings(evict_above=0.7, evict_to=0.8)
