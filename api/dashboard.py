@@ -19,6 +19,7 @@ from api.deps import Svc, Viewer
 from api.service import Service, status_of
 from cachesvc.counters import read_buckets, read_totals, tenants
 from cachesvc.value_index import held
+from cachesvc.value_sweep import store_capacity
 from keys import KeyKind, Priority
 from supervision.supervisor import read_published
 from workers.queue.cluster_view import EngineView
@@ -65,7 +66,7 @@ def dashboard_data(svc: Service, visible: list[str] | None = None) -> dict[str, 
     # cache wrote and refused to write (write admission), what it holds now and what left it
     # (the value sweeper's evictions, and entries it found the store had dropped).
     reuse, shares = [], []
-    capacity = svc.settings.cache_capacity_bytes
+    capacity = store_capacity(svc.settings)
     for tenant in known:
         lifetime = read_totals(svc.redis, tenant)
         now_held = held(svc.redis, tenant)

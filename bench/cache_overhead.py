@@ -102,7 +102,7 @@ def main() -> None:
                 cache.put_from(StoreKey("bench", KeyKind.SCRATCH, "seed"), slot)
                 for i in range(args.repeats + WARM_UP_ROUNDS):
                     for name, dt in one_round(cache, slot, payload, config, i,
-                                                    args.kind).items():
+                                              args.kind).items():
                         if i >= WARM_UP_ROUNDS:
                             times[name].append(dt)
             med = {k: median(v) for k, v in times.items()}

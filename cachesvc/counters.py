@@ -112,7 +112,10 @@ class CacheCounters:
         if self._redis is None:
             return
         for also in self._also_flushed:
-            also()
+            try:
+                also()
+            except Exception:  # the counters' own flush must go on, whatever the other's fate
+                log.exception("a flush beside the counters' failed")
         with self._lock:
             pending, self._pending = self._pending, defaultdict(lambda: defaultdict(float))
         if not pending:

@@ -196,8 +196,8 @@ class MooncakeStore:
         code = self._client.remove(key, False)
         if code == OBJECT_NOT_FOUND:
             return Eviction.ABSENT
-        if code == OBJECT_HAS_LEASE:
-            return Eviction.LEASED
+        if code in (OBJECT_HAS_LEASE, REPLICA_IS_NOT_READY):  # a read, or a write unfinished
+            return Eviction.BUSY
         check_code(code, op="evict", key=key)
         return Eviction.REMOVED
 

@@ -13,7 +13,7 @@ class Eviction(Enum):
 
     REMOVED = "removed"
     ABSENT = "absent"  # already gone: evicted by the store, expired, or never written
-    LEASED = "leased"  # a reader holds the entry's lease: kept
+    BUSY = "busy"  # a reader holds the entry's lease, or its write is unfinished: kept
 
 
 class StoreBackend(Protocol):
@@ -46,7 +46,8 @@ class StoreBackend(Protocol):
     def remove(self, key: str) -> bool: ...
 
     def evict(self, key: str) -> Eviction:
-        """Remove ``key`` unless a read holds its lease (``store.lease_ttl_ms``)."""
+        """Remove ``key`` unless a read holds its lease (``store.lease_ttl_ms``) or its write
+        is unfinished."""
         ...
 
     def remove_all(self) -> None: ...

@@ -214,6 +214,7 @@ class TensorCache:
     def remove(self, key: StoreKey) -> bool:
         removed = self._store.remove(key)
         if key.kind in VALUED:
+            self.values.flush()  # its write may still be queued: recorded after, it would stay
             forget(self._redis, [key])
         return removed
 

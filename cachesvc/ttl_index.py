@@ -47,9 +47,9 @@ class TtlIndex:
                 for raw_key in expired:
                     if store.remove(raw_key.decode()):
                         removed += 1
-                if expired:
-                    self._redis.zrem(index, *expired)
+                if expired:  # records first: an index row left behind is swept again
                     forget(self._redis, [StoreKey.parse(k.decode()) for k in expired])
+                    self._redis.zrem(index, *expired)
                 if len(expired) < page:
                     break
         if removed:

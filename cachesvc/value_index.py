@@ -2,21 +2,21 @@
 tenant in Redis, with its GreedyDual-Size-Frequency priority (clock + reads * cost / size),
 which the sweeper (``cachesvc.value_sweep``) evicts by, lowest first.
 
-Writes and reads are queued on the hot path and recorded by the counters' flush thread (one
-script call per tenant per flush), so a put or a hit never waits on Redis for its value.
+Writes and reads are queued on the hot path and recorded by the counters' flush thread (a
+script call per tenant for the writes and one for the reads), so a put or a hit never waits on
+Redis for its value.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import redis
-
-from cachesvc.redis_client import RedisClient
+from cachesvc.redis_client import REDIS_ERRORS, RedisClient
 from keys import KeyKind, StoreKey
 from keys.names import value_clock, value_keys
 
@@ -29,8 +29,8 @@ VALUED = frozenset({KeyKind.EMBEDDING, KeyKind.CFG, KeyKind.CHECKPOINT, KeyKind.
                     KeyKind.IMAGE_LATENT, KeyKind.IMAGE_EMBEDDING, KeyKind.IMAGE_MASK})
 # Priorities are compute seconds per MiB held, times the reads an entry has had plus one.
 PER_BYTES = 1 << 20
-# Writes kept for the next flush while Redis is unreachable; beyond it the oldest are dropped
-# (an unindexed entry is left to Mooncake's own LRU).
+# Writes kept for the next flush while Redis is unreachable; beyond it some are dropped (an
+# unrecorded entry is left to Mooncake's own LRU).
 MAX_PENDING = 100_000
 
 _RECORD = "local kind, size, cost, reads = string.match(rec, '(%S+) (%S+) (%S+) (%S+)')\n"
@@ -116,7 +116,9 @@ class ValueIndex:
     def written(self, key: StoreKey, size: int, cost_s: float) -> None:
         """An entry of ``size`` bytes that took ``cost_s`` to compute was written."""
         if key.kind in VALUED:
-            self._written.append((key, size, cost_s))
+            # A cost that is not a finite, positive figure would poison the priority order.
+            cost = cost_s if math.isfinite(cost_s) and cost_s > 0 else 0.0
+            self._written.append((key, size, cost))
 
     def read(self, key: StoreKey) -> None:
         """An entry was read by a lookup that hit (a reuse; not a hand-off between stages)."""
@@ -146,7 +148,7 @@ class ValueIndex:
                 read_args[key.tenant] += [str(key), n]
             for tenant, args in read_args.items():
                 self._read_script(keys=value_keys(tenant), args=[clock, *args])
-        except redis.RedisError:
+        except REDIS_ERRORS:
             log.warning("could not record cache entry values; keeping the writes for the next "
                         "try", exc_info=True)
             self._written.extendleft(reversed(written))

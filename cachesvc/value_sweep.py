@@ -12,10 +12,12 @@ import logging
 from dataclasses import dataclass, field
 
 from cachesvc.counters import CacheCounters, Event, tenants
+from cachesvc.errors import StoreOperationError
+from cachesvc.mooncake_store import mounted_bytes
 from cachesvc.redis_client import RedisClient
 from cachesvc.store_backend import Eviction, StoreBackend
 from cachesvc.value_index import forget, held, read_clock
-from config.settings import CacheSettings
+from config.settings import CacheSettings, Settings
 from keys import StoreKey
 from keys.names import value_clock, value_keys
 
@@ -33,7 +35,7 @@ class SweepReport:
     held_after: int
     evicted: int = 0  # removed by the policy
     found_gone: int = 0  # already gone from the store: Mooncake evicted them, or a node died
-    leased: int = 0  # kept: a read held them
+    busy: int = 0  # kept: a read held them, or their write was unfinished
 
 
 @dataclass(slots=True)
@@ -42,8 +44,18 @@ class _Tenant:
 
     held: int
     candidates: list[tuple[str, float]] = field(default_factory=list)
-    skipped: int = 0  # leased entries still at the head of its priority set
+    skipped: int = 0  # busy entries still at the head of its priority set
     exhausted: bool = False
+
+
+def store_capacity(settings: Settings) -> int:
+    """The bytes the sweeper keeps the cache within: ``cache.capacity_mib``, else what every
+    mounted storage node contributes as the master reports it, else one node's segment."""
+    if settings.cache.capacity_mib is not None:
+        return settings.cache.capacity_mib << 20
+    url = settings.store.master_metrics_url
+    mounted = mounted_bytes(url) if url else None
+    return mounted or settings.store.segment_mib << 20
 
 
 class ValueSweeper:
@@ -68,13 +80,18 @@ class ValueSweeper:
         counts = {outcome: 0 for outcome in Eviction}
         total = before
         while total > target:
-            tenant = self._victim(state)
-            if tenant is None:
+            victim = self._victim(state)
+            if victim is None:
                 break  # nothing left that may be removed
+            tenant, by_share = victim
             key, priority = state[tenant].candidates.pop(0)
-            outcome = self._store.evict(key)
+            try:
+                outcome = self._store.evict(key)
+            except StoreOperationError as exc:
+                log.warning("value sweep: kept %s (%s)", key, exc)
+                outcome = Eviction.BUSY
             counts[outcome] += 1
-            if outcome is Eviction.LEASED:
+            if outcome is Eviction.BUSY:
                 state[tenant].skipped += 1
                 continue
             store_key = StoreKey.parse(key)
@@ -82,33 +99,35 @@ class ValueSweeper:
             state[tenant].held -= size
             total -= size
             if outcome is Eviction.REMOVED:
-                clock = max(clock, priority)
+                if not by_share:  # a share's eviction is out of the global order: no aging
+                    clock = max(clock, priority)
                 self._counters.add(tenant, store_key.kind, Event.EVICTIONS)
             else:
                 self._counters.add(tenant, store_key.kind, Event.FOUND_GONE)
         self._redis.set(value_clock(), repr(clock))
-        log.info("value sweep: %d bytes recorded, %d now; %d evicted, %d found gone, %d leased",
+        log.info("value sweep: %d bytes recorded, %d now; %d evicted, %d found gone, %d busy",
                  before, total, counts[Eviction.REMOVED], counts[Eviction.ABSENT],
-                 counts[Eviction.LEASED])
+                 counts[Eviction.BUSY])
         return SweepReport(before, total, counts[Eviction.REMOVED], counts[Eviction.ABSENT],
-                           counts[Eviction.LEASED])
+                           counts[Eviction.BUSY])
 
-    def _victim(self, state: dict[str, _Tenant]) -> str | None:
-        """The tenant to take the next entry from: the one furthest beyond its share, else
-        the one whose lowest priority is lowest (GreedyDual's global order)."""
+    def _victim(self, state: dict[str, _Tenant]) -> tuple[str, bool] | None:
+        """The tenant to take the next entry from, and whether for its share: the one
+        furthest beyond its share, else the one whose lowest priority is lowest
+        (GreedyDual's global order)."""
         share = self.capacity * self.settings.max_share
         live = [t for t, s in state.items() if self._refill(t, s)]
         over = [t for t in live if state[t].held > share]
         if over:
-            return max(over, key=lambda t: state[t].held)
+            return max(over, key=lambda t: state[t].held), True
         if not live:
             return None
-        return min(live, key=lambda t: state[t].candidates[0][1])
+        return min(live, key=lambda t: state[t].candidates[0][1]), False
 
     def _refill(self, tenant: str, s: _Tenant) -> bool:
         """Whether ``tenant`` has a candidate, reading its next page if it ran out."""
         if not s.candidates and not s.exhausted:
-            start = s.skipped  # the leased ones stay at the head of the set
+            start = s.skipped  # the busy ones stay at the head of the set
             page: list[tuple[bytes, float]] = self._redis.zrange(  # type: ignore[assignment]
                 value_keys(tenant)[1], start, start + PAGE - 1, withscores=True)
             s.candidates = [(k.decode(), score) for k, score in page]

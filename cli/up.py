@@ -27,9 +27,9 @@ from cachesvc.counters import CacheCounters
 from cachesvc.errors import CacheError
 from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints
 from cachesvc.output_files import OutputFiles
-from cachesvc.redis_client import RedisClient, open_redis
+from cachesvc.redis_client import REDIS_ERRORS, RedisClient, open_redis
 from cachesvc.ttl_index import TtlIndex
-from cachesvc.value_sweep import ValueSweeper
+from cachesvc.value_sweep import ValueSweeper, store_capacity
 from cli.console import LogEcho
 from config.settings import Settings, child_environ
 from supervision.instance_lock import InstanceLock
@@ -275,14 +275,15 @@ def sweep_until(stop: threading.Event, settings: Settings) -> None:
         try:
             store = store or MooncakeStore.connect(StoreEndpoints.configured(settings.store),
                                                    settings.store)
-            ValueSweeper(client, store, counters, settings.cache_capacity_bytes,
+            ValueSweeper(client, store, counters, store_capacity(settings),
                          settings.cache).sweep()
             if full:
                 index.sweep(store)
-        except CacheError as exc:
-            log.warning("cache sweep failed (%s); retrying next interval", exc)
-        except redis.RedisError as exc:
-            log.warning("cache sweep could not read Redis (%s); retrying", exc)
+        except (CacheError, *REDIS_ERRORS) as exc:
+            if full:  # told once a full interval, not at every eviction pass
+                log.warning("cache sweep failed (%s); retrying", exc)
+                if store is not None:
+                    _sweep_expired(index, store)
         if not full:
             continue
         next_full = time.monotonic() + settings.cache.sweep_interval_s
@@ -300,6 +301,14 @@ def sweep_until(stop: threading.Event, settings: Settings) -> None:
     counters.close()
     if store is not None:
         store.close()
+
+
+def _sweep_expired(index: TtlIndex, store: MooncakeStore) -> None:
+    """The TTL sweep on its own, when the value sweep before it failed."""
+    try:
+        index.sweep(store)
+    except (CacheError, *REDIS_ERRORS) as exc:
+        log.warning("expired entries not swept (%s); retrying next interval", exc)
 
 
 def endpoints_path(data_dir: Path) -> Path:

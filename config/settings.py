@@ -100,7 +100,7 @@ class CacheSettings(_Section):
     # byte until they hold ``evict_to``, starting with the tenants over ``max_share``. The
     # watermark sits below Mooncake's own (0.95), so that its LRU rarely acts.
     capacity_mib: int | None = Field(None, ge=1, description="the store's memory over every "
-                                     "storage node; unset: store.segment_mib (one node)")
+                                     "storage node; unset: as the master reports it")
     evict_above: float = Field(0.85, gt=0.0, le=1.0)
     evict_to: float = Field(0.75, gt=0.0, le=1.0)
     max_share: float = Field(0.5, gt=0.0, le=1.0, description="of capacity_mib, a tenant's "
@@ -415,11 +415,6 @@ class Settings(BaseSettings):
     @property
     def model_dir(self) -> Path:
         return self.model.dir or self.built_in_model_dir
-
-    @property
-    def cache_capacity_bytes(self) -> int:
-        """The store memory the value sweeper keeps the cache's entries within."""
-        return (self.cache.capacity_mib or self.store.segment_mib) << 20
 
     @property
     def built_in_model_dir(self) -> Path:

@@ -54,7 +54,7 @@ def test_the_entries_worth_least_per_byte_go_first(
     # 3 entries at 0.9 of capacity, above 0.85: down to 0.75 takes one entry.
     report = sweeper(cache, redis_client, stack_settings, keys, 0.9).sweep()
     assert present(cache, keys) == [False, True, True]
-    assert (report.evicted, report.found_gone, report.leased) == (1, 0, 0)
+    assert (report.evicted, report.found_gone, report.busy) == (1, 0, 0)
     assert report.held_after == report.held_before * 2 // 3
     assert records(redis_client, "value", keys)[0] is None  # forgotten with its entry
     assert records(redis_client, "value", [read])[0].reads == 5  # type: ignore[union-attr]
@@ -84,7 +84,7 @@ def test_an_entry_under_a_read_is_never_removed(
     assert time.monotonic() - started < lease_s, "the sweep outlasted the read's lease"
     # The least valuable entry is kept while it is read; the next one goes instead.
     assert present(cache, [reading, other]) == [True, False]
-    assert (report.evicted, report.leased) == (1, 1)
+    assert (report.evicted, report.busy) == (1, 1)
     assert records(redis_client, "value", [reading])[0] is not None
 
 
@@ -131,3 +131,22 @@ def test_an_expired_entry_is_forgotten_by_the_ttl_sweep(
 def test_the_eviction_band_is_checked() -> None:
     with pytest.raises(pydantic.ValidationError, match=r"cache\.evict_to"):
         CacheSettings(evict_above=0.7, evict_to=0.8)
+
+
+def test_an_entry_removed_before_its_record_is_written_leaves_none(
+        cache: TensorCache, redis_client: redis.Redis) -> None:
+    key = write(cache, "value", "brief", 0.1)  # its record still queued
+    assert cache.remove(key)
+    cache.counters.flush()
+    assert records(redis_client, "value", [key]) == [None]
+    assert held(redis_client, "value") == {}
+
+
+def test_a_second_write_of_a_key_keeps_its_first_record(
+        cache: TensorCache, redis_client: redis.Redis) -> None:
+    key = write(cache, "value", "twice", 0.5)
+    write(cache, "value", "twice", 2.0)  # content-keyed: the first write stands
+    cache.counters.flush()
+    record = records(redis_client, "value", [key])[0]
+    assert record is not None and record.cost_s == 0.5
+    assert held(redis_client, "value") == {KeyKind.OUTPUT: record.size}
