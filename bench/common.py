@@ -53,14 +53,17 @@ WAIT_ALL_S = 3600.0
 @contextmanager
 def bench_stack(segment_mib: int, family: str = "auto",
                 model: dict[str, object] | None = None,
-                store: dict[str, object] | None = None) -> Iterator[Settings]:
+                store: dict[str, object] | None = None,
+                cache: dict[str, object] | None = None) -> Iterator[Settings]:
     """A private embedded stack in a temporary directory; resolved settings to reach it.
-    ``model`` overrides model settings (size, device), ``store`` store settings. The model is
-    the random one sized for timing (preset ``default``) unless ``model`` names another."""
+    ``model`` overrides model settings (size, device), ``store`` store settings, ``cache``
+    cache settings. The model is the random one sized for timing (preset ``default``) unless
+    ``model`` names another."""
     with tempfile.TemporaryDirectory(prefix="diffcache-bench-") as data_dir:
         settings = load_settings(data_dir=data_dir,
                                  store={"segment_mib": segment_mib, **(store or {})},
-                                 model={"family": family, "preset": "default", **(model or {})})
+                                 model={"family": family, "preset": "default", **(model or {})},
+                                 cache=cache or {})
         stack = EmbeddedStack(settings)
         with stack as addresses:
             yield stack.resolved(addresses)
@@ -68,11 +71,12 @@ def bench_stack(segment_mib: int, family: str = "auto",
 
 @contextmanager
 def model_stack(segment_mib: int = 1024, family: str = "auto",
-                model: dict[str, object] | None = None) -> Iterator[Settings]:
+                model: dict[str, object] | None = None,
+                cache: dict[str, object] | None = None) -> Iterator[Settings]:
     """``bench_stack`` with the built-in model built in it, for benchmarks that run workers."""
     from workers.main import ensure_model
 
-    with bench_stack(segment_mib, family, model) as settings:
+    with bench_stack(segment_mib, family, model, cache=cache) as settings:
         ensure_model(settings)
         yield settings
 

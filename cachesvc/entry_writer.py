@@ -16,10 +16,11 @@ from cachesvc.codec import TensorSpec
 from cachesvc.counted_store import CountedStore
 from cachesvc.counters import Event, QueuedCounters
 from cachesvc.entry_io import seal, send
+from cachesvc.lookup_log import Access, LookupLog
 from cachesvc.policy import KindPolicy
 from cachesvc.tensor_view import typed_view
 from cachesvc.ttl_index import TtlIndex, now_ms
-from cachesvc.value_index import ValueIndex
+from cachesvc.value_index import VALUED, ValueIndex
 from keys import KeyKind, StoreKey
 
 # Threads for the TTL index writes (a Redis round trip each) that run while entries are sent.
@@ -28,18 +29,20 @@ IO_THREADS = 2
 
 class EntryWriter:
     """Sealed writes to ``store`` from ``pool``'s registered buffers, with each kind's expiry
-    and replication from ``policies``; ``counters`` count the payload bytes written, and
-    ``values`` record each entry's size and cost."""
+    and replication from ``policies``; ``counters`` count the payload bytes written,
+    ``values`` record each entry's size and cost, and ``lookups``, where kept, log them."""
 
     def __init__(self, store: CountedStore, pool: BufferPool,
                  policies: Mapping[KeyKind, KindPolicy], ttl_index: TtlIndex,
-                 counters: QueuedCounters, values: ValueIndex) -> None:
+                 counters: QueuedCounters, values: ValueIndex,
+                 lookups: LookupLog | None = None) -> None:
         self._store = store
         self._pool = pool
         self._policies = policies
         self._ttl_index = ttl_index
         self._counters = counters
         self._values = values
+        self._lookups = lookups
         self._configs = {pin: store.store.put_config(soft_pin=pin) for pin in (False, True)}
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="cache-io")
 
@@ -122,6 +125,8 @@ class EntryWriter:
             self._counters.queue(key.tenant, key.kind,
                                  {Event.BYTES_WRITTEN: float(spec.payload_bytes)})
             self._values.written(key, spec.entry_bytes, cost_s)
+            if self._lookups is not None and key.kind in VALUED:
+                self._lookups.log(Access.WRITE, key, spec.entry_bytes, cost_s)
 
     def _send(self, key: StoreKey, slot: TensorSlot, cost_us: int, expires_at_ms: int) -> None:
         """Seal and send the entry laid out in ``slot``."""

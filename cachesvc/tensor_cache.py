@@ -27,6 +27,7 @@ from cachesvc.entry_reader import Entry, EntryReader
 from cachesvc.entry_writer import EntryWriter
 from cachesvc.errors import StoreUnavailableError
 from cachesvc.ledger import Ledger
+from cachesvc.lookup_log import Access, LookupLog
 from cachesvc.policy import KindPolicy, policies
 from cachesvc.redis_client import RedisClient
 from cachesvc.single_flight import Outcome, SingleFlight
@@ -61,6 +62,8 @@ class TensorCache:
         self._redis = client
         self.values = ValueIndex(client)
         self.counters.also_flush(self.values.flush)
+        self.lookups = (LookupLog(settings.lookup_log_dir)
+                        if settings.lookup_log_dir is not None else None)
         self._pool = BufferPool(store, store_settings.buffer_slab_mib << 20,
                                 store_settings.buffer_slabs)
         self._flight = SingleFlight(client, lease_s=settings.single_flight_lease_s,
@@ -68,7 +71,7 @@ class TensorCache:
         self._store = CountedStore(store, self.counters)
         self._reader = EntryReader(self._store, self._pool, self.counters)
         self._writer = EntryWriter(self._store, self._pool, self._policies, self.ttl_index,
-                                   self.counters, self.values)
+                                   self.counters, self.values, self.lookups)
         self.admission = WriteAdmission(client, settings, self.counters)
 
     def close(self) -> None:
@@ -77,6 +80,8 @@ class TensorCache:
         self._writer.close()
         self._pool.close()
         self.store.close()
+        if self.lookups is not None:
+            self.lookups.close()
 
     def policy(self, key: StoreKey) -> KindPolicy:
         return self._policies[key.kind]
@@ -203,6 +208,7 @@ class TensorCache:
         found = self.exists(key)
         events = {Event.LOOKUPS: 1.0, Event.HITS if found else Event.MISSES: 1.0}
         self._count(key, events, ledger)
+        self._log(key, Access.HIT if found else Access.MISS)
         return found
 
     def exists(self, key: StoreKey) -> bool:
@@ -223,6 +229,7 @@ class TensorCache:
         """The cached tensor, or ``compute()`` once across every process missing on ``key``."""
 
         def compute_and_put() -> Entry:
+            self._log(key, Access.MISS)  # the lookup, logged before the write it leads to
             start = time.perf_counter()
             tensor = compute()
             if tensor.is_cuda:  # kernels are queued: the cost is their run, not their launch
@@ -240,7 +247,8 @@ class TensorCache:
         except StoreUnavailableError:
             return Cached(compute(), None)
         hit = result.outcome in (Outcome.HIT, Outcome.WAITED)
-        self._count_lookup(key, result.value if hit else None, None, ledger)
+        self._count_lookup(key, result.value if hit else None, None, ledger,
+                           miss_logged=not hit)
         if result.outcome is Outcome.WAITED:
             self.counters.add(key.tenant, key.kind, Event.SINGLE_FLIGHT_WAITS)
         return Cached(result.value.tensor, result.outcome)
@@ -253,10 +261,13 @@ class TensorCache:
             self.counters.queue(key.tenant, key.kind, {Event.BYTES_READ: float(entry.nbytes)})
 
     def _count_lookup(self, key: StoreKey, entry: Entry | None, saved_s: float | None,
-                      ledger: Ledger | None) -> None:
+                      ledger: Ledger | None, *, miss_logged: bool = False) -> None:
         if entry is None:
+            if not miss_logged:
+                self._log(key, Access.MISS)
             events = {Event.LOOKUPS: 1.0, Event.MISSES: 1.0}
         else:
+            self._log(key, Access.HIT, entry.nbytes, entry.cost_s)
             self.values.read(key)
             events = {
                 Event.LOOKUPS: 1.0,
@@ -265,6 +276,10 @@ class TensorCache:
                 Event.COMPUTE_SECONDS_SAVED: entry.cost_s if saved_s is None else saved_s,
             }
         self._count(key, events, ledger)
+
+    def _log(self, key: StoreKey, access: Access, size: int = 0, cost_s: float = 0.0) -> None:
+        if self.lookups is not None and key.kind in VALUED:
+            self.lookups.log(access, key, size, cost_s)
 
     def _count(self, key: StoreKey, events: Mapping[Event, float],
                ledger: Ledger | None) -> None:

@@ -1,6 +1,9 @@
 """What each cached entry is worth: its size, the compute it saves and its reads, kept per
-tenant in Redis, with its GreedyDual-Size-Frequency priority (clock + reads * cost / size),
-which the sweeper (``cachesvc.value_sweep``) evicts by, lowest first.
+tenant in Redis, with its GreedyDual-Size-Frequency priority, which the sweeper
+(``cachesvc.value_sweep``) evicts by, lowest first: clock + (reads + p) * cost / size, where p
+is the share of the tenant's entries of that class ever read (a class is a kind, and for a
+checkpoint its step too), so that entries rarely read back (checkpoints at steps no resume or
+edit starts from) weigh their cost by their odds of reuse.
 
 Writes and reads are queued on the hot path and recorded by the counters' flush thread (a
 script call per tenant for the writes and one for the reads), so a put or a hit never waits on
@@ -17,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cachesvc.redis_client import REDIS_ERRORS, RedisClient
-from keys import KeyKind, StoreKey
+from keys import KeyKind, StoreKey, checkpoint_step
 from keys.names import value_clock, value_keys
 
 log = logging.getLogger(__name__)
@@ -27,26 +30,49 @@ log = logging.getLogger(__name__)
 # or test entries.
 VALUED = frozenset({KeyKind.EMBEDDING, KeyKind.CFG, KeyKind.CHECKPOINT, KeyKind.OUTPUT,
                     KeyKind.IMAGE_LATENT, KeyKind.IMAGE_EMBEDDING, KeyKind.IMAGE_MASK})
-# Priorities are compute seconds per MiB held, times the reads an entry has had plus one.
+# Priorities are compute seconds per MiB held, times the reads an entry has had plus its
+# class's odds of a read.
 PER_BYTES = 1 << 20
 # Writes kept for the next flush while Redis is unreachable; beyond it some are dropped (an
 # unrecorded entry is left to Mooncake's own LRU).
 MAX_PENDING = 100_000
 
-_RECORD = "local kind, size, cost, reads = string.match(rec, '(%S+) (%S+) (%S+) (%S+)')\n"
+# A record is "kind size cost reads class"; a record without its class (written before
+# classes) is of its kind's.
+_RECORD = """
+local kind, size, cost, reads, class = string.match(rec, '(%S+) (%S+) (%S+) (%S+) ?(%S*)')
+if class == '' then class = kind end
+"""
+# Past this many entries of a class written, both of its counts are halved, so that the share
+# read follows the tenant's recent traffic.
+REUSE_MEMORY = 10_000
+# ``odds(class)``: of the class's entries, the share ever read, from KEYS[4]; Laplace's rule,
+# so that a class not yet seen starts at one half.
+_ODDS = """
+local function odds(class)
+  local counts = redis.call('HMGET', KEYS[4], class .. ':written', class .. ':read')
+  return (tonumber(counts[2] or 0) + 1) / (tonumber(counts[1] or 0) + 2)
+end
+"""
 
-# KEYS: entries, priority, held. ARGV: clock, then key, kind, size, cost per entry. A key
-# already recorded keeps its record (content-keyed writes: the first one wins).
+# KEYS: entries, priority, held, reuse. ARGV: clock, then key, kind, size, cost, class per
+# entry. A key already recorded keeps its record (content-keyed writes: the first one wins).
 _WRITE = f"""
+{_ODDS}
 local clock = tonumber(ARGV[1])
 local added = 0
-for i = 2, #ARGV, 4 do
-  local size = tonumber(ARGV[i + 2])
-  local rec = ARGV[i + 1] .. ' ' .. ARGV[i + 2] .. ' ' .. ARGV[i + 3] .. ' 0'
+for i = 2, #ARGV, 5 do
+  local kind, size, class = ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 4]
+  local rec = kind .. ' ' .. ARGV[i + 2] .. ' ' .. ARGV[i + 3] .. ' 0 ' .. class
   if redis.call('HSETNX', KEYS[1], ARGV[i], rec) == 1 then
-    local cost = tonumber(ARGV[i + 3])
-    redis.call('ZADD', KEYS[2], clock + cost * {PER_BYTES} / math.max(size, 1), ARGV[i])
-    redis.call('HINCRBY', KEYS[3], ARGV[i + 1], size)
+    local per_byte = tonumber(ARGV[i + 3]) * {PER_BYTES} / math.max(size, 1)
+    redis.call('ZADD', KEYS[2], clock + odds(class) * per_byte, ARGV[i])
+    redis.call('HINCRBY', KEYS[3], kind, size)
+    if redis.call('HINCRBY', KEYS[4], class .. ':written', 1) > {REUSE_MEMORY} then
+      local read = tonumber(redis.call('HGET', KEYS[4], class .. ':read') or 0)
+      redis.call('HSET', KEYS[4], class .. ':written', {REUSE_MEMORY // 2},
+                 class .. ':read', math.floor(read / 2))
+    end
     added = added + 1
   end
 end
@@ -55,15 +81,20 @@ return added
 
 # ARGV: clock, then key, reads per entry read. An entry not recorded is left alone.
 _READ = f"""
+{_ODDS}
 local clock = tonumber(ARGV[1])
 for i = 2, #ARGV, 2 do
   local rec = redis.call('HGET', KEYS[1], ARGV[i])
   if rec then
     {_RECORD}
+    if tonumber(reads) == 0 then
+      redis.call('HINCRBY', KEYS[4], class .. ':read', 1)
+    end
     reads = tonumber(reads) + tonumber(ARGV[i + 1])
-    redis.call('HSET', KEYS[1], ARGV[i], kind .. ' ' .. size .. ' ' .. cost .. ' ' .. reads)
+    redis.call('HSET', KEYS[1], ARGV[i],
+               kind .. ' ' .. size .. ' ' .. cost .. ' ' .. reads .. ' ' .. class)
     local per_byte = tonumber(cost) * {PER_BYTES} / math.max(tonumber(size), 1)
-    redis.call('ZADD', KEYS[2], clock + (1 + reads) * per_byte, ARGV[i])
+    redis.call('ZADD', KEYS[2], clock + (reads + odds(class)) * per_byte, ARGV[i])
   end
 end
 return 0
@@ -98,7 +129,7 @@ class EntryValue:
 
     @classmethod
     def parse(cls, raw: bytes) -> EntryValue:
-        kind, size, cost, reads = raw.decode().split()
+        kind, size, cost, reads = raw.decode().split()[:4]
         return cls(KeyKind(kind), int(size), float(cost), int(reads))
 
 
@@ -140,7 +171,8 @@ class ValueIndex:
             clock = read_clock(self._redis)
             by_tenant: dict[str, list[str | int | float]] = defaultdict(list)
             for key, size, cost_s in written:
-                by_tenant[key.tenant] += [str(key), key.kind.value, size, f"{cost_s:.6g}"]
+                by_tenant[key.tenant] += [str(key), key.kind.value, size, f"{cost_s:.6g}",
+                                          reuse_class(key)]
             for tenant, args in by_tenant.items():
                 self._write_script(keys=value_keys(tenant), args=[clock, *args])
             read_args: dict[str, list[str | int | float]] = defaultdict(list)
@@ -152,6 +184,14 @@ class ValueIndex:
             log.warning("could not record cache entry values; keeping the writes for the next "
                         "try", exc_info=True)
             self._written.extendleft(reversed(written))
+
+
+def reuse_class(key: StoreKey) -> str:
+    """The entries whose share read back prices ``key``'s: its kind's, and for a checkpoint
+    its step's, since traffic reads some steps back (the latest, a schedule's switch) and not
+    the others."""
+    step = checkpoint_step(key)
+    return key.kind.value if step is None else f"{key.kind.value}@{step}"
 
 
 def read_clock(client: RedisClient) -> float:

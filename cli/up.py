@@ -269,14 +269,16 @@ def sweep_until(stop: threading.Event, settings: Settings) -> None:
     files = OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
     kept = OutputFiles(settings.checkpoints_dir, settings.cache.checkpoint_ttl_s)
     store: MooncakeStore | None = None
+    capacity = store_capacity(settings)
     next_full = time.monotonic() + settings.cache.sweep_interval_s
     while not stop.wait(settings.cache.evict_interval_s):
         full = time.monotonic() >= next_full
+        if full:  # storage nodes come and go; asking the master at every pass would cost
+            capacity = store_capacity(settings)
         try:
             store = store or MooncakeStore.connect(StoreEndpoints.configured(settings.store),
                                                    settings.store)
-            ValueSweeper(client, store, counters, store_capacity(settings),
-                         settings.cache).sweep()
+            ValueSweeper(client, store, counters, capacity, settings.cache).sweep()
             if full:
                 index.sweep(store)
         except (CacheError, *REDIS_ERRORS) as exc:

@@ -263,6 +263,15 @@ class ChainLink:
         return StoreKey(self.tenant, KeyKind.CHECKPOINT, f"{self.index}-{self.hex}")
 
 
+def checkpoint_step(key: StoreKey) -> int | None:
+    """The step a checkpoint's key names (``ChainLink.checkpoint_key``); None for any other
+    key."""
+    step, dash, _ = key.ident.partition("-")
+    if key.kind is not KeyKind.CHECKPOINT or not dash or not step.isdigit():
+        return None
+    return int(step)
+
+
 @dataclass(frozen=True, slots=True)
 class StepInputs:
     """Everything that step ``k`` adds to the trajectory besides the state before it."""

@@ -17,7 +17,7 @@ from cachesvc.value_index import held, records
 from cachesvc.value_sweep import ValueSweeper
 from config.settings import CacheSettings, Settings
 from keys import KeyKind, StoreKey
-from keys.names import ttl_index
+from keys.names import ttl_index, value_keys
 
 FLOATS = 1024  # each entry: 4 KiB of payload and its header
 
@@ -150,3 +150,46 @@ def test_a_second_write_of_a_key_keeps_its_first_record(
     record = records(redis_client, "value", [key])[0]
     assert record is not None and record.cost_s == 0.5
     assert held(redis_client, "value") == {KeyKind.OUTPUT: record.size}
+
+
+def priority(client: redis.Redis, key: StoreKey) -> float:
+    score = client.zscore(value_keys(key.tenant)[1], str(key))
+    assert score is not None, f"{key} has no priority"
+    return float(score)
+
+
+def test_a_kind_never_read_back_weighs_its_cost_by_its_odds(
+        cache: TensorCache, redis_client: redis.Redis) -> None:
+    # Ten checkpoints never read, ten outputs read once each: a new checkpoint that cost twice
+    # what a new output of its size did still ranks below it.
+    for i in range(10):
+        cache.put(StoreKey("odds", KeyKind.CHECKPOINT, f"old{i}"), torch.zeros(FLOATS),
+                  cost_s=0.1)
+        assert cache.get(write(cache, "odds", f"old{i}", 0.1)) is not None
+    cache.counters.flush()
+    checkpoint = StoreKey("odds", KeyKind.CHECKPOINT, "new")
+    cache.put(checkpoint, torch.zeros(FLOATS), cost_s=0.2)
+    output = write(cache, "odds", "new", 0.1)
+    cache.counters.flush()
+    assert priority(redis_client, checkpoint) < priority(redis_client, output)
+    # Once read, the checkpoint is judged by its own reads: now it ranks above.
+    assert cache.get(checkpoint) is not None
+    cache.counters.flush()
+    assert priority(redis_client, checkpoint) > priority(redis_client, output)
+
+
+def test_a_checkpoint_is_priced_by_the_reads_at_its_step(
+        cache: TensorCache, redis_client: redis.Redis) -> None:
+    # Resumes and edits start from step 4 here, never from step 2.
+    def checkpoint(step: int, name: str) -> StoreKey:
+        key = StoreKey("steps", KeyKind.CHECKPOINT, f"{step}-{name}")
+        cache.put(key, torch.zeros(FLOATS), cost_s=0.1)
+        return key
+
+    for i in range(10):
+        checkpoint(2, f"old{i}")
+        assert cache.get(checkpoint(4, f"old{i}")) is not None
+    cache.counters.flush()
+    at_2, at_4 = checkpoint(2, "new"), checkpoint(4, "new")
+    cache.counters.flush()
+    assert priority(redis_client, at_2) < priority(redis_client, at_4)
