@@ -5,9 +5,11 @@ The bound is the linear-programming relaxation of offline caching with sizes and
 interval LP behind FOO, Berger, Beckmann and Harchol-Balter, SIGMETRICS 2018): between two
 consecutive accesses to an entry, a fraction x of it may be kept, each kept interval saves
 x times the entry's cost at its second access if that is a lookup, and at no moment may the
-kept bytes exceed the memory. Every real policy (Belady's MIN weighted by cost per byte
-included) is one integral solution, so the bound is at least the true optimum, and a ratio
-to it understates the ratio to the optimum. scipy's HiGHS solves it; as a flow along the
+kept bytes exceed the memory. A search that missed several entries, any one of which would
+have served it (a chain's checkpoints), saves at most one of them: their fractions add up to
+at most 1. Every real policy (Belady's MIN weighted by cost per byte included) is one integral
+solution, so the bound is at least the true optimum for the log's sequence of lookups, and a
+ratio to it understates the ratio to the optimum. scipy's HiGHS solves it; as a flow along the
 log's timeline it has two non-zeros per variable, so a log of 10^5 accesses solves in seconds.
 """
 
@@ -31,6 +33,7 @@ class Interval:
     end: int
     size: int
     value_s: float
+    group: str | None = None  # the search its end was part of, if it had alternatives
 
 
 # An entry's bytes and the compute seconds it saves, by key.
@@ -45,7 +48,7 @@ class LogSavings:
     bound_s: float  # the LP bound at the memory given
     hits: int
     lookups: int
-    written_bytes: int  # every write's bytes, rewrites included
+    written_bytes: int  # the bytes of every entry written, each counted once
     saved_by_kind: dict[KeyKind, float]
 
 
@@ -71,17 +74,18 @@ def intervals(log: Sequence[LoggedAccess], known: Known) -> list[Interval]:
             continue
         size, cost_s = known[access.key]
         if cost_s > 0:
-            out.append(Interval(start, position, size, cost_s))
+            out.append(Interval(start, position, size, cost_s, access.group))
     return out
 
 
-def bound_s(spans: Sequence[Interval], length: int, capacity_bytes: int) -> float:
+def lp_bound_s(spans: Sequence[Interval], length: int, capacity_bytes: int) -> float:
     """The LP bound: the most seconds any fraction of ``spans`` kept within
     ``capacity_bytes`` at every position saves.
 
     Variables: x_i in [0, 1] per interval, then f_t in [0, capacity] per position (the bytes
     kept just after position t). Constraints, one per position: f_t - f_{t-1} = bytes that
-    begin being kept at t - bytes that stop at t.
+    begin being kept at t - bytes that stop at t; and one per search with alternatives: the
+    sum of their x_i is at most 1.
     """
     from scipy.optimize import linprog
     from scipy.sparse import coo_matrix
@@ -103,10 +107,23 @@ def bound_s(spans: Sequence[Interval], length: int, capacity_bytes: int) -> floa
             cols.append(n + t - 1)
             vals.append(-1.0)
     equalities = coo_matrix((vals, (rows, cols)), shape=(length, n + length)).tocsr()
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, span in enumerate(spans):
+        if span.group is not None:
+            groups[span.group].append(i)
+    alternatives = [members for members in groups.values() if len(members) > 1]
+    at_most_one = None
+    if alternatives:
+        at_most_one = coo_matrix(
+            ([1.0] * sum(map(len, alternatives)),
+             ([r for r, members in enumerate(alternatives) for _ in members],
+              [i for members in alternatives for i in members])),
+            shape=(len(alternatives), n + length)).tocsr()
     objective = np.concatenate([[-s.value_s for s in spans], np.zeros(length)])
     bounds = [(0.0, 1.0)] * n + [(0.0, capacity_bytes / unit)] * length
-    result = linprog(objective, A_eq=equalities, b_eq=np.zeros(length), bounds=bounds,
-                     method="highs")
+    result = linprog(objective, A_ub=at_most_one,
+                     b_ub=np.ones(len(alternatives)) if alternatives else None,
+                     A_eq=equalities, b_eq=np.zeros(length), bounds=bounds, method="highs")
     if not result.success:
         raise RuntimeError(f"the offline bound did not solve: {result.message}")
     return float(-result.fun)
@@ -117,7 +134,8 @@ def savings(log: Sequence[LoggedAccess], capacity_bytes: int,
     """What the cache that wrote ``log`` saved, and the bound at ``capacity_bytes``. Entries
     are valued as ``costs`` recorded them where it knows them (one run's timings for several
     runs, so that their noise does not tell them apart), else as ``log`` did."""
-    known = costs_and_sizes(log) | (costs or {})
+    written = costs_and_sizes(log)
+    known = written | (costs or {})
     by_kind: dict[KeyKind, float] = defaultdict(float)
     hits = 0
     for access in log:
@@ -125,8 +143,8 @@ def savings(log: Sequence[LoggedAccess], capacity_bytes: int,
             hits += 1
             by_kind[StoreKey.parse(access.key).kind] += (
                 known[access.key][1] if access.key in known else access.cost_s)
-    lookups = sum(a.access is not Access.WRITE for a in log)
-    written = sum(a.size for a in log if a.access is Access.WRITE)
+    # A search that missed several alternatives is one lookup.
+    searches = {a.group or id(a) for a in log if a.access is not Access.WRITE}
     return LogSavings(sum(by_kind.values()),
-                      bound_s(intervals(log, known), len(log), capacity_bytes), hits, lookups,
-                      written, dict(by_kind))
+                      lp_bound_s(intervals(log, known), len(log), capacity_bytes), hits,
+                      len(searches), sum(size for size, _ in written.values()), dict(by_kind))

@@ -4,6 +4,7 @@ a batch of smaller entries travels in one call."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from cachesvc.lookup_log import Access, LookupLog
 from cachesvc.policy import KindPolicy
 from cachesvc.tensor_view import typed_view
 from cachesvc.ttl_index import TtlIndex, now_ms
-from cachesvc.value_index import VALUED, ValueIndex
+from cachesvc.value_index import ValueIndex
 from keys import KeyKind, StoreKey
 
 # Threads for the TTL index writes (a Redis round trip each) that run while entries are sent.
@@ -59,8 +60,9 @@ class EntryWriter:
         """Store the entry laid out in ``slot``; ``cost_s`` is what computing it took."""
         expires_at_ms = self._expiry(key)
         indexed = self._index_ttl([key], expires_at_ms)
+        sent_at = time.time()
         self._store.write(key, lambda: self._send(key, slot, int(cost_s * 1e6), expires_at_ms))
-        self._after_write([(key, slot.spec, cost_s)], indexed)
+        self._after_write([(key, slot.spec, cost_s)], indexed, sent_at)
 
     def put(self, key: StoreKey, tensor: torch.Tensor, cost_s: float) -> None:
         """Store a copy of ``tensor``."""
@@ -90,6 +92,7 @@ class EntryWriter:
         expires_at_ms = self._expiry(keys[0])
         indexed = self._index_ttl(keys, expires_at_ms)
         raw = self._store.store
+        sent_at = time.time()
         with self._pool.lease(offsets[-1]) as buf:
             for (_, tensor), spec, off, cost in zip(items, specs, offsets[:-1], costs,
                                                     strict=True):
@@ -99,7 +102,7 @@ class EntryWriter:
             self._store.write(keys[0], lambda: raw.batch_put_from(
                 [str(k) for k in keys], [buf.ptr + o for o in offsets[:-1]],
                 [s.entry_bytes for s in specs], config))
-        self._after_write(list(zip(keys, specs, costs, strict=True)), indexed)
+        self._after_write(list(zip(keys, specs, costs, strict=True)), indexed, sent_at)
 
     def _config(self, key: StoreKey) -> object:
         return self._configs[self._policies[key.kind].soft_pin]
@@ -116,17 +119,18 @@ class EntryWriter:
         return self._io.submit(self._ttl_index.add, keys, expires_at_ms)
 
     def _after_write(self, written: Sequence[tuple[StoreKey, TensorSpec, float]],
-                     indexed: Future[None] | None) -> None:
-        """Wait for the TTL index write; count each entry's payload bytes under its tenant and
-        queue its value record."""
+                     indexed: Future[None] | None, sent_at: float) -> None:
+        """Wait for the TTL index write; count each entry's payload bytes under its tenant,
+        queue its value record and log it as written when it was sent (``sent_at``), before
+        any reader could have found it."""
         if indexed is not None:
             indexed.result()
         for key, spec, cost_s in written:
             self._counters.queue(key.tenant, key.kind,
                                  {Event.BYTES_WRITTEN: float(spec.payload_bytes)})
             self._values.written(key, spec.entry_bytes, cost_s)
-            if self._lookups is not None and key.kind in VALUED:
-                self._lookups.log(Access.WRITE, key, spec.entry_bytes, cost_s)
+            if self._lookups is not None:
+                self._lookups.log(Access.WRITE, key, spec.entry_bytes, cost_s, at=sent_at)
 
     def _send(self, key: StoreKey, slot: TensorSlot, cost_us: int, expires_at_ms: int) -> None:
         """Seal and send the entry laid out in ``slot``."""

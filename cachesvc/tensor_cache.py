@@ -211,6 +211,19 @@ class TensorCache:
         self._log(key, Access.HIT if found else Access.MISS)
         return found
 
+    def probe(self, key: StoreKey) -> bool:
+        """Whether ``key`` is cached: a lookup in the lookup log, left to the caller to count
+        (in a job's ledger, once it knows the lookup stands)."""
+        found = self.exists(key)
+        self._log(key, Access.HIT if found else Access.MISS)
+        return found
+
+    def log_missed(self, keys: Sequence[StoreKey]) -> None:
+        """A search that found none of ``keys``, any one of which would have served it (a
+        chain's checkpoints), for the lookup log; the caller counts it."""
+        if self.lookups is not None:
+            self.lookups.missed(keys)
+
     def exists(self, key: StoreKey) -> bool:
         return self._store.exists(key)
 
@@ -267,7 +280,7 @@ class TensorCache:
                 self._log(key, Access.MISS)
             events = {Event.LOOKUPS: 1.0, Event.MISSES: 1.0}
         else:
-            self._log(key, Access.HIT, entry.nbytes, entry.cost_s)
+            self._log(key, Access.HIT, cost_s=entry.cost_s)
             self.values.read(key)
             events = {
                 Event.LOOKUPS: 1.0,
@@ -277,9 +290,9 @@ class TensorCache:
             }
         self._count(key, events, ledger)
 
-    def _log(self, key: StoreKey, access: Access, size: int = 0, cost_s: float = 0.0) -> None:
-        if self.lookups is not None and key.kind in VALUED:
-            self.lookups.log(access, key, size, cost_s)
+    def _log(self, key: StoreKey, access: Access, cost_s: float = 0.0) -> None:
+        if self.lookups is not None:
+            self.lookups.log(access, key, cost_s=cost_s)
 
     def _count(self, key: StoreKey, events: Mapping[Event, float],
                ledger: Ledger | None) -> None:

@@ -51,7 +51,9 @@ REUSE_MEMORY = 10_000
 _ODDS = """
 local function odds(class)
   local counts = redis.call('HMGET', KEYS[4], class .. ':written', class .. ':read')
-  return (tonumber(counts[2] or 0) + 1) / (tonumber(counts[1] or 0) + 2)
+  local written = tonumber(counts[1] or 0)
+  -- First reads of entries written before a halving may outnumber the writes counted.
+  return (math.min(tonumber(counts[2] or 0), written) + 1) / (written + 2)
 end
 """
 

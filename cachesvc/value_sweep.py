@@ -48,14 +48,15 @@ class _Tenant:
     exhausted: bool = False
 
 
-def store_capacity(settings: Settings) -> int:
+def store_capacity(settings: Settings, last: int | None = None) -> int:
     """The bytes the sweeper keeps the cache within: ``cache.capacity_mib``, else what every
-    mounted storage node contributes as the master reports it, else one node's segment."""
+    mounted storage node contributes as the master reports it, else ``last`` (what it reported
+    before), else one node's segment."""
     if settings.cache.capacity_mib is not None:
         return settings.cache.capacity_mib << 20
     url = settings.store.master_metrics_url
     mounted = mounted_bytes(url) if url else None
-    return mounted or settings.store.segment_mib << 20
+    return mounted or last or settings.store.segment_mib << 20
 
 
 class ValueSweeper:

@@ -274,7 +274,7 @@ def sweep_until(stop: threading.Event, settings: Settings) -> None:
     while not stop.wait(settings.cache.evict_interval_s):
         full = time.monotonic() >= next_full
         if full:  # storage nodes come and go; asking the master at every pass would cost
-            capacity = store_capacity(settings)
+            capacity = store_capacity(settings, capacity)
         try:
             store = store or MooncakeStore.connect(StoreEndpoints.configured(settings.store),
                                                    settings.store)

@@ -59,3 +59,15 @@ def test_a_computed_miss_is_logged_before_the_write_it_leads_to(
     logged.get_or_compute(key, lambda: torch.ones(256))
     # Logged after its write, the miss would read as a lookup a cache could have served.
     assert [a.access for a in read_log(tmp_path)] == [Access.MISS, Access.WRITE, Access.HIT]
+
+
+def test_a_search_of_several_keys_is_one_group_and_a_closed_log_fails_nothing(
+        logged: TensorCache, tmp_path: Path) -> None:
+    chain = [StoreKey("logged", KeyKind.CHECKPOINT, f"{step}-c") for step in (1, 2)]
+    logged.log_missed(chain)
+    logged.log_missed(chain[:1])
+    groups = [a.group for a in read_log(tmp_path)]
+    assert groups[0] == groups[1] != groups[2] and None not in groups
+    assert logged.lookups is not None
+    logged.lookups.close()
+    assert logged.get(chain[0]) is None  # a lookup still answers once its log is gone

@@ -44,7 +44,7 @@ class DecodeHandler:
         # Another request may have made the same output since this one's encode probe missed
         # (or this is a redelivery after the output was stored). A lookup either way, counted
         # in the record and the counters alike.
-        hit = self.cache.exists(out_key)
+        hit = self.cache.probe(out_key)
         if not hit:
             start = time.perf_counter()
             latents_ref = job.ref(LATENTS)

@@ -278,7 +278,12 @@ class DenoiseHandler:
         """The checkpoint furthest along ``links``: one existence round trip for the chain,
         then reads from the end until one is intact, each a lookup in ``ledger``."""
         keys = [link.checkpoint_key() for link in links[1:]]
-        present = [k for k, ok in zip(keys, self.cache.batch_exists(keys), strict=True) if ok]
+        found_at = self.cache.batch_exists(keys)
+        present = [k for k, ok in zip(keys, found_at, strict=True) if ok]
+        # Those past the furthest one present would each have saved more: a search that
+        # missed them, for the lookup log (the read below counts the lookup).
+        furthest = max((i for i, ok in enumerate(found_at) if ok), default=-1)
+        self.cache.log_missed(keys[furthest + 1:])
         if not present and (kept := self._kept_checkpoint(ctx, keys)) is not None:
             return kept
         if not present:  # a lookup that found nothing is a miss, or hit rates lie
