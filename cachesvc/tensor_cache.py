@@ -29,11 +29,11 @@ from cachesvc.errors import StoreUnavailableError
 from cachesvc.ledger import Ledger
 from cachesvc.lookup_log import Access, LookupLog
 from cachesvc.policy import KindPolicy, policies
-from cachesvc.redis_client import RedisClient
+from cachesvc.redis_client import REDIS_ERRORS, RedisClient
 from cachesvc.single_flight import Outcome, SingleFlight
 from cachesvc.store_backend import StoreBackend
 from cachesvc.ttl_index import TtlIndex
-from cachesvc.value_index import VALUED, ValueIndex, forget
+from cachesvc.value_index import VALUED, ValueIndex, forget, hold, release
 from cachesvc.write_admission import WriteAdmission
 from config.settings import CacheSettings, StoreSettings
 from keys import StoreKey
@@ -61,6 +61,7 @@ class TensorCache:
         self._policies = policies(settings)
         self._redis = client
         self.values = ValueIndex(client)
+        self._inputs_held_s = settings.inputs_held_s
         self.counters.also_flush(self.values.flush)
         self.lookups = (LookupLog(settings.lookup_log_dir)
                         if settings.lookup_log_dir is not None else None)
@@ -217,6 +218,24 @@ class TensorCache:
         found = self.exists(key)
         self._log(key, Access.HIT if found else Access.MISS)
         return found
+
+    def hold_inputs(self, tenant: str, request_id: str, keys: Sequence[StoreKey]) -> None:
+        """Keep ``keys``, the inputs of ``request_id`` on its way through the stages, from the
+        value sweeper until ``release_inputs`` (or ``cache.inputs_held_s``). Best effort: a
+        hold Redis could not take leaves the inputs to lineage, as before."""
+        try:
+            hold(self._redis, tenant, request_id, keys, time.time() + self._inputs_held_s)
+        except REDIS_ERRORS as exc:
+            log.warning("request %s: its inputs are not held from eviction (%s)",
+                        request_id, exc)
+
+    def release_inputs(self, tenant: str, request_id: str, keys: Sequence[StoreKey]) -> None:
+        """``request_id`` is done with ``keys`` (a hold not released lapses on its own)."""
+        try:
+            release(self._redis, tenant, request_id, keys)
+        except REDIS_ERRORS as exc:
+            log.warning("request %s: its inputs stay held until the hold lapses (%s)",
+                        request_id, exc)
 
     def log_missed(self, keys: Sequence[StoreKey]) -> None:
         """A search that found none of ``keys``, any one of which would have served it (a

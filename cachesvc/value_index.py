@@ -196,6 +196,32 @@ def reuse_class(key: StoreKey) -> str:
     return key.kind.value if step is None else f"{key.kind.value}@{step}"
 
 
+def hold(client: RedisClient, tenant: str, request_id: str, keys: Sequence[StoreKey],
+         until: float) -> None:
+    """Keep ``keys``, the inputs of ``request_id`` in flight, from eviction until it releases
+    them, or until ``until`` (unix seconds) if it never does (its worker died, or it was
+    cancelled)."""
+    members = {f"{request_id}|{k}": until for k in keys if k.kind in VALUED}
+    if members:
+        client.zadd(value_keys(tenant)[4], members)
+
+
+def release(client: RedisClient, tenant: str, request_id: str,
+            keys: Sequence[StoreKey]) -> None:
+    """``request_id`` is done with ``keys``."""
+    members = [f"{request_id}|{k}" for k in keys if k.kind in VALUED]
+    if members:
+        client.zrem(value_keys(tenant)[4], *members)
+
+
+def held_inputs(client: RedisClient, tenant: str, now: float) -> set[str]:
+    """The store keys of ``tenant`` that requests in flight hold; lapsed holds are dropped."""
+    needed = value_keys(tenant)[4]
+    client.zremrangebyscore(needed, "-inf", now)
+    members: list[bytes] = client.zrangebyscore(needed, now, "+inf")  # type: ignore[assignment]
+    return {m.decode().rpartition("|")[2] for m in members}
+
+
 def read_clock(client: RedisClient) -> float:
     raw = client.get(value_clock())
     return float(raw) if raw else 0.0

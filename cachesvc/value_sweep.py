@@ -2,13 +2,15 @@
 than ``cache.evict_above`` of the store's capacity, remove those of lowest priority until they
 hold ``cache.evict_to``, taking first from tenants beyond ``cache.max_share``.
 
-An entry a reader holds the lease of is kept (Mooncake refuses the removal), and an entry
-found already gone is forgotten and counted: that is Mooncake's own eviction at work.
+An entry a reader holds the lease of is kept (Mooncake refuses the removal), as is an input a
+request in flight holds (``value_index.hold``); an entry found already gone is forgotten and
+counted: that is Mooncake's own eviction at work.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from cachesvc.counters import CacheCounters, Event, tenants
@@ -16,7 +18,7 @@ from cachesvc.errors import StoreOperationError
 from cachesvc.mooncake_store import mounted_bytes
 from cachesvc.redis_client import RedisClient
 from cachesvc.store_backend import Eviction, StoreBackend
-from cachesvc.value_index import forget, held, read_clock
+from cachesvc.value_index import forget, held, held_inputs, read_clock
 from config.settings import CacheSettings, Settings
 from keys import StoreKey
 from keys.names import value_clock, value_keys
@@ -36,6 +38,7 @@ class SweepReport:
     evicted: int = 0  # removed by the policy
     found_gone: int = 0  # already gone from the store: Mooncake evicted them, or a node died
     busy: int = 0  # kept: a read held them, or their write was unfinished
+    needed: int = 0  # kept: a request in flight holds them as its inputs
 
 
 @dataclass(slots=True)
@@ -44,8 +47,9 @@ class _Tenant:
 
     held: int
     candidates: list[tuple[str, float]] = field(default_factory=list)
-    skipped: int = 0  # busy entries still at the head of its priority set
+    skipped: int = 0  # busy or needed entries still at the head of its priority set
     exhausted: bool = False
+    needed: set[str] | None = None  # the inputs its requests in flight hold, once read
 
 
 def store_capacity(settings: Settings, last: int | None = None) -> int:
@@ -79,6 +83,7 @@ class ValueSweeper:
         target = self.capacity * self.settings.evict_to
         clock = read_clock(self._redis)
         counts = {outcome: 0 for outcome in Eviction}
+        needed = 0
         total = before
         while total > target:
             victim = self._victim(state)
@@ -86,6 +91,10 @@ class ValueSweeper:
                 break  # nothing left that may be removed
             tenant, by_share = victim
             key, priority = state[tenant].candidates.pop(0)
+            if key in self._needed(tenant, state[tenant]):
+                needed += 1
+                state[tenant].skipped += 1
+                continue
             try:
                 outcome = self._store.evict(key)
             except StoreOperationError as exc:
@@ -106,11 +115,17 @@ class ValueSweeper:
             else:
                 self._counters.add(tenant, store_key.kind, Event.FOUND_GONE)
         self._redis.set(value_clock(), repr(clock))
-        log.info("value sweep: %d bytes recorded, %d now; %d evicted, %d found gone, %d busy",
-                 before, total, counts[Eviction.REMOVED], counts[Eviction.ABSENT],
-                 counts[Eviction.BUSY])
+        log.info("value sweep: %d bytes recorded, %d now; %d evicted, %d found gone, %d busy, "
+                 "%d needed", before, total, counts[Eviction.REMOVED], counts[Eviction.ABSENT],
+                 counts[Eviction.BUSY], needed)
         return SweepReport(before, total, counts[Eviction.REMOVED], counts[Eviction.ABSENT],
-                           counts[Eviction.BUSY])
+                           counts[Eviction.BUSY], needed)
+
+    def _needed(self, tenant: str, s: _Tenant) -> set[str]:
+        """The inputs ``tenant``'s requests in flight hold, read once a sweep."""
+        if s.needed is None:
+            s.needed = held_inputs(self._redis, tenant, time.time())
+        return s.needed
 
     def _victim(self, state: dict[str, _Tenant]) -> tuple[str, bool] | None:
         """The tenant to take the next entry from, and whether for its share: the one

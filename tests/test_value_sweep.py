@@ -1,6 +1,7 @@
 """Eviction by value against the real store and Redis: the entries worth least per byte go
 first, a read's lease keeps its entry, a tenant beyond its share loses its own entries first,
-and an entry the store dropped by itself is forgotten and counted."""
+an input a request in flight holds is kept, and an entry the store dropped by itself is
+forgotten and counted."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from cachesvc.counters import read_totals
 from cachesvc.tensor_cache import TensorCache
-from cachesvc.value_index import held, records
+from cachesvc.value_index import held, held_inputs, hold, records
 from cachesvc.value_sweep import ValueSweeper
 from config.settings import CacheSettings, Settings
 from keys import KeyKind, StoreKey
@@ -193,3 +194,25 @@ def test_a_checkpoint_is_priced_by_the_reads_at_its_step(
     at_2, at_4 = checkpoint(2, "new"), checkpoint(4, "new")
     cache.counters.flush()
     assert priority(redis_client, at_2) < priority(redis_client, at_4)
+
+
+def test_an_input_a_request_in_flight_holds_is_kept_until_released(
+        cache: TensorCache, redis_client: redis.Redis, stack_settings: Settings) -> None:
+    needed, other = write(cache, "value", "needed", 0.1), write(cache, "value", "other", 1.0)
+    cache.hold_inputs("value", "r1", [needed])
+    sweep = sweeper(cache, redis_client, stack_settings, [needed, other], 0.95)
+    report = sweep.sweep()
+    # The least valuable entry is kept while a request needs it; the next one goes instead.
+    assert (report.evicted, report.needed) == (1, 1)
+    assert records(redis_client, "value", [needed, other])[1] is None
+    cache.release_inputs("value", "r1", [needed])
+    sweep.capacity = 1  # whatever is left is too much
+    assert (sweep.sweep().evicted, present(cache, [needed, other])) == (1, [False, False])
+
+
+def test_a_hold_never_released_lapses(cache: TensorCache, redis_client: redis.Redis) -> None:
+    key = write(cache, "value", "lapsed", 0.1)
+    hold(redis_client, "value", "r1", [key], until=time.time() - 1)  # its worker died
+    hold(redis_client, "value", "r2", [StoreKey("value", KeyKind.LATENTS, "l")],
+         until=time.time() + 60)  # in flight between stages: never recorded, never held
+    assert held_inputs(redis_client, "value", time.time()) == set()

@@ -14,7 +14,7 @@ from cachesvc.counters import read_totals
 from cachesvc.waiting import wait_until
 from config.settings import Settings
 from keys import KeyKind, StoreKey
-from keys.names import dead_letter_stream, stage_stream
+from keys.names import dead_letter_stream, stage_stream, value_keys
 from supervision.processes import ChildProcess
 from tests.workers_harness import (
     make_spec,
@@ -59,6 +59,10 @@ def test_a_repeated_prompt_is_encoded_once(worker_settings: Settings, client: re
     records = [wait_done(client, s) for s in (first, second)]
     assert records[0].hits()["embed"] == 0
     assert records[1].hits()["embed"] == 2  # prompt and negative prompt both hit
+    # Each held its embeddings from eviction on its way through the stages, and let go.
+    holds = client.zrange(value_keys(first.tenant)[4], 0, -1)
+    assert not [h for h in holds if h.decode().split("|")[0] in (first.request_id,
+                                                                  second.request_id)]
 
 
 def test_two_workers_of_one_stage_share_the_load(

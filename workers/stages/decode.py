@@ -58,6 +58,8 @@ class DecodeHandler:
                 self.files.write(out_key, data)
             self.cache.put(out_key, torch.frombuffer(bytearray(data), dtype=torch.uint8),
                            cost_s=cost)
+        self.cache.release_inputs(job.tenant, job.request_id,
+                                  [StoreKey.parse(r.key) for r in job.refs])
         # Counted once the outcome is certain: a recompute for lost latents records no lookup.
         ledger = self.cache.ledger(spec.tenant)
         ledger.lookup(KeyKind.OUTPUT, hit)

@@ -102,6 +102,8 @@ class EncodeHandler:
             except ImageLostError as exc:
                 return self._image_lost(exc, counts | tally_fields(ledger.take()))
             counts = counts | tally_fields(ledger.take())
+        # Until it is done, no sweep evicts what the later stages will read.
+        self.cache.hold_inputs(job.tenant, job.request_id, [StoreKey.parse(r.key) for r in refs])
         return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=counts,
                        affinity=tuple(lora.hash for lora in spec.loras))
 
