@@ -62,15 +62,20 @@ def costs_and_sizes(log: Sequence[LoggedAccess]) -> Known:
 
 
 def intervals(log: Sequence[LoggedAccess], known: Known) -> list[Interval]:
-    """The intervals worth keeping: between consecutive accesses to one written entry, ending
-    at a lookup (a rewrite saves nothing). An entry never written (its write refused or
-    failed) has no size to keep."""
+    """The intervals worth keeping: between consecutive accesses to an entry from its first
+    write on (before it, there is nothing to keep: two requests that miss on an output not
+    yet made could not have shared it), ending at a lookup (a rewrite saves nothing)."""
     last: dict[str, int] = {}
+    written: set[str] = set()
     out = []
     for position, access in enumerate(log):
         start = last.get(access.key)
         last[access.key] = position
-        if start is None or access.access is Access.WRITE or access.key not in known:
+        existed = access.key in written  # then written at or before ``start``
+        if access.access is Access.WRITE:
+            written.add(access.key)
+            continue
+        if start is None or not existed or access.key not in known:
             continue
         size, cost_s = known[access.key]
         if cost_s > 0:

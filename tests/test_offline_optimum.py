@@ -45,6 +45,15 @@ def test_intervals_end_at_lookups_of_written_entries() -> None:
                                                     Interval(3, 4, 10, 2.0)]
 
 
+def test_nothing_is_kept_before_an_entry_is_first_written() -> None:
+    # Two requests miss on an output before either makes it: no cache could have served the
+    # second.
+    log = log_of((MISS, "out", 0, 0), (MISS, "out", 0, 0), (WRITE, "out", 4, 3.0),
+                 (HIT, "out", 4, 3.0))
+    assert intervals(log, costs_and_sizes(log)) == [Interval(2, 3, 4, 3.0)]
+    assert savings(log, 4).bound_s == pytest.approx(3.0)
+
+
 def test_two_entries_that_cannot_both_be_kept_share_the_memory_fractionally() -> None:
     # a (2 bytes) and b (1 byte) overlap; with 2 bytes the LP keeps b and half of a.
     log = log_of((WRITE, "a", 2, 1.0), (WRITE, "b", 1, 1.0), (HIT, "a", 2, 1.0),
