@@ -106,8 +106,11 @@ class CacheSettings(_Section):
     max_share: float = Field(0.5, gt=0.0, le=1.0, description="of capacity_mib, a tenant's "
                              "bytes beyond which its own entries are evicted first")
     # A request's inputs (its embeddings, image latents) are kept from eviction from its
-    # hand-off to denoise until it is done, or for this long if it never finishes.
-    inputs_held_s: float = Field(3600.0, gt=0)
+    # hand-off to denoise until decode is done with them, or for this long. Only decode lets
+    # go: a request cancelled or failed on the way keeps its hold until it lapses, so the lapse
+    # is short; one in flight for longer only loses the protection (lineage makes a lost input
+    # again).
+    inputs_held_s: float = Field(900.0, gt=0)
     # Every lookup and write of a valued entry, a JSON line each in a file per process here
     # (``cachesvc.lookup_log``), for replaying a trace against an offline optimum.
     lookup_log_dir: Path | None = Field(None, description="unset: no log")
