@@ -171,7 +171,7 @@ def value_sweeps(settings: Settings, on: bool) -> Iterator[list[SweepReport]]:
             except (CacheError, *REDIS_ERRORS) as exc:
                 print(f"value sweep failed, retrying: {exc}", flush=True)
                 continue
-            if done.evicted or done.found_gone or done.busy:
+            if done.evicted or done.found_gone or done.busy or done.needed:
                 reports.append(done)
 
     thread = threading.Thread(target=sweep, name="value-sweeper", daemon=True)

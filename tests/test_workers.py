@@ -59,10 +59,15 @@ def test_a_repeated_prompt_is_encoded_once(worker_settings: Settings, client: re
     records = [wait_done(client, s) for s in (first, second)]
     assert records[0].hits()["embed"] == 0
     assert records[1].hits()["embed"] == 2  # prompt and negative prompt both hit
-    # Each held its embeddings from eviction on its way through the stages, and let go.
-    holds = client.zrange(value_keys(first.tenant)[4], 0, -1)
-    assert not [h for h in holds if h.decode().split("|")[0] in (first.request_id,
-                                                                  second.request_id)]
+    # Each held its embeddings from eviction on its way through the stages, and lets go once
+    # its output is published (just after DONE shows).
+
+    def released() -> bool:
+        holds = client.zrange(value_keys(first.tenant)[4], 0, -1)
+        return not [h for h in holds
+                    if h.decode().split("|")[0] in (first.request_id, second.request_id)]
+
+    wait_until(released, timeout_s=30, interval_s=0.05, what="the requests' holds released")
 
 
 def test_two_workers_of_one_stage_share_the_load(

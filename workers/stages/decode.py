@@ -58,8 +58,6 @@ class DecodeHandler:
                 self.files.write(out_key, data)
             self.cache.put(out_key, torch.frombuffer(bytearray(data), dtype=torch.uint8),
                            cost_s=cost)
-        self.cache.release_inputs(job.tenant, job.request_id,
-                                  [StoreKey.parse(r.key) for r in job.refs])
         # Counted once the outcome is certain: a recompute for lost latents records no lookup.
         ledger = self.cache.ledger(spec.tenant)
         ledger.lookup(KeyKind.OUTPUT, hit)
@@ -76,9 +74,12 @@ class DecodeHandler:
         return job.handoff(Stage.DENOISE, embeddings)
 
     def after_publish(self, job: Job, outcome: Outcome) -> None:
-        """Final latents have one consumer: delete them once the output is published, and
-        hand the request's decode credit back."""
+        """Final latents have one consumer: delete them once the output is published, let go
+        of the request's inputs, and hand its decode credit back. Only now: an attempt whose
+        result is refused (a stale one) must not release what a live redo still reads."""
         self.cache.remove(StoreKey.parse(job.ref(LATENTS).key))
+        self.cache.release_inputs(job.tenant, job.request_id,
+                                  [StoreKey.parse(r.key) for r in job.refs])
         self.credits.release(job.tenant, job.request_id)
 
     def discard(self, outcome: Outcome) -> None:
