@@ -161,7 +161,8 @@ def value_sweeps(settings: Settings, on: bool) -> Iterator[list[SweepReport]]:
     client = open_redis(settings)
     store = MooncakeStore.connect(StoreEndpoints.configured(settings.store), settings.store)
     counters = CacheCounters(client, settings.cache.stats_flush_s)
-    sweeper = ValueSweeper(client, store, counters, store_capacity(settings), settings.cache)
+    sweeper = ValueSweeper(client, store, counters, store_capacity(settings), settings.cache,
+                           Records(client).ended)
     stop = threading.Event()
 
     def sweep() -> None:

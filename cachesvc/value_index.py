@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 from collections import Counter, defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from cachesvc.redis_client import REDIS_ERRORS, RedisClient
@@ -196,12 +196,16 @@ def reuse_class(key: StoreKey) -> str:
     return key.kind.value if step is None else f"{key.kind.value}@{step}"
 
 
+def _member(request_id: str, key: StoreKey | str) -> str:
+    return f"{request_id}|{key}"
+
+
 def hold(client: RedisClient, tenant: str, request_id: str, keys: Sequence[StoreKey],
          until: float) -> None:
     """Keep ``keys``, the inputs of ``request_id`` in flight, from eviction until it releases
-    them, or until ``until`` (unix seconds) if it never does (its worker died, or it was
-    cancelled)."""
-    members = {f"{request_id}|{k}": until for k in keys if k.kind in VALUED}
+    them, until it ends (``ValueSweeper``'s ``ended``), or until ``until`` (unix seconds) if
+    neither is seen (its worker died, say)."""
+    members = {_member(request_id, k): until for k in keys if k.kind in VALUED}
     if members:
         client.zadd(value_keys(tenant)[4], members)
 
@@ -209,17 +213,29 @@ def hold(client: RedisClient, tenant: str, request_id: str, keys: Sequence[Store
 def release(client: RedisClient, tenant: str, request_id: str,
             keys: Sequence[StoreKey]) -> None:
     """``request_id`` is done with ``keys``."""
-    members = [f"{request_id}|{k}" for k in keys if k.kind in VALUED]
+    members = [_member(request_id, k) for k in keys if k.kind in VALUED]
     if members:
         client.zrem(value_keys(tenant)[4], *members)
 
 
-def held_inputs(client: RedisClient, tenant: str, now: float) -> set[str]:
-    """The store keys of ``tenant`` that requests in flight hold; lapsed holds are dropped."""
+def held_inputs(client: RedisClient, tenant: str, now: float) -> dict[str, set[str]]:
+    """The store keys each request in flight of ``tenant`` holds, by request id; lapsed holds
+    are dropped."""
     needed = value_keys(tenant)[4]
     client.zremrangebyscore(needed, "-inf", now)
     members: list[bytes] = client.zrangebyscore(needed, now, "+inf")  # type: ignore[assignment]
-    return {m.decode().rpartition("|")[2] for m in members}
+    holds: dict[str, set[str]] = defaultdict(set)
+    for member in members:
+        request_id, _, key = member.decode().partition("|")
+        holds[request_id].add(key)
+    return dict(holds)
+
+
+def drop_holds(client: RedisClient, tenant: str, holds: Mapping[str, set[str]]) -> None:
+    """Drop every hold in ``holds`` (request id -> keys): their requests have ended."""
+    members = [_member(r, k) for r, keys in holds.items() for k in keys]
+    if members:
+        client.zrem(value_keys(tenant)[4], *members)
 
 
 def read_clock(client: RedisClient) -> float:

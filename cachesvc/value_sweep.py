@@ -3,14 +3,15 @@ than ``cache.evict_above`` of the store's capacity, remove those of lowest prior
 hold ``cache.evict_to``, taking first from tenants beyond ``cache.max_share``.
 
 An entry a reader holds the lease of is kept (Mooncake refuses the removal), as is an input a
-request in flight holds (``value_index.hold``); an entry found already gone is forgotten and
-counted: that is Mooncake's own eviction at work.
+request in flight holds (``value_index.hold``) until the request ends; an entry found already
+gone is forgotten and counted: that is Mooncake's own eviction at work.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cachesvc.counters import CacheCounters, Event, tenants
@@ -18,7 +19,7 @@ from cachesvc.errors import StoreOperationError
 from cachesvc.mooncake_store import mounted_bytes
 from cachesvc.redis_client import RedisClient
 from cachesvc.store_backend import Eviction, StoreBackend
-from cachesvc.value_index import forget, held, held_inputs, read_clock
+from cachesvc.value_index import drop_holds, forget, held, held_inputs, read_clock
 from config.settings import CacheSettings, Settings
 from keys import StoreKey
 from keys.names import value_clock, value_keys
@@ -27,6 +28,10 @@ log = logging.getLogger(__name__)
 
 # Candidates read from a tenant's priority set at a time.
 PAGE = 256
+
+# Which of a tenant's request ids have ended (done, failed, cancelled or forgotten): the
+# queue's knowledge, which the cache layer is handed rather than imports.
+Ended = Callable[[str, Sequence[str]], set[str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +72,16 @@ class ValueSweeper:
     """Keeps the cache's recorded entries within their share of ``capacity_bytes``."""
 
     def __init__(self, client: RedisClient, store: StoreBackend, counters: CacheCounters,
-                 capacity_bytes: int, settings: CacheSettings) -> None:
+                 capacity_bytes: int, settings: CacheSettings,
+                 ended: Ended | None = None) -> None:
         self._redis = client
         self._store = store
         self._counters = counters
         self.capacity = capacity_bytes
         self.settings = settings
+        # None: a hold lasts until released or lapsed. A request cancelled, failed or dead
+        # lettered never reaches the decode that releases its holds.
+        self._ended = ended
 
     def sweep(self) -> SweepReport:
         """One pass over every tenant's recorded entries."""
@@ -122,9 +131,14 @@ class ValueSweeper:
                            counts[Eviction.BUSY], needed)
 
     def _needed(self, tenant: str, s: _Tenant) -> set[str]:
-        """The inputs ``tenant``'s requests in flight hold, read once a sweep."""
+        """The inputs ``tenant``'s requests in flight hold, read once a sweep; the holds of
+        requests that have ended are dropped."""
         if s.needed is None:
-            s.needed = held_inputs(self._redis, tenant, time.time())
+            holds = held_inputs(self._redis, tenant, time.time())
+            ended = self._ended(tenant, list(holds)) if self._ended and holds else set()
+            if ended:
+                drop_holds(self._redis, tenant, {r: holds.pop(r) for r in ended})
+            s.needed = set().union(*holds.values())
         return s.needed
 
     def _victim(self, state: dict[str, _Tenant]) -> tuple[str, bool] | None:

@@ -257,6 +257,7 @@ def sweep_until(stop: threading.Event, settings: Settings) -> None:
     """Keep the cache within its memory by value (every ``cache.evict_interval_s``) and remove
     expired entries, output files and old Redis state (every ``cache.sweep_interval_s``) until
     ``stop`` is set. Every pass survives the store or Redis restarting under it."""
+    from workers.queue.records import Records
     from workers.queue.retention import Retention, RetentionError
     from workers.queue.watchdog import Watchdog
 
@@ -264,6 +265,7 @@ def sweep_until(stop: threading.Event, settings: Settings) -> None:
     index = TtlIndex(client)
     counters = CacheCounters(client, settings.cache.stats_flush_s)
     retention = Retention(client, settings.retention)
+    records = Records(client)
     watchdog = Watchdog(client, settings.workers.orphan_bound_s,
                         settings.workers.live_within_s)
     files = OutputFiles(settings.outputs_dir, settings.cache.output_ttl_s)
@@ -278,7 +280,8 @@ def sweep_until(stop: threading.Event, settings: Settings) -> None:
         try:
             store = store or MooncakeStore.connect(StoreEndpoints.configured(settings.store),
                                                    settings.store)
-            ValueSweeper(client, store, counters, capacity, settings.cache).sweep()
+            ValueSweeper(client, store, counters, capacity, settings.cache,
+                         records.ended).sweep()
             if full:
                 index.sweep(store)
         except (CacheError, *REDIS_ERRORS) as exc:

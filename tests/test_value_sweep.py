@@ -1,7 +1,7 @@
 """Eviction by value against the real store and Redis: the entries worth least per byte go
 first, a read's lease keeps its entry, a tenant beyond its share loses its own entries first,
-an input a request in flight holds is kept, and an entry the store dropped by itself is
-forgotten and counted."""
+an input a request in flight holds is kept (until it ends), and an entry the store dropped by
+itself is forgotten and counted."""
 
 from __future__ import annotations
 
@@ -15,10 +15,14 @@ import torch
 from cachesvc.counters import read_totals
 from cachesvc.tensor_cache import TensorCache
 from cachesvc.value_index import held, held_inputs, hold, records
-from cachesvc.value_sweep import ValueSweeper
+from cachesvc.value_sweep import Ended, ValueSweeper
 from config.settings import CacheSettings, Settings
-from keys import KeyKind, StoreKey
-from keys.names import ttl_index, value_keys
+from keys import GenerationSpec, KeyKind, OutputFormat, StoreKey
+from keys.names import request_record, ttl_index, value_keys
+from workers.queue.records import Records, initial_fields
+from workers.queue.schema import timestamp
+from workers.queue.script_args import CancelArgs
+from workers.queue.scripts import Scripts
 
 FLOATS = 1024  # each entry: 4 KiB of payload and its header
 
@@ -30,7 +34,8 @@ def write(cache: TensorCache, tenant: str, name: str, cost_s: float) -> StoreKey
 
 
 def sweeper(cache: TensorCache, client: redis.Redis, settings: Settings,
-            keys: list[StoreKey], fill: float, **cache_settings: float) -> ValueSweeper:
+            keys: list[StoreKey], fill: float, ended: Ended | None = None,
+            **cache_settings: float) -> ValueSweeper:
     """A sweeper whose capacity ``keys``' entries fill to ``fill``, once their values are
     recorded."""
     cache.counters.flush()
@@ -38,7 +43,7 @@ def sweeper(cache: TensorCache, client: redis.Redis, settings: Settings,
     assert len(sizes) == len(keys)  # every entry recorded
     total = sizes[0] * len(keys)
     return ValueSweeper(client, cache.store, cache.counters, int(total / fill),
-                        settings.cache.model_copy(update=cache_settings))
+                        settings.cache.model_copy(update=cache_settings), ended)
 
 
 def present(cache: TensorCache, keys: list[StoreKey]) -> list[bool]:
@@ -210,9 +215,32 @@ def test_an_input_a_request_in_flight_holds_is_kept_until_released(
     assert (sweep.sweep().evicted, present(cache, [needed, other])) == (1, [False, False])
 
 
+def test_the_inputs_of_a_request_that_ended_are_let_go(
+        cache: TensorCache, redis_client: redis.Redis, stack_settings: Settings) -> None:
+    running = write(cache, "value", "of-running", 0.05)
+    cancelled = write(cache, "value", "of-cancelled", 0.1)
+    other = write(cache, "value", "unheld", 1.0)
+    for request_id, key in (("running", running), ("cancelled", cancelled)):
+        spec = GenerationSpec.create(
+            request_id=request_id, tenant="value", prompt="p", width=16, height=16,
+            num_frames=1, num_inference_steps=1, guidance_scale=1.0, seed=0,
+            output_format=OutputFormat.NPY)
+        redis_client.hset(request_record("value", request_id), mapping={
+            k: str(v) for k, v in initial_fields(spec).set.items()})
+        cache.hold_inputs("value", request_id, [key])
+    # Cancelled while queued: no decode will ever release what it holds.
+    Scripts(redis_client).run(CancelArgs(request_record("value", "cancelled"), timestamp()))
+    keys = [running, cancelled, other]
+    report = sweeper(cache, redis_client, stack_settings, keys, 0.95,
+                     Records(redis_client).ended).sweep()
+    assert (report.evicted, report.needed) == (1, 1)
+    assert present(cache, keys) == [True, False, True]
+    assert held_inputs(redis_client, "value", time.time()) == {"running": {str(running)}}
+
+
 def test_a_hold_never_released_lapses(cache: TensorCache, redis_client: redis.Redis) -> None:
     key = write(cache, "value", "lapsed", 0.1)
     hold(redis_client, "value", "r1", [key], until=time.time() - 1)  # its worker died
     hold(redis_client, "value", "r2", [StoreKey("value", KeyKind.LATENTS, "l")],
          until=time.time() + 60)  # in flight between stages: never recorded, never held
-    assert held_inputs(redis_client, "value", time.time()) == set()
+    assert held_inputs(redis_client, "value", time.time()) == {}

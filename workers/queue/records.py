@@ -90,6 +90,12 @@ class Records:
         return [None if raw is None else State(raw)
                 for raw in self.field_of(requests, Field.STATE)]
 
+    def ended(self, tenant: str, request_ids: Sequence[str]) -> set[str]:
+        """Those of ``tenant``'s ``request_ids`` that will run no further: finished, failed,
+        cancelled or no longer recorded (a parked request may still be resumed)."""
+        states = self.states([(tenant, r) for r in request_ids])
+        return {r for r, s in zip(request_ids, states, strict=True) if s is None or s.terminal}
+
     def field_of(self, requests: Sequence[tuple[str, str]], name: str) -> list[str | None]:
         """One field of each (tenant, request id)'s record, None where it has none; one
         round trip."""
