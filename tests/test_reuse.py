@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -16,6 +17,7 @@ import redis
 
 from cachesvc.connect import open_cache
 from cachesvc.counters import read_totals
+from cachesvc.value_index import held_inputs
 from cachesvc.waiting import wait_until
 from config.settings import Settings
 from keys import Reuse, ReuseMode, StoreKey
@@ -90,6 +92,11 @@ def test_an_approximate_hit_is_the_sources_prefix_then_its_own_prompt_bit_for_bi
     assert record.counter("resumed_from") == 3  # the source's checkpoint: 3 steps not run
     assert record.counter("hits:approx") == record.counter("lookups:approx") == 1
     assert np.array_equal(frames, reference(pipe, record.spec))
+    # Its start was held from the value sweeper from encode on. Decode lets go of its
+    # embeddings; the checkpoint's hold stays for the sweeper to drop, the request ended.
+    start = wait_done(client, source).checkpoints()[3]
+    wait_until(lambda: held_inputs(client, "reuse", time.time()).get(asked.request_id)
+               == {start}, timeout_s=30, what="only the starting checkpoint still held")
 
     # The same request again, approximate: the same rewrite, so the output is a hit.
     again = dataclasses.replace(asked, request_id=new_request_id())

@@ -62,6 +62,7 @@ class ReuseTable:
 class Rewrite:
     spec: GenerationSpec  # what the request now computes
     hit: ApproximateHit
+    checkpoint: StoreKey  # the source's, at ``hit.step``: where denoise starts
 
 
 def eligible(spec: GenerationSpec) -> bool:
@@ -169,17 +170,20 @@ class ApproximateReuse:
                     source.spec.num_inference_steps != steps or \
                     source.spec.schedule[0].prompt == spec.schedule[0].prompt:
                 continue
-            step = self._furthest_agreed(source.spec, source.checkpoints(), reach, mine, spec)
-            if step is not None:
+            agreed = self._furthest_agreed(source.spec, source.checkpoints(), reach, mine, spec)
+            if agreed is not None:
+                step, checkpoint = agreed
                 return Rewrite(rewritten(spec, source.spec, step),
-                               ApproximateHit(near.request_id, step, near.similarity))
+                               ApproximateHit(near.request_id, step, near.similarity),
+                               checkpoint)
         return None
 
     def _furthest_agreed(self, source: GenerationSpec, checkpoints: dict[int, str],
-                         reach: int, mine: torch.Tensor, spec: GenerationSpec) -> int | None:
+                         reach: int, mine: torch.Tensor,
+                         spec: GenerationSpec) -> tuple[int, StoreKey] | None:
         """The furthest of ``source``'s checkpoints within ``reach`` that is stored and, where
-        the model checks, where the prompts still agree. Not counted as checkpoint lookups:
-        denoise counts the one it starts from."""
+        the model checks, where the prompts still agree: its step and key. Not counted as
+        checkpoint lookups: denoise counts the one it starts from."""
         steps = sorted((s for s in checkpoints if 0 < s <= reach), reverse=True)
         keys = [StoreKey.parse(checkpoints[s]) for s in steps]
         present = self.cache.batch_exists(keys)
@@ -187,13 +191,13 @@ class ApproximateReuse:
             if not found:
                 continue
             if self.agreement is None:
-                return step
+                return step, key
             data = self.cache.get(key, lookup=False)
             if data is None:
                 continue  # gone since it was looked for
             latents = Checkpoint.from_bytes(data.numpy().tobytes()).latents
             if self.agreement.holds(key, latents, step, mine, source, spec):
-                return step
+                return step, key
         return None
 
 

@@ -102,8 +102,13 @@ class EncodeHandler:
             except ImageLostError as exc:
                 return self._image_lost(exc, counts | tally_fields(ledger.take()))
             counts = counts | tally_fields(ledger.take())
-        # Until it is done, no sweep evicts what the later stages will read.
-        self.cache.hold_inputs(job.tenant, job.request_id, [StoreKey.parse(r.key) for r in refs])
+        # Until it is done, no sweep evicts what the later stages will read: its inputs, which
+        # decode releases, and a rewrite's starting checkpoint, whose hold the sweeper drops
+        # once the request has ended.
+        held = [StoreKey.parse(r.key) for r in refs]
+        if rewrite is not None:
+            held.append(rewrite.checkpoint)
+        self.cache.hold_inputs(job.tenant, job.request_id, held)
         return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=counts,
                        affinity=tuple(lora.hash for lora in spec.loras))
 
