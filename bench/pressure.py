@@ -24,7 +24,9 @@ same log at the node's memory: an upper bound on any policy that sees that run's
 lookups, so the ratios understate the ratio to the optimum. Each run has its own: a hit spares
 the lookups that a miss leads to (an output found needs no checkpoint), so the runs' logs
 differ. ``saved_s_offline`` is the policy run's bound, ``saved_s_offline_lru`` the LRU run's.
-The roomy run's own ratio shows how close any policy could come on this trace.
+The roomy run's own ratio shows how close any policy could come on this trace. From below,
+``saved_s_belady`` is what Belady's MIN weighted by cost per byte, which knows the future,
+saves on the policy run's log: the optimum lies between it and the bound.
 """
 
 from __future__ import annotations
@@ -265,13 +267,15 @@ def report_runs(args: argparse.Namespace, segment: int, roomy: Run,
                     **{f"{n} ({segment} MiB)": r for n, r in runs.items()}}.items():
         rows.append([name, r.savings.lookups, r.savings.hits, r.savings.saved_s,
                      *(r.savings.saved_by_kind.get(k, 0.0) for k in kinds),
-                     r.savings.bound_s, r.of_bound, r.lost, sum(s.evicted for s in r.sweeps),
+                     r.savings.bound_s, r.of_bound, r.savings.belady_s, r.lost,
+                     sum(s.evicted for s in r.sweeps),
                      r.seconds])
     policy, lru = runs["policy"], runs["lru"]
     report(f"{args.requests} requests, {args.tenants} tenants; the trace writes "
            f"{roomy.savings.written_bytes / (1 << 20):.0f} MiB, the node holds {segment} MiB",
            ["run", "lookups", "hits", "saved s", *(f"by {k.value}" for k in kinds),
-            "offline bound s", "of the bound", "lost", "evicted by value", "seconds"], rows,
+            "offline bound s", "of the bound", "Belady s", "lost", "evicted by value",
+            "seconds"], rows,
            {"bench": "pressure", "requests": args.requests, "segment_mib": segment,
             "saved_s_policy": round(policy.savings.saved_s, 3),
             "saved_s_lru": round(lru.savings.saved_s, 3),
@@ -279,6 +283,9 @@ def report_runs(args: argparse.Namespace, segment: int, roomy: Run,
             "saved_s_offline_lru": round(lru.savings.bound_s, 3),
             "ratio_to_offline": round(policy.of_bound, 4),
             "lru_ratio_to_offline": round(lru.of_bound, 4),
+            "saved_s_belady": round(policy.savings.belady_s, 3),
+            "ratio_to_belady": round(policy.savings.saved_s / policy.savings.belady_s, 4)
+            if policy.savings.belady_s else 0.0,
             "lost_requests": policy.lost + lru.lost,
             "identical": identical(policy, roomy) and identical(lru, roomy)})
 

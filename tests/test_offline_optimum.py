@@ -1,6 +1,6 @@
 """The offline optimum of ``bench.pressure``: its intervals, its LP bound against hand-solved
 cases, and against every integral policy on small random logs (the bound must never be
-below the best of them)."""
+below the best of them, and Belady's weighted MIN, one such policy, never above it)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import random
 
 import pytest
 
-from bench.offline_optimum import Interval, costs_and_sizes, intervals, lp_bound_s, savings
+from bench.offline_optimum import (
+    Interval,
+    belady_s,
+    costs_and_sizes,
+    intervals,
+    lp_bound_s,
+    savings,
+)
 from cachesvc.lookup_log import Access, LoggedAccess
 from keys import KeyKind, StoreKey
 
@@ -105,5 +112,26 @@ def test_the_bound_is_at_least_every_policy_and_at_most_every_interval(seed: int
     spans = intervals(log, costs_and_sizes(log))
     capacity = rng.randint(1, 6)
     bound = lp_bound_s(spans, len(log), capacity)
-    assert bound >= best_integral(spans, len(log), capacity) - 1e-9
+    best = best_integral(spans, len(log), capacity)
+    assert bound >= best - 1e-9
     assert bound <= sum(s.value_s for s in spans) + 1e-9
+    assert 0.0 <= belady_s(log, costs_and_sizes(log), capacity) <= best + 1e-9
+
+
+def test_belady_keeps_what_is_worth_most_per_byte_until_its_next_lookup() -> None:
+    # Room for one of a (2 bytes, 1 s) and b (1 byte, 1.2 s), both looked up again soon: b
+    # is worth more a byte, so a makes room for it. c, never looked up again, is worth
+    # nothing, however dear.
+    log = log_of((WRITE, "a", 2, 1.0), (WRITE, "b", 1, 1.2), (WRITE, "c", 1, 5.0),
+                 (HIT, "a", 2, 1.0), (HIT, "b", 1, 1.2))
+    known = costs_and_sizes(log)
+    assert belady_s(log, known, 2) == pytest.approx(1.2)
+    assert belady_s(log, known, 3) == pytest.approx(2.2)
+    assert belady_s(log, known, 0) == 0.0
+
+
+def test_belady_saves_a_search_with_alternatives_once() -> None:
+    log = [*log_of((WRITE, "step2", 1, 2.0), (WRITE, "step4", 1, 4.0)),
+           LoggedAccess(2.0, HIT, entry("step2"), group="g"),
+           LoggedAccess(2.0, HIT, entry("step4"), group="g")]
+    assert belady_s(log, costs_and_sizes(log), 2) == pytest.approx(4.0)
