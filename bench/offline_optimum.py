@@ -13,7 +13,7 @@ ratio to it understates the ratio to the optimum. scipy's HiGHS solves it; as a 
 log's timeline it has two non-zeros per variable, so a log of 10^5 accesses solves in seconds.
 
 From below, ``belady_s`` runs one such integral policy that knows the future: Belady's MIN
-weighted by cost per byte. The true optimum lies between the two.
+weighted by cost per byte. On the same log, the true optimum lies between the two.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ class LogSavings:
 
     saved_s: float  # the hits' costs, as the entries' writes recorded them
     bound_s: float  # the LP bound at the memory given
-    belady_s: float  # what Belady's MIN weighted by cost per byte saves at that memory
     hits: int
     lookups: int
     written_bytes: int  # the bytes of every entry written, each counted once
@@ -235,6 +234,5 @@ def savings(log: Sequence[LoggedAccess], capacity_bytes: int,
     # A search that missed several alternatives is one lookup.
     searches = {a.group or id(a) for a in log if a.access is not Access.WRITE}
     return LogSavings(sum(by_kind.values()),
-                      lp_bound_s(intervals(log, known), len(log), capacity_bytes),
-                      belady_s(log, known, capacity_bytes), hits,
+                      lp_bound_s(intervals(log, known), len(log), capacity_bytes), hits,
                       len(searches), sum(size for size, _ in written.values()), dict(by_kind))

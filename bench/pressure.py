@@ -19,14 +19,24 @@ are read as soon as it is done; one gone by then counts as lost.
 
 Every run keeps a lookup log (``cache.lookup_log_dir``). The seconds saved are the costs of
 the hits in it, each entry valued at what the roomy run measured, so that timing noise does
-not tell the runs apart. The offline figure is the LP bound of ``bench.offline_optimum`` on the
-same log at the node's memory: an upper bound on any policy that sees that run's sequence of
-lookups, so the ratios understate the ratio to the optimum. Each run has its own: a hit spares
-the lookups that a miss leads to (an output found needs no checkpoint), so the runs' logs
-differ. ``saved_s_offline`` is the policy run's bound, ``saved_s_offline_lru`` the LRU run's.
-The roomy run's own ratio shows how close any policy could come on this trace. From below,
-``saved_s_belady`` is what Belady's MIN weighted by cost per byte, which knows the future,
-saves on the policy run's log: the optimum lies between it and the bound.
+not tell the runs apart.
+
+The offline figure, ``saved_s_offline``, bounds what any policy with the node's memory could
+save, as the lesser of two bounds:
+
+- the LP bound of ``bench.offline_optimum`` on the run's own log at the node's memory
+  (``saved_s_lp``), a bound for that run's sequence of lookups. That sequence holds the
+  lookups the run's own misses led to (an output missed, then its chain's checkpoints, then
+  CFG features), and the bound counts a saving on each, where a cache that kept the output
+  would have saved the request once;
+- what the roomy run saved (``saved_s_roomy``). A smaller store holds a subset of what the
+  roomy one holds at the same point of the trace, so no request saves more in it (up to the
+  order in which requests of one wave finish).
+
+From below, ``saved_s_belady`` is what Belady's MIN weighted by cost per byte saves on the
+roomy run's log at the node's memory: the lookups of a policy that knows the future, and so
+never misses an entry that is read again. It is a policy that could run, so the optimum lies
+between it and ``saved_s_offline``; where the two meet, the optimum is known.
 """
 
 from __future__ import annotations
@@ -44,12 +54,12 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import WAIT_ALL_S, bench_parser, model_stack, report, workers
-from bench.offline_optimum import Known, LogSavings, costs_and_sizes, savings
+from bench.offline_optimum import Known, LogSavings, belady_s, costs_and_sizes, savings
 from bench.workload import NEGATIVE_PROMPTS, prompt_pool
 from cachesvc.connect import open_cache
 from cachesvc.counters import CacheCounters
 from cachesvc.errors import CacheError
-from cachesvc.lookup_log import read_log
+from cachesvc.lookup_log import LoggedAccess, read_log
 from cachesvc.mooncake_store import MooncakeStore, StoreEndpoints
 from cachesvc.redis_client import REDIS_ERRORS, open_redis
 from cachesvc.tensor_cache import TensorCache
@@ -92,10 +102,14 @@ class Run:
     def lost(self) -> int:
         return sum(out is None for out in self.outputs)
 
-    @property
-    def of_bound(self) -> float:
-        """The seconds saved, as a share of the offline bound on the run's log."""
-        return self.savings.saved_s / self.savings.bound_s if self.savings.bound_s else 0.0
+    def offline_s(self, roomy: Run) -> float:
+        """The most any policy with this run's memory could have saved (module docstring)."""
+        return min(self.savings.bound_s, roomy.savings.saved_s)
+
+    def share(self, roomy: Run) -> float:
+        """The seconds saved, as a share of ``offline_s``."""
+        offline = self.offline_s(roomy)
+        return self.savings.saved_s / offline if offline else 0.0
 
 
 def trace(requests: int, tenants: int, repeats: float, edits: float, wave: int,
@@ -189,9 +203,9 @@ def value_sweeps(settings: Settings, on: bool) -> Iterator[list[SweepReport]]:
 
 
 def run(waves: list[list[Asked]], segment_mib: int, policy: bool, steps: int,
-        logs: Path | None, costs: Known | None = None) -> tuple[Run, Known]:
-    """The trace through a stack of its own with a node of ``segment_mib``; the run, and the
-    costs and sizes its log recorded. Each wave's outputs are read as soon as it is done. The
+        logs: Path | None, costs: Known | None = None) -> tuple[Run, list[LoggedAccess]]:
+    """The trace through a stack of its own with a node of ``segment_mib``; the run, and its
+    lookup log. Each wave's outputs are read as soon as it is done. The
     lookup log is kept under ``logs`` where given."""
     # Outputs live in the store alone, as on workers without a shared disk: with durable
     # outputs, an evicted one would come back from its file at no cost to any policy.
@@ -218,8 +232,7 @@ def run(waves: list[list[Asked]], segment_mib: int, policy: bool, steps: int,
                 seconds = time.perf_counter() - start
             reader.close()
             log = read_log(log_dir)
-    return (Run(savings(log, segment_mib << 20, costs), outputs, seconds, sweeps),
-            costs_and_sizes(log))
+    return Run(savings(log, segment_mib << 20, costs), outputs, seconds, sweeps), log
 
 
 def output(reader: TensorCache, record: RequestRecord | None) -> np.ndarray | None:
@@ -252,43 +265,43 @@ def main() -> None:
     if not 0 < args.fraction <= 1:
         parser.error("--fraction must be in (0, 1]")
     waves = trace(args.requests, args.tenants, args.repeats, args.edits, args.wave, args.seed)
-    roomy, costs = run(waves, ROOMY_SEGMENT_MIB, True, args.steps, args.logs)
+    roomy, roomy_log = run(waves, ROOMY_SEGMENT_MIB, True, args.steps, args.logs)
+    costs = costs_and_sizes(roomy_log)
     segment = max(MIN_SEGMENT_MIB, round(roomy.savings.written_bytes * args.fraction) >> 20)
     runs = {"policy": run(waves, segment, True, args.steps, args.logs, costs)[0],
             "lru": run(waves, segment, False, args.steps, args.logs, costs)[0]}
-    report_runs(args, segment, roomy, runs)
+    report_runs(args, segment, roomy, runs, belady_s(roomy_log, costs, segment << 20))
 
 
-def report_runs(args: argparse.Namespace, segment: int, roomy: Run,
-                runs: dict[str, Run]) -> None:
+def report_runs(args: argparse.Namespace, segment: int, roomy: Run, runs: dict[str, Run],
+                belady: float) -> None:
     kinds = sorted({k for r in (roomy, *runs.values()) for k in r.savings.saved_by_kind})
     rows = []
     for name, r in {f"roomy ({ROOMY_SEGMENT_MIB} MiB)": roomy,
                     **{f"{n} ({segment} MiB)": r for n, r in runs.items()}}.items():
         rows.append([name, r.savings.lookups, r.savings.hits, r.savings.saved_s,
                      *(r.savings.saved_by_kind.get(k, 0.0) for k in kinds),
-                     r.savings.bound_s, r.of_bound, r.savings.belady_s, r.lost,
-                     sum(s.evicted for s in r.sweeps),
-                     r.seconds])
+                     r.savings.bound_s, r.offline_s(roomy), r.share(roomy), r.lost,
+                     sum(s.evicted for s in r.sweeps), r.seconds])
     policy, lru = runs["policy"], runs["lru"]
     report(f"{args.requests} requests, {args.tenants} tenants; the trace writes "
-           f"{roomy.savings.written_bytes / (1 << 20):.0f} MiB, the node holds {segment} MiB",
+           f"{roomy.savings.written_bytes / (1 << 20):.0f} MiB, the node holds {segment} MiB; "
+           f"Belady's weighted MIN there saves {belady:.1f} s",
            ["run", "lookups", "hits", "saved s", *(f"by {k.value}" for k in kinds),
-            "offline bound s", "of the bound", "Belady s", "lost", "evicted by value",
-            "seconds"], rows,
+            "LP bound s", "offline s", "of offline", "lost", "evicted by value", "seconds"],
+           rows,
            {"bench": "pressure", "requests": args.requests, "segment_mib": segment,
             "saved_s_policy": round(policy.savings.saved_s, 3),
             "saved_s_lru": round(lru.savings.saved_s, 3),
-            "saved_s_offline": round(policy.savings.bound_s, 3),
-            "saved_s_offline_lru": round(lru.savings.bound_s, 3),
-            "ratio_to_offline": round(policy.of_bound, 4),
-            "lru_ratio_to_offline": round(lru.of_bound, 4),
-            "saved_s_belady": round(policy.savings.belady_s, 3),
-            "ratio_to_belady": round(policy.savings.saved_s / policy.savings.belady_s, 4)
-            if policy.savings.belady_s else 0.0,
+            "saved_s_offline": round(policy.offline_s(roomy), 3),
+            "saved_s_offline_lru": round(lru.offline_s(roomy), 3),
+            "ratio_to_offline": round(policy.share(roomy), 4),
+            "lru_ratio_to_offline": round(lru.share(roomy), 4),
+            "saved_s_lp": round(policy.savings.bound_s, 3),
+            "saved_s_roomy": round(roomy.savings.saved_s, 3),
+            "saved_s_belady": round(belady, 3),
             "lost_requests": policy.lost + lru.lost,
             "identical": identical(policy, roomy) and identical(lru, roomy)})
-
 
 if __name__ == "__main__":
     main()
