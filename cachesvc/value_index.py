@@ -1,9 +1,10 @@
 """What each cached entry is worth: its size, the compute it saves and its reads, kept per
 tenant in Redis, with its GreedyDual-Size-Frequency priority, which the sweeper
 (``cachesvc.value_sweep``) evicts by, lowest first: clock + (reads + p) * cost / size, where p
-is the share of the tenant's entries of that class ever read (a class is a kind, and for a
-checkpoint its step too), so that entries rarely read back (checkpoints at steps no resume or
-edit starts from) weigh their cost by their odds of reuse.
+is the mean reads of the tenant's entries of that class (a class is a kind, and for a
+checkpoint its step too): the reads a new entry can expect. Entries rarely read back
+(checkpoints at steps no resume or edit starts from) weigh their cost by little, and a new
+embedding of a prompt in use by the many reads its class sees.
 
 Writes and reads are queued on the hot path and recorded by the counters' flush thread (a
 script call per tenant for the writes and one for the reads), so a put or a hit never waits on
@@ -30,8 +31,8 @@ log = logging.getLogger(__name__)
 # or test entries.
 VALUED = frozenset({KeyKind.EMBEDDING, KeyKind.CFG, KeyKind.CHECKPOINT, KeyKind.OUTPUT,
                     KeyKind.IMAGE_LATENT, KeyKind.IMAGE_EMBEDDING, KeyKind.IMAGE_MASK})
-# Priorities are compute seconds per MiB held, times the reads an entry has had plus its
-# class's odds of a read.
+# Priorities are compute seconds per MiB held, times the reads an entry has had plus the
+# reads its class's entries have had on average.
 PER_BYTES = 1 << 20
 # Writes kept for the next flush while Redis is unreachable; beyond it some are dropped (an
 # unrecorded entry is left to Mooncake's own LRU).
@@ -43,24 +44,22 @@ _RECORD = """
 local kind, size, cost, reads, class = string.match(rec, '(%S+) (%S+) (%S+) (%S+) ?(%S*)')
 if class == '' then class = kind end
 """
-# Past this many entries of a class written, both of its counts are halved, so that the share
-# read follows the tenant's recent traffic.
+# Past this many entries of a class written, both of its counts are halved, so that the mean
+# follows the tenant's recent traffic.
 REUSE_MEMORY = 10_000
-# ``odds(class)``: of the class's entries, the share ever read, from KEYS[4]; Laplace's rule,
-# so that a class not yet seen starts at one half.
-_ODDS = """
-local function odds(class)
+# ``expected(class)``: the reads per entry of the class, from KEYS[4], smoothed as Laplace's
+# rule is, so that a class not yet seen starts at one half.
+_EXPECTED = """
+local function expected(class)
   local counts = redis.call('HMGET', KEYS[4], class .. ':written', class .. ':read')
-  local written = tonumber(counts[1] or 0)
-  -- First reads of entries written before a halving may outnumber the writes counted.
-  return (math.min(tonumber(counts[2] or 0), written) + 1) / (written + 2)
+  return (tonumber(counts[2] or 0) + 1) / (tonumber(counts[1] or 0) + 2)
 end
 """
 
 # KEYS: entries, priority, held, reuse. ARGV: clock, then key, kind, size, cost, class per
 # entry. A key already recorded keeps its record (content-keyed writes: the first one wins).
 _WRITE = f"""
-{_ODDS}
+{_EXPECTED}
 local clock = tonumber(ARGV[1])
 local added = 0
 for i = 2, #ARGV, 5 do
@@ -68,7 +67,7 @@ for i = 2, #ARGV, 5 do
   local rec = kind .. ' ' .. ARGV[i + 2] .. ' ' .. ARGV[i + 3] .. ' 0 ' .. class
   if redis.call('HSETNX', KEYS[1], ARGV[i], rec) == 1 then
     local per_byte = tonumber(ARGV[i + 3]) * {PER_BYTES} / math.max(size, 1)
-    redis.call('ZADD', KEYS[2], clock + odds(class) * per_byte, ARGV[i])
+    redis.call('ZADD', KEYS[2], clock + expected(class) * per_byte, ARGV[i])
     redis.call('HINCRBY', KEYS[3], kind, size)
     if redis.call('HINCRBY', KEYS[4], class .. ':written', 1) > {REUSE_MEMORY} then
       local read = tonumber(redis.call('HGET', KEYS[4], class .. ':read') or 0)
@@ -83,20 +82,18 @@ return added
 
 # ARGV: clock, then key, reads per entry read. An entry not recorded is left alone.
 _READ = f"""
-{_ODDS}
+{_EXPECTED}
 local clock = tonumber(ARGV[1])
 for i = 2, #ARGV, 2 do
   local rec = redis.call('HGET', KEYS[1], ARGV[i])
   if rec then
     {_RECORD}
-    if tonumber(reads) == 0 then
-      redis.call('HINCRBY', KEYS[4], class .. ':read', 1)
-    end
+    redis.call('HINCRBY', KEYS[4], class .. ':read', tonumber(ARGV[i + 1]))
     reads = tonumber(reads) + tonumber(ARGV[i + 1])
     redis.call('HSET', KEYS[1], ARGV[i],
                kind .. ' ' .. size .. ' ' .. cost .. ' ' .. reads .. ' ' .. class)
     local per_byte = tonumber(cost) * {PER_BYTES} / math.max(tonumber(size), 1)
-    redis.call('ZADD', KEYS[2], clock + (reads + odds(class)) * per_byte, ARGV[i])
+    redis.call('ZADD', KEYS[2], clock + (reads + expected(class)) * per_byte, ARGV[i])
   end
 end
 return 0
@@ -189,7 +186,7 @@ class ValueIndex:
 
 
 def reuse_class(key: StoreKey) -> str:
-    """The entries whose share read back prices ``key``'s: its kind's, and for a checkpoint
+    """The entries whose mean reads price ``key``'s: its kind's, and for a checkpoint
     its step's, since traffic reads some steps back (the latest, a schedule's switch) and not
     the others."""
     step = checkpoint_step(key)

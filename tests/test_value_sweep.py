@@ -14,7 +14,7 @@ import torch
 
 from cachesvc.counters import read_totals
 from cachesvc.tensor_cache import TensorCache
-from cachesvc.value_index import held, held_inputs, hold, records
+from cachesvc.value_index import held, held_inputs, hold, read_clock, records
 from cachesvc.value_sweep import Ended, ValueSweeper
 from config.settings import CacheSettings, Settings
 from keys import GenerationSpec, KeyKind, OutputFormat, StoreKey
@@ -164,24 +164,44 @@ def priority(client: redis.Redis, key: StoreKey) -> float:
     return float(score)
 
 
-def test_a_kind_never_read_back_weighs_its_cost_by_its_odds(
+def test_a_kind_never_read_back_weighs_its_cost_by_little(
         cache: TensorCache, redis_client: redis.Redis) -> None:
     # Ten checkpoints never read, ten outputs read once each: a new checkpoint that cost twice
     # what a new output of its size did still ranks below it.
     for i in range(10):
-        cache.put(StoreKey("odds", KeyKind.CHECKPOINT, f"old{i}"), torch.zeros(FLOATS),
+        cache.put(StoreKey("never", KeyKind.CHECKPOINT, f"old{i}"), torch.zeros(FLOATS),
                   cost_s=0.1)
-        assert cache.get(write(cache, "odds", f"old{i}", 0.1)) is not None
+        assert cache.get(write(cache, "never", f"old{i}", 0.1)) is not None
     cache.counters.flush()
-    checkpoint = StoreKey("odds", KeyKind.CHECKPOINT, "new")
+    checkpoint = StoreKey("never", KeyKind.CHECKPOINT, "new")
     cache.put(checkpoint, torch.zeros(FLOATS), cost_s=0.2)
-    output = write(cache, "odds", "new", 0.1)
+    output = write(cache, "never", "new", 0.1)
     cache.counters.flush()
     assert priority(redis_client, checkpoint) < priority(redis_client, output)
     # Once read, the checkpoint is judged by its own reads: now it ranks above.
     assert cache.get(checkpoint) is not None
     cache.counters.flush()
     assert priority(redis_client, checkpoint) > priority(redis_client, output)
+
+
+def test_a_new_entry_expects_the_reads_of_its_class(
+        cache: TensorCache, redis_client: redis.Redis) -> None:
+    # Every embedding so far was read five times, every output once: a new embedding ranks
+    # above a new output of the same size and cost, though every one of both was read back.
+    for i in range(5):
+        embedding = StoreKey("many", KeyKind.EMBEDDING, f"old{i}")
+        cache.put(embedding, torch.zeros(FLOATS), cost_s=0.1)
+        for _ in range(5):
+            assert cache.get(embedding) is not None
+        assert cache.get(write(cache, "many", f"old{i}", 0.1)) is not None
+    cache.counters.flush()
+    embedding = StoreKey("many", KeyKind.EMBEDDING, "new")
+    cache.put(embedding, torch.zeros(FLOATS), cost_s=0.1)
+    output = write(cache, "many", "new", 0.1)
+    cache.counters.flush()
+    clock = read_clock(redis_client)  # what every priority starts from, after earlier sweeps
+    assert priority(redis_client, embedding) - clock > 2 * (priority(redis_client, output)
+                                                            - clock)
 
 
 def test_a_checkpoint_is_priced_by_the_reads_at_its_step(
