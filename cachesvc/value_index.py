@@ -47,11 +47,15 @@ if class == '' then class = kind end
 # Past this many entries of a class written, both of its counts are halved, so that the mean
 # follows the tenant's recent traffic.
 REUSE_MEMORY = 10_000
-# ``expected(class)``: the reads per entry of the class, from KEYS[4], smoothed as Laplace's
-# rule is, so that a class not yet seen starts at one half.
+# An entry's reads past this many do not count towards its class's mean: one prompt in
+# everyone's use (the negative prompt) must not price every new embedding as if it were.
+READS_COUNTED = 8
+# ``expected(class)``: the reads per entry of the class, each entry's counted up to
+# READS_COUNTED, from KEYS[4]; smoothed as Laplace's rule is, so that a class not yet seen
+# starts at one half.
 _EXPECTED = """
 local function expected(class)
-  local counts = redis.call('HMGET', KEYS[4], class .. ':written', class .. ':read')
+  local counts = redis.call('HMGET', KEYS[4], class .. ':written', class .. ':reads')
   return (tonumber(counts[2] or 0) + 1) / (tonumber(counts[1] or 0) + 2)
 end
 """
@@ -70,9 +74,9 @@ for i = 2, #ARGV, 5 do
     redis.call('ZADD', KEYS[2], clock + expected(class) * per_byte, ARGV[i])
     redis.call('HINCRBY', KEYS[3], kind, size)
     if redis.call('HINCRBY', KEYS[4], class .. ':written', 1) > {REUSE_MEMORY} then
-      local read = tonumber(redis.call('HGET', KEYS[4], class .. ':read') or 0)
+      local read = tonumber(redis.call('HGET', KEYS[4], class .. ':reads') or 0)
       redis.call('HSET', KEYS[4], class .. ':written', {REUSE_MEMORY // 2},
-                 class .. ':read', math.floor(read / 2))
+                 class .. ':reads', math.floor(read / 2))
     end
     added = added + 1
   end
@@ -88,8 +92,12 @@ for i = 2, #ARGV, 2 do
   local rec = redis.call('HGET', KEYS[1], ARGV[i])
   if rec then
     {_RECORD}
-    redis.call('HINCRBY', KEYS[4], class .. ':read', tonumber(ARGV[i + 1]))
-    reads = tonumber(reads) + tonumber(ARGV[i + 1])
+    local before = tonumber(reads)
+    reads = before + tonumber(ARGV[i + 1])
+    local counted = math.min(reads, {READS_COUNTED}) - math.min(before, {READS_COUNTED})
+    if counted > 0 then
+      redis.call('HINCRBY', KEYS[4], class .. ':reads', counted)
+    end
     redis.call('HSET', KEYS[1], ARGV[i],
                kind .. ' ' .. size .. ' ' .. cost .. ' ' .. reads .. ' ' .. class)
     local per_byte = tonumber(cost) * {PER_BYTES} / math.max(tonumber(size), 1)
@@ -215,24 +223,44 @@ def release(client: RedisClient, tenant: str, request_id: str,
         client.zrem(value_keys(tenant)[4], *members)
 
 
-def held_inputs(client: RedisClient, tenant: str, now: float) -> dict[str, set[str]]:
-    """The store keys each request in flight of ``tenant`` holds, by request id; lapsed holds
-    are dropped."""
+def held_inputs(client: RedisClient, tenant: str, now: float) -> dict[str, dict[str, float]]:
+    """The store keys each request in flight of ``tenant`` holds, by request id, each with
+    when its hold lapses; lapsed holds are dropped."""
     needed = value_keys(tenant)[4]
     client.zremrangebyscore(needed, "-inf", now)
-    members: list[bytes] = client.zrangebyscore(needed, now, "+inf")  # type: ignore[assignment]
-    holds: dict[str, set[str]] = defaultdict(set)
-    for member in members:
+    members: list[tuple[bytes, float]] = client.zrangebyscore(  # type: ignore[assignment]
+        needed, now, "+inf", withscores=True)
+    holds: dict[str, dict[str, float]] = defaultdict(dict)
+    for member, until in members:
         request_id, _, key = member.decode().partition("|")
-        holds[request_id].add(key)
+        holds[request_id][key] = until
     return dict(holds)
 
 
-def drop_holds(client: RedisClient, tenant: str, holds: Mapping[str, set[str]]) -> None:
-    """Drop every hold in ``holds`` (request id -> keys): their requests have ended."""
-    members = [_member(r, k) for r, keys in holds.items() for k in keys]
-    if members:
-        client.zrem(value_keys(tenant)[4], *members)
+# KEYS: the needed set. ARGV: member, lapse time, per hold. A hold taken again since it was
+# read (a resumed request's encode) has a later lapse time, and stays.
+_DROP = """
+local dropped = 0
+for i = 1, #ARGV, 2 do
+  local lapses = redis.call('ZSCORE', KEYS[1], ARGV[i])
+  if lapses and tonumber(lapses) == tonumber(ARGV[i + 1]) then
+    dropped = dropped + redis.call('ZREM', KEYS[1], ARGV[i])
+  end
+end
+return dropped
+"""
+
+
+def drop_holds(client: RedisClient, tenant: str, holds: Mapping[str, Mapping[str, float]]) -> int:
+    """Drop the holds in ``holds`` (request id -> key -> lapse time, as ``held_inputs`` read
+    them): their requests have ended. How many were dropped."""
+    args: list[str] = []
+    for request_id, keys in holds.items():
+        for key, until in keys.items():
+            args += [_member(request_id, key), repr(until)]
+    if not args:
+        return 0
+    return int(client.register_script(_DROP)(keys=[value_keys(tenant)[4]], args=args))
 
 
 def read_clock(client: RedisClient) -> float:

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 PAGE = 256
 
 # Which of a tenant's request ids have ended (done, failed, cancelled or forgotten): the
-# queue's knowledge, which the cache layer is handed rather than imports.
+# queue's knowledge, which the cache layer is handed rather than imports. A request resumed
+# or recomputed later goes through encode again, which holds its inputs anew.
 Ended = Callable[[str, Sequence[str]], set[str]]
 
 
@@ -136,8 +137,7 @@ class ValueSweeper:
         if s.needed is None:
             holds = held_inputs(self._redis, tenant, time.time())
             ended = self._ended(tenant, list(holds)) if self._ended and holds else set()
-            if ended:
-                drop_holds(self._redis, tenant, {r: holds.pop(r) for r in ended})
+            drop_holds(self._redis, tenant, {r: holds.pop(r) for r in ended & holds.keys()})
             s.needed = set().union(*holds.values())
         return s.needed
 

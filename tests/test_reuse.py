@@ -95,7 +95,7 @@ def test_an_approximate_hit_is_the_sources_prefix_then_its_own_prompt_bit_for_bi
     # Its start was held from the value sweeper from encode on. Decode lets go of its
     # embeddings; the checkpoint's hold stays for the sweeper to drop, the request ended.
     start = wait_done(client, source).checkpoints()[3]
-    wait_until(lambda: held_inputs(client, "reuse", time.time()).get(asked.request_id)
+    wait_until(lambda: set(held_inputs(client, "reuse", time.time()).get(asked.request_id, {}))
                == {start}, timeout_s=30, what="only the starting checkpoint still held")
 
     # The same request again, approximate: the same rewrite, so the output is a hit.

@@ -14,7 +14,7 @@ import torch
 
 from cachesvc.counters import read_totals
 from cachesvc.tensor_cache import TensorCache
-from cachesvc.value_index import held, held_inputs, hold, read_clock, records
+from cachesvc.value_index import drop_holds, held, held_inputs, hold, read_clock, records
 from cachesvc.value_sweep import Ended, ValueSweeper
 from config.settings import CacheSettings, Settings
 from keys import GenerationSpec, KeyKind, OutputFormat, StoreKey
@@ -204,6 +204,26 @@ def test_a_new_entry_expects_the_reads_of_its_class(
                                                             - clock)
 
 
+def test_one_entry_read_by_everyone_does_not_price_its_whole_class(
+        cache: TensorCache, redis_client: redis.Redis) -> None:
+    # One embedding read by every request (a shared negative prompt), four never read; every
+    # output read once. A new embedding expects at most the reads counted per entry.
+    for i in range(5):
+        embedding = StoreKey("skew", KeyKind.EMBEDDING, f"old{i}")
+        cache.put(embedding, torch.zeros(FLOATS), cost_s=0.1)
+        for _ in range(40 if i == 0 else 0):
+            assert cache.get(embedding) is not None
+        assert cache.get(write(cache, "skew", f"old{i}", 0.1)) is not None
+    cache.counters.flush()
+    embedding = StoreKey("skew", KeyKind.EMBEDDING, "new")
+    cache.put(embedding, torch.zeros(FLOATS), cost_s=0.1)
+    output = write(cache, "skew", "new", 0.1)
+    cache.counters.flush()
+    clock = read_clock(redis_client)
+    assert priority(redis_client, embedding) - clock < 2 * (priority(redis_client, output)
+                                                            - clock)
+
+
 def test_a_checkpoint_is_priced_by_the_reads_at_its_step(
         cache: TensorCache, redis_client: redis.Redis) -> None:
     # Resumes and edits start from step 4 here, never from step 2.
@@ -255,7 +275,21 @@ def test_the_inputs_of_a_request_that_ended_are_let_go(
                      Records(redis_client).ended).sweep()
     assert (report.evicted, report.needed) == (1, 1)
     assert present(cache, keys) == [True, False, True]
-    assert held_inputs(redis_client, "value", time.time()) == {"running": {str(running)}}
+    assert {r: set(keys) for r, keys in held_inputs(redis_client, "value", time.time()).items()
+            } == {"running": {str(running)}}
+
+
+def test_a_hold_taken_again_since_it_was_read_stays(redis_client: redis.Redis) -> None:
+    key, now = StoreKey("value", KeyKind.OUTPUT, "again"), time.time()
+    hold(redis_client, "value", "resumed", [key], until=now + 60)
+    seen = held_inputs(redis_client, "value", now)
+    # Ended, then resumed before the sweeper acted: its encode holds the input anew.
+    hold(redis_client, "value", "resumed", [key], until=now + 120)
+    assert drop_holds(redis_client, "value", {"resumed": seen["resumed"]}) == 0
+    again = held_inputs(redis_client, "value", now)
+    assert again == {"resumed": {str(key): now + 120}}
+    assert drop_holds(redis_client, "value", again) == 1
+    assert held_inputs(redis_client, "value", now) == {}
 
 
 def test_a_hold_never_released_lapses(cache: TensorCache, redis_client: redis.Redis) -> None:

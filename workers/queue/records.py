@@ -91,8 +91,9 @@ class Records:
                 for raw in self.field_of(requests, Field.STATE)]
 
     def ended(self, tenant: str, request_ids: Sequence[str]) -> set[str]:
-        """Those of ``tenant``'s ``request_ids`` that will run no further: finished, failed,
-        cancelled or no longer recorded (a parked request may still be resumed)."""
+        """Those of ``tenant``'s ``request_ids`` that have ended: done, failed, cancelled or
+        no longer recorded. A parked request has not. One that ended may still be resumed or
+        recomputed, from encode on."""
         states = self.states([(tenant, r) for r in request_ids])
         return {r for r, s in zip(request_ids, states, strict=True) if s is None or s.terminal}
 

@@ -102,13 +102,8 @@ class EncodeHandler:
             except ImageLostError as exc:
                 return self._image_lost(exc, counts | tally_fields(ledger.take()))
             counts = counts | tally_fields(ledger.take())
-        # Until it is done, no sweep evicts what the later stages will read: its inputs, which
-        # decode releases, and a rewrite's starting checkpoint, whose hold the sweeper drops
-        # once the request has ended.
-        held = [StoreKey.parse(r.key) for r in refs]
-        if rewrite is not None:
-            held.append(rewrite.checkpoint)
-        self.cache.hold_inputs(job.tenant, job.request_id, held)
+        # Until it is done, no sweep evicts what the later stages will read.
+        self.cache.hold_inputs(job.tenant, job.request_id, [StoreKey.parse(r.key) for r in refs])
         return Outcome(job.handoff(Stage.DENOISE, tuple(refs)), fields=counts,
                        affinity=tuple(lora.hash for lora in spec.loras))
 
@@ -178,8 +173,11 @@ class EncodeHandler:
             rewrite = None
         if spec.reuse.approximate:
             ledger.lookup(KeyKind.APPROXIMATE, hit=rewrite is not None)
-            if rewrite is not None:
-                self.cache.counters.add_fields(spec.tenant, steps_reused(rewrite.hit.step))
+        if rewrite is not None:
+            self.cache.counters.add_fields(spec.tenant, steps_reused(rewrite.hit.step))
+            # Held from the sweeper from now until denoise has read it. Decode releases only
+            # the inputs its job names: this hold goes once the sweeper sees the request ended.
+            self.cache.hold_inputs(spec.tenant, spec.request_id, [rewrite.checkpoint])
         return rewrite
 
     def discard(self, outcome: Outcome) -> None:
