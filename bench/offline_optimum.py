@@ -191,10 +191,11 @@ class _Kept:
 def belady_s(log: Sequence[LoggedAccess], known: Known, capacity_bytes: int) -> float:
     """The seconds an offline policy saves on ``log`` within ``capacity_bytes``: after any
     access to a written entry it keeps the entry if it can make room by dropping only entries
-    of lower worth, the worth being cost / (bytes x lookups until its next lookup); an entry
-    never looked up again is worth nothing. A lookup of a kept entry saves its cost; a search
-    with alternatives saves the most any one of them does, once. It keeps whole intervals or
-    parts of them, within the memory at every position: one integral solution of the LP."""
+    of lower worth, the worth being cost / (bytes x log positions until its next lookup); an
+    entry never looked up again is worth nothing. A lookup of a kept entry saves its cost; a
+    search with alternatives saves the most any one of them does, once. What it keeps fits
+    the memory at every position, so it saves no more than the best integral solution of the
+    LP (it may keep two alternatives of one search, but is credited one)."""
     upcoming = _next_lookups(log)
     kept = _Kept(known, capacity_bytes)
     saved = 0.0

@@ -137,6 +137,9 @@ class RetentionSettings(_Section):
     # A consumer of a worker that exited stays in its group until it is forgotten; one with
     # nothing pending that has not polled for this long is removed.
     dead_consumer_s: float = Field(24 * 3600.0, gt=0)
+    acknowledged_s: float = Field(0.0, ge=0, description="a stage-stream entry every worker "
+                                  "has acknowledged stays this long, to inspect recent "
+                                  "traffic with XRANGE; 0: removed at the next sweep")
     sweep_batch: int = Field(10_000, ge=1, description="request records examined per tenant "
                                                        "per sweep")
 

@@ -78,9 +78,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         driver = start_cluster(hosts, {n: NodeSpec(stages) for n, stages in NODES.items()},
                                model_dir, tmp, API_PORT, DIFFCACHE_WORKERS__IDLE_TIMEOUT_S="3",
                                DIFFCACHE_WORKERS__PREEMPT="false",
-                               # Retention trims acknowledged stream entries, which
-                               # ``decode_jobs`` counts: no full sweep while the tests run.
-                               DIFFCACHE_CACHE__SWEEP_INTERVAL_S="86400",
+                               # ``decode_jobs`` counts a request's entries in the decode
+                               # stream, acknowledged ones included.
+                               DIFFCACHE_RETENTION__ACKNOWLEDGED_S="3600",
                                # One a node: pausing worker-denoise-0 stands a node's aside.
                                DIFFCACHE_WORKERS__DENOISE_WORKERS="1")
         try:

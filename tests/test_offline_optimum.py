@@ -118,6 +118,25 @@ def test_the_bound_is_at_least_every_policy_and_at_most_every_interval(seed: int
     assert 0.0 <= belady_s(log, costs_and_sizes(log), capacity) <= best + 1e-9
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_belady_never_saves_more_than_the_bound(seed: int) -> None:
+    # Misses, lookups before the first write, empty entries and searches with alternatives.
+    rng = random.Random(seed)
+    sizes = {name: rng.randint(0, 4) for name in "abcde"}
+    costs = {name: rng.choice([0.0, 0.5, 1.0, 3.0]) for name in "abcde"}
+    log: list[LoggedAccess] = []
+    for n in range(16):
+        names = rng.sample("abcde", rng.choice([1, 1, 2]))
+        access = rng.choice([WRITE, HIT, MISS])
+        group = f"g{n}" if len(names) > 1 and access is not WRITE else None
+        log += [LoggedAccess(float(n), access, entry(name), sizes[name], costs[name],
+                             group=group) for name in (names if group else names[:1])]
+    known = costs_and_sizes(log)
+    capacity = rng.randint(0, 8)
+    saved = belady_s(log, known, capacity)
+    assert 0.0 <= saved <= lp_bound_s(intervals(log, known), len(log), capacity) + 1e-9
+
+
 def test_belady_keeps_what_is_worth_most_per_byte_until_its_next_lookup() -> None:
     # Room for one of a (2 bytes, 1 s) and b (1 byte, 1.2 s), both looked up again soon: b
     # is worth more a byte, so a makes room for it. c, never looked up again, is worth

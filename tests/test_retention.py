@@ -78,6 +78,23 @@ def test_only_acknowledged_entries_are_trimmed(quiet: redis.Redis) -> None:
     assert fresh.job is not None and fresh.job.request_id == "r5"
 
 
+def test_acknowledged_entries_stay_while_recent_if_asked(quiet: redis.Redis) -> None:
+    queue = StageQueue(quiet, Stage.DENOISE, "tester")
+    queue.ensure_group()
+    stream = stage_stream(Stage.DENOISE.value, Priority.INTERACTIVE.value)
+    added = [quiet.xadd(stream, {"job": Job(f"r{n}", TENANT, Stage.DENOISE).to_json()}).decode()
+             for n in range(3)]
+    for delivery in queue.next(block_ms=10, idle_timeout_ms=60_000, count=3):
+        queue.ack(delivery)
+    # Every entry was added within the last few seconds, well inside RETAIN_S.
+    assert retention(quiet, acknowledged_s=RETAIN_S).sweep().stream_entries == 0
+    assert ids(quiet, stream) == added
+    # Seen from RETAIN_S later, all three are old enough to go.
+    later = time.time() + RETAIN_S + OLD
+    assert retention(quiet, acknowledged_s=RETAIN_S).sweep(later).stream_entries == 3
+    assert ids(quiet, stream) == []
+
+
 def test_consumers_of_exited_workers_are_forgotten_once_idle(quiet: redis.Redis) -> None:
     gone, busy = (StageQueue(quiet, Stage.ENCODE, name) for name in ("gone", "busy"))
     gone.ensure_group()

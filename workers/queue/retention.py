@@ -86,7 +86,7 @@ class Retention:
     def sweep(self, now_s: float | None = None) -> SweepReport:
         """One bounded pass over every kind of retained data; ``now_s`` defaults to the clock."""
         now = time.time() if now_s is None else now_s
-        entries, consumers = self._trim_streams()
+        entries, consumers = self._trim_streams(now)
         records, backlog = self._expire_records(now)
         dead = self._trim_dead_letters(now)
         report = SweepReport(entries, records, dead, consumers, backlog)
@@ -96,14 +96,16 @@ class Retention:
                      "; more remain" if backlog else "")
         return report
 
-    def _trim_streams(self) -> tuple[int, int]:
+    def _trim_streams(self, now: float) -> tuple[int, int]:
         idle_ms = int(self.settings.dead_consumer_s * 1000)
+        kept_since_ms = int((now - self.settings.acknowledged_s) * 1000)
         streams: list[str] = []
         try:
             for stage in Stage:
                 streams += stage_streams(self.redis, stage)
             results = execute(self.redis, lambda pipe: [
-                self.scripts.run(TrimStreamArgs(stream, idle_ms), pipe) for stream in streams])
+                self.scripts.run(TrimStreamArgs(stream, idle_ms, kept_since_ms), pipe)
+                for stream in streams])
             for result in results:
                 if isinstance(result, Exception):
                     raise result

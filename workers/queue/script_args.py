@@ -195,6 +195,7 @@ class TrimStreamArgs(ScriptArgs):
     NAME = "trim_stream"
     stream: str = key()
     idle_ms: int = arg()
+    kept_since_ms: int = arg()
 
 
 @dataclass(frozen=True, slots=True)

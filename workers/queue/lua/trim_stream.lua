@@ -3,9 +3,10 @@
 -- the floor and trimming to it. The floor is a group's oldest pending entry or, with nothing
 -- pending, the entry after its last-delivered id (everything after that is unread). Exact MINID
 -- drops whole nodes (up to 100 entries each) and walks only the node at the floor, so a call
--- costs about one step per hundred entries acknowledged since the previous sweep.
+-- costs about one step per hundred entries acknowledged since the previous sweep. Entries
+-- added since kept_since_ms (unix ms) stay, acknowledged or not, for inspecting recent traffic.
 -- KEYS: stream
--- ARGV: idle_ms
+-- ARGV: idle_ms, kept_since_ms
 -- Returns {entries trimmed, consumers forgotten}.
 if redis.call('EXISTS', stream) == 0 then return {0, 0} end
 local floor_ms, floor_seq
@@ -37,5 +38,7 @@ for _, raw in ipairs(groups) do
     end
   end
 end
+local kept_since = tonumber(kept_since_ms)
+if kept_since < floor_ms then floor_ms, floor_seq = kept_since, 0 end
 local floor = string.format('%.0f-%.0f', floor_ms, floor_seq)
 return {redis.call('XTRIM', stream, 'MINID', floor), forgotten}
