@@ -206,10 +206,9 @@ class TensorCache:
 
     def contains(self, key: StoreKey, ledger: Ledger | None = None) -> bool:
         """Whether ``key`` is cached, counted as a lookup: a hit or a miss without a read."""
-        found = self.exists(key)
-        events = {Event.LOOKUPS: 1.0, Event.HITS if found else Event.MISSES: 1.0}
-        self._count(key, events, ledger)
-        self._log(key, Access.HIT if found else Access.MISS)
+        found = self.probe(key)
+        self._count(key, {Event.LOOKUPS: 1.0, Event.HITS if found else Event.MISSES: 1.0},
+                    ledger)
         return found
 
     def probe(self, key: StoreKey) -> bool:
