@@ -1,10 +1,10 @@
 """What each cached entry is worth: its size, the compute it saves and its reads, kept per
 tenant in Redis, with its GreedyDual-Size-Frequency priority, which the sweeper
 (``cachesvc.value_sweep``) evicts by, lowest first: clock + (reads + p) * cost / size, where p
-is the mean reads of the tenant's entries of that class (a class is a kind, and for a
-checkpoint its step too): the reads a new entry can expect. Entries rarely read back
-(checkpoints at steps no resume or edit starts from) weigh their cost by little, and a new
-embedding of a prompt in use by the many reads its class sees.
+is the mean reads of the tenant's entries of that class, each entry counting at most
+``READS_COUNTED`` (a class is a kind, and for a checkpoint its step too): the reads a new entry
+can expect. Entries rarely read back (checkpoints at steps no resume or edit starts from) weigh
+their cost by little, and a new embedding by the many reads its class sees.
 
 Writes and reads are queued on the hot path and recorded by the counters' flush thread (a
 script call per tenant for the writes and one for the reads), so a put or a hit never waits on
@@ -55,7 +55,7 @@ READS_COUNTED = 8
 # starts at one half.
 _EXPECTED = """
 local function expected(class)
-  local counts = redis.call('HMGET', KEYS[4], class .. ':written', class .. ':reads')
+  local counts = redis.call('HMGET', KEYS[4], class .. ':entries', class .. ':reads')
   return (tonumber(counts[2] or 0) + 1) / (tonumber(counts[1] or 0) + 2)
 end
 """
@@ -73,9 +73,9 @@ for i = 2, #ARGV, 5 do
     local per_byte = tonumber(ARGV[i + 3]) * {PER_BYTES} / math.max(size, 1)
     redis.call('ZADD', KEYS[2], clock + expected(class) * per_byte, ARGV[i])
     redis.call('HINCRBY', KEYS[3], kind, size)
-    if redis.call('HINCRBY', KEYS[4], class .. ':written', 1) > {REUSE_MEMORY} then
+    if redis.call('HINCRBY', KEYS[4], class .. ':entries', 1) > {REUSE_MEMORY} then
       local read = tonumber(redis.call('HGET', KEYS[4], class .. ':reads') or 0)
-      redis.call('HSET', KEYS[4], class .. ':written', {REUSE_MEMORY // 2},
+      redis.call('HSET', KEYS[4], class .. ':entries', {REUSE_MEMORY // 2},
                  class .. ':reads', math.floor(read / 2))
     end
     added = added + 1

@@ -121,8 +121,8 @@ def value_keys(tenant: str) -> tuple[str, str, str, str, str]:
     """What ``tenant``'s cached entries are worth (``cachesvc.value_index``), in one slot (a
     script updates them together): a hash of each entry's record (store key -> "kind size
     cost reads class"), a sorted set of store keys by eviction priority, a hash of the bytes
-    held per kind, a hash of the entries written and ever read per class (a kind, or
-    ``ckpt@<step>``: ``<class>:written``, ``<class>:read``), and a sorted set of the inputs
+    held per kind, a hash of the entries written and their reads per class (a kind, or
+    ``ckpt@<step>``: ``<class>:entries``, ``<class>:reads``), and a sorted set of the inputs
     requests in flight hold (``<request id>|<store key>``, by the time the hold lapses)."""
     prefix = f"{KEY_VERSION}:{check_tenant(tenant)}:value:{{{tenant}}}"
     return (f"{prefix}:entries", f"{prefix}:priority", f"{prefix}:held", f"{prefix}:reuse",

@@ -98,7 +98,7 @@ class Retention:
 
     def _trim_streams(self, now: float) -> tuple[int, int]:
         idle_ms = int(self.settings.dead_consumer_s * 1000)
-        kept_since_ms = int((now - self.settings.acknowledged_s) * 1000)
+        kept_since_ms = max(0, int((now - self.settings.acknowledged_s) * 1000))
         streams: list[str] = []
         try:
             for stage in Stage:

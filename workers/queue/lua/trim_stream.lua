@@ -39,6 +39,6 @@ for _, raw in ipairs(groups) do
   end
 end
 local kept_since = tonumber(kept_since_ms)
-if kept_since < floor_ms then floor_ms, floor_seq = kept_since, 0 end
+if kept_since <= floor_ms then floor_ms, floor_seq = kept_since, 0 end
 local floor = string.format('%.0f-%.0f', floor_ms, floor_seq)
 return {redis.call('XTRIM', stream, 'MINID', floor), forgotten}
