@@ -172,13 +172,13 @@ class _Kept:
         if mine <= 0.0 or size > self.capacity:
             return
         drop, room = [], self.capacity - self.used
-        cheapest_first = sorted(self.following, key=lambda k: self.worth(
-            k, now, self.following[k])) if room < size else []
-        for other in cheapest_first:
-            if room >= size or self.worth(other, now, self.following[other]) >= mine:
-                break
-            drop.append(other)
-            room += self.known[other][0]
+        if room < size:
+            for worth, other in sorted((self.worth(k, now, f), k)
+                                       for k, f in self.following.items()):
+                if room >= size or worth >= mine:
+                    break
+                drop.append(other)
+                room += self.known[other][0]
         if room < size:
             return
         for other in drop:

@@ -47,12 +47,18 @@ def ids(client: redis.Redis, stream: str) -> list[str]:
     return [e.decode() for e, _ in client.xrange(stream)]  # type: ignore[union-attr]
 
 
-def test_only_acknowledged_entries_are_trimmed(quiet: redis.Redis) -> None:
-    queue = StageQueue(quiet, Stage.DENOISE, "tester")
+def denoise_jobs(client: redis.Redis, count: int) -> tuple[StageQueue, str, list[str]]:
+    """A denoise reader with its group, its stream, and the ids of ``count`` jobs added."""
+    queue = StageQueue(client, Stage.DENOISE, "tester")
     queue.ensure_group()
     stream = stage_stream(Stage.DENOISE.value, Priority.INTERACTIVE.value)
-    added = [quiet.xadd(stream, {"job": Job(f"r{n}", TENANT, Stage.DENOISE).to_json()}).decode()
-             for n in range(5)]
+    added = [client.xadd(stream, {"job": Job(f"r{n}", TENANT, Stage.DENOISE).to_json()}).decode()
+             for n in range(count)]
+    return queue, stream, added
+
+
+def test_only_acknowledged_entries_are_trimmed(quiet: redis.Redis) -> None:
+    queue, stream, added = denoise_jobs(quiet, 5)
     first, second, third = queue.next(block_ms=10, idle_timeout_ms=60_000, count=3)
     queue.ack(first)
     queue.ack(third)  # the second stays pending; the last two are unread
@@ -79,11 +85,7 @@ def test_only_acknowledged_entries_are_trimmed(quiet: redis.Redis) -> None:
 
 
 def test_acknowledged_entries_stay_while_recent_if_asked(quiet: redis.Redis) -> None:
-    queue = StageQueue(quiet, Stage.DENOISE, "tester")
-    queue.ensure_group()
-    stream = stage_stream(Stage.DENOISE.value, Priority.INTERACTIVE.value)
-    added = [quiet.xadd(stream, {"job": Job(f"r{n}", TENANT, Stage.DENOISE).to_json()}).decode()
-             for n in range(3)]
+    queue, stream, added = denoise_jobs(quiet, 3)
     for delivery in queue.next(block_ms=10, idle_timeout_ms=60_000, count=3):
         queue.ack(delivery)
     # Every entry was added within the last few seconds, well inside RETAIN_S.

@@ -184,44 +184,40 @@ def test_a_kind_never_read_back_weighs_its_cost_by_little(
     assert priority(redis_client, checkpoint) > priority(redis_client, output)
 
 
+def new_entry_priorities(cache: TensorCache, client: redis.Redis, tenant: str,
+                         embedding_reads: list[int]) -> tuple[float, float]:
+    """With one embedding written per count in ``embedding_reads`` and read that many times,
+    and as many outputs read once each: a new embedding's and a new output's priorities (same
+    size and cost), less the clock every priority starts from."""
+    for i, reads in enumerate(embedding_reads):
+        embedding = StoreKey(tenant, KeyKind.EMBEDDING, f"old{i}")
+        cache.put(embedding, torch.zeros(FLOATS), cost_s=0.1)
+        for _ in range(reads):
+            assert cache.get(embedding) is not None
+        assert cache.get(write(cache, tenant, f"old{i}", 0.1)) is not None
+    cache.counters.flush()
+    embedding = StoreKey(tenant, KeyKind.EMBEDDING, "new")
+    cache.put(embedding, torch.zeros(FLOATS), cost_s=0.1)
+    output = write(cache, tenant, "new", 0.1)
+    cache.counters.flush()
+    clock = read_clock(client)  # after earlier sweeps, not 0
+    return priority(client, embedding) - clock, priority(client, output) - clock
+
+
 def test_a_new_entry_expects_the_reads_of_its_class(
         cache: TensorCache, redis_client: redis.Redis) -> None:
     # Every embedding so far was read five times, every output once: a new embedding ranks
     # above a new output of the same size and cost, though every one of both was read back.
-    for i in range(5):
-        embedding = StoreKey("many", KeyKind.EMBEDDING, f"old{i}")
-        cache.put(embedding, torch.zeros(FLOATS), cost_s=0.1)
-        for _ in range(5):
-            assert cache.get(embedding) is not None
-        assert cache.get(write(cache, "many", f"old{i}", 0.1)) is not None
-    cache.counters.flush()
-    embedding = StoreKey("many", KeyKind.EMBEDDING, "new")
-    cache.put(embedding, torch.zeros(FLOATS), cost_s=0.1)
-    output = write(cache, "many", "new", 0.1)
-    cache.counters.flush()
-    clock = read_clock(redis_client)  # what every priority starts from, after earlier sweeps
-    assert priority(redis_client, embedding) - clock > 2 * (priority(redis_client, output)
-                                                            - clock)
+    embedding, output = new_entry_priorities(cache, redis_client, "many", [5] * 5)
+    assert embedding > 2 * output
 
 
 def test_one_entry_read_by_everyone_does_not_price_its_whole_class(
         cache: TensorCache, redis_client: redis.Redis) -> None:
     # One embedding read by every request (a shared negative prompt), four never read; every
     # output read once. A new embedding expects at most the reads counted per entry.
-    for i in range(5):
-        embedding = StoreKey("skew", KeyKind.EMBEDDING, f"old{i}")
-        cache.put(embedding, torch.zeros(FLOATS), cost_s=0.1)
-        for _ in range(40 if i == 0 else 0):
-            assert cache.get(embedding) is not None
-        assert cache.get(write(cache, "skew", f"old{i}", 0.1)) is not None
-    cache.counters.flush()
-    embedding = StoreKey("skew", KeyKind.EMBEDDING, "new")
-    cache.put(embedding, torch.zeros(FLOATS), cost_s=0.1)
-    output = write(cache, "skew", "new", 0.1)
-    cache.counters.flush()
-    clock = read_clock(redis_client)
-    assert priority(redis_client, embedding) - clock < 2 * (priority(redis_client, output)
-                                                            - clock)
+    embedding, output = new_entry_priorities(cache, redis_client, "skew", [40, 0, 0, 0, 0])
+    assert embedding < 2 * output
 
 
 def test_a_checkpoint_is_priced_by_the_reads_at_its_step(
